@@ -1,0 +1,214 @@
+"""Configuration: built once, frozen, typed, validated with the file, line and field in every message.
+
+This is the only module that reads config files and the environment. Every ``fleetward up`` flag has a
+field here, so a YAML file can set it; flags given on the command line override the file.
+
+:func:`load_model` is shared with experiment files (``fleetward.chaos``): YAML is parsed keeping each
+node's line, then validated by a pydantic model with ``extra="forbid"``, so a misspelt key is reported
+as ``fleet.yaml:7: sim.decode_step_ms: unknown field`` rather than ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+
+from fleetward.fleet.errors import ConfigError
+
+__all__ = [
+    "FleetConfig",
+    "Frozen",
+    "SimConfig",
+    "VllmConfig",
+    "admin_token_from_env",
+    "load_fleet_config",
+    "load_model",
+    "parse_yaml",
+]
+
+M = TypeVar("M", bound=BaseModel)
+Path_ = tuple[str | int, ...]
+
+
+class Frozen(BaseModel):
+    """Base of every config model: immutable, unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class SimConfig(Frozen):
+    """The simulated worker's model of time and capacity.
+
+    Defaults give realistic shapes for a small GPU model: ~25 ms decode steps at a moderate batch, a
+    prefill cost that makes a 2k-token prompt take ~100 ms, and a KV cache that queues requests
+    beyond ~64k resident tokens.
+    """
+
+    prefill_ms_per_token: float = Field(0.05, ge=0)
+    decode_step_ms: float = Field(18.0, ge=0, description="decode step time with one sequence")
+    decode_ms_per_seq: float = Field(0.35, ge=0, description="added step time per running sequence")
+    max_num_seqs: int = Field(256, ge=1)
+    kv_capacity_tokens: int = Field(65536, ge=16)
+    max_model_len: int = Field(4096, ge=16)
+    eos_probability: float = Field(0.0, ge=0, le=1, description="chance per step that EOS is the token")
+    seed: int = 0
+    model_name: str = "sim-tiny"
+
+
+class VllmConfig(Frozen):
+    """How a real vLLM worker is launched (``--backend vllm``)."""
+
+    model: str | None = Field(None, description="model folder; default: the tiny local model, made on demand")
+    max_model_len: int = Field(2048, ge=16)
+    dtype: str = Field("float32", description="bfloat16 segfaults in the CPU attention kernel on AMX hosts")
+    kv_cache_space_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts")
+    enforce_eager: bool = True
+    extra_args: tuple[str, ...] = ()
+    start_timeout_s: float = Field(240.0, gt=0)
+
+
+class FleetConfig(Frozen):
+    """Everything ``fleetward up`` needs; each field is also a flag (``--workers``, ``--backend``, ...)."""
+
+    cluster: str = Field("local", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+    workers: int = Field(3, ge=0, le=512)
+    backend: Literal["sim", "vllm"] = "sim"
+    host: str = "127.0.0.1"
+    run_dir: Path = Path(".fleetward")
+    etcd: str | None = Field(None, description="attach to this etcd (host:port) instead of starting one")
+    etcd_port: int = Field(0, ge=0, le=65535, description="port for the embedded etcd; 0 picks a free one")
+    mqtt: str | None = Field(None, description="attach to this broker (host:port) instead of starting one")
+    mqtt_port: int = Field(0, ge=0, le=65535)
+    worker_base_port: int = Field(0, ge=0, le=65535, description="first worker port; 0 picks free ones")
+    lease_ttl_s: int = Field(5, ge=2, le=3600)
+    node: str = Field(default_factory=lambda: os.uname().nodename)
+    sim: SimConfig = SimConfig()
+    vllm: VllmConfig = VllmConfig()
+
+    @field_validator("etcd", "mqtt")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"expected host:port, got {value!r}")
+        return value
+
+
+def admin_token_from_env() -> SecretStr:
+    """The token that protects admin and control endpoints.
+
+    ``FLEETWARD_ADMIN_TOKEN`` when set; otherwise a fresh random token for this run. It is a
+    :class:`SecretStr`, so it prints as ``**********`` in logs and reprs.
+    """
+    raw = os.environ.get("FLEETWARD_ADMIN_TOKEN")
+    return SecretStr(raw if raw else secrets.token_urlsafe(24))
+
+
+class _LineLoader(yaml.SafeLoader):
+    """A safe loader that remembers the line of every mapping key and sequence item."""
+
+
+def parse_yaml(text: str, *, file: str) -> tuple[Any, dict[Path_, int]]:
+    """Parse YAML, returning the data and a map from each path to its 1-based line."""
+    try:
+        node = yaml.compose(text, Loader=_LineLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"not valid YAML: {problem}", file=file, line=line) from exc
+    lines: dict[Path_, int] = {}
+    if node is None:
+        return {}, lines
+
+    def walk(n: yaml.Node, path: Path_) -> None:
+        lines[path] = n.start_mark.line + 1
+        if isinstance(n, yaml.MappingNode):
+            for key_node, value_node in n.value:
+                child = (*path, str(key_node.value))
+                walk(value_node, child)
+                lines[child] = key_node.start_mark.line + 1
+        elif isinstance(n, yaml.SequenceNode):
+            for i, item in enumerate(n.value):
+                walk(item, (*path, i))
+
+    walk(node, ())
+    data = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - _LineLoader is a SafeLoader
+    return data, lines
+
+
+def _line_for(lines: Mapping[Path_, int], path: Path_) -> int | None:
+    while path:
+        if path in lines:
+            return lines[path]
+        path = path[:-1]
+    return lines.get(())
+
+
+def _field_name(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def validation_error(exc: ValidationError, *, file: str, lines: Mapping[Path_, int]) -> ConfigError:
+    """Turn pydantic's errors into one :class:`ConfigError` naming file, line and field of each."""
+    problems = []
+    first: tuple[int | None, str] | None = None
+    for err in exc.errors():
+        # Pydantic puts union/tag names into loc; keep only the parts that exist in the file.
+        loc = tuple(p for p in err["loc"] if isinstance(p, int) or not str(p).startswith(("function-", "tagged")))
+        msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+        line = _line_for(lines, loc)
+        field = _field_name(loc)
+        problems.append((line, field, msg))
+        if first is None:
+            first = (line, field)
+    assert first is not None
+    if len(problems) == 1:
+        line, field, msg = problems[0]
+        return ConfigError(msg, file=file, line=line, field=field or None)
+    detail = "; ".join(f"line {ln}: {fld}: {msg}" for ln, fld, msg in problems)
+    return ConfigError(f"{len(problems)} problems: {detail}", file=file, line=first[0], field=first[1] or None)
+
+
+def load_model(model: type[M], path: str | Path, *, overrides: Mapping[str, Any] | None = None) -> M:
+    """Read a YAML file into ``model``; errors name the file, the line and the field.
+
+    ``overrides`` (e.g. from command-line flags) are applied on top of the file's top-level keys.
+    """
+    file = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror}", file=file) from exc
+    data, lines = parse_yaml(text, file=file)
+    if not isinstance(data, dict):
+        raise ConfigError("the top level must be a mapping of keys to values", file=file, line=1)
+    merged = {**data, **(overrides or {})}
+    try:
+        return model.model_validate(merged)
+    except ValidationError as exc:
+        raise validation_error(exc, file=file, lines=lines) from None
+
+
+def load_fleet_config(path: str | Path | None, overrides: Mapping[str, Any] | None = None) -> FleetConfig:
+    """The fleet config from an optional file plus flag overrides (flags win)."""
+    if path is not None:
+        return load_model(FleetConfig, path, overrides=overrides)
+    try:
+        return FleetConfig.model_validate(dict(overrides or {}))
+    except ValidationError as exc:
+        raise validation_error(exc, file="<command line>", lines={}) from None

@@ -1,0 +1,67 @@
+"""The etcd key space, all under ``/fleetward/<cluster>/`` (see DESIGN.md for who writes what)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Keys"]
+
+
+@dataclass(frozen=True)
+class Keys:
+    cluster: str
+
+    @property
+    def root(self) -> str:
+        return f"/fleetward/{self.cluster}/"
+
+    @property
+    def workers(self) -> str:
+        return self.root + "workers/"
+
+    def worker(self, worker_id: str) -> str:
+        return self.workers + worker_id
+
+    @property
+    def routers(self) -> str:
+        return self.root + "routers/"
+
+    def router(self, router_id: str) -> str:
+        return self.routers + router_id
+
+    @property
+    def health(self) -> str:
+        return self.root + "health/"
+
+    def health_of(self, worker_id: str) -> str:
+        return self.health + worker_id
+
+    @property
+    def requests(self) -> str:
+        return self.root + "requests/"
+
+    def request(self, request_id: str) -> str:
+        return self.requests + request_id
+
+    def leader(self, role: str) -> str:
+        return f"{self.root}leader/{role}/"
+
+    @property
+    def quarantine(self) -> str:
+        return self.root + "quarantine/"
+
+    def quarantine_of(self, node: str, gpu: int | str) -> str:
+        return f"{self.quarantine}{node}/{gpu}"
+
+    @property
+    def scale(self) -> str:
+        return self.root + "scale/"
+
+    def scale_of(self, pool: str) -> str:
+        return self.scale + pool
+
+    def tail(self, key: str, prefix: str) -> str:
+        """The part of ``key`` after ``prefix`` (e.g. the worker id of a ``workers/<id>`` key)."""
+        if not key.startswith(prefix):
+            raise ValueError(f"{key!r} is not under {prefix!r}")
+        return key[len(prefix):]

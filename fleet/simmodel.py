@@ -1,0 +1,76 @@
+"""The simulated worker's "model": the next token is a pure function of the whole prefix.
+
+A 64-bit state is folded over every token of the prefix (prompt, then each generated token) and the
+next token is read off the state. So:
+
+- any continuation is checkable: ``continuation(prompt + emitted[:k], n)`` equals ``emitted[k:k+n]``;
+- migration is exact by construction on simulated workers (the property tests rely on this);
+- a checker can compute the fault-free reference of any request without running a worker.
+
+Generated tokens are printable ASCII bytes (so text is readable), plus EOS with ``eos_probability``.
+Different ``seed`` values are different "models".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from fleetward.fleet.tokenizer import BYTE_OFFSET, EOS_ID
+
+__all__ = ["SimModel"]
+
+_MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_PRINTABLE_FIRST, _PRINTABLE_COUNT = 32, 95  # ' ' .. '~'
+_EOS_SCALE = 1 << 24
+
+
+def _mix(state: int, token: int) -> int:
+    """splitmix64 over (state, token): cheap, well spread, and pure."""
+    z = (state ^ ((token + 1) * _GOLDEN)) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+@dataclass(frozen=True)
+class SimModel:
+    seed: int = 0
+    eos_probability: float = 0.0
+
+    def state(self, prefix: Iterable[int], start: int | None = None) -> int:
+        s = self.seed & _MASK if start is None else start
+        for t in prefix:
+            s = _mix(s, t)
+        return s
+
+    def token_for(self, state: int, *, ignore_eos: bool = False) -> int:
+        """The token generated from a prefix whose folded state is ``state``."""
+        if not ignore_eos and self.eos_probability > 0:
+            if (state >> 40) % _EOS_SCALE < self.eos_probability * _EOS_SCALE:
+                return EOS_ID
+        return BYTE_OFFSET + _PRINTABLE_FIRST + (state % _PRINTABLE_COUNT)
+
+    def generate(self, prompt: Iterable[int], *, ignore_eos: bool = False) -> Iterator[int]:
+        """Tokens after ``prompt``, forever (EOS included when it comes; the caller stops)."""
+        s = self.state(prompt)
+        while True:
+            t = self.token_for(s, ignore_eos=ignore_eos)
+            yield t
+            s = _mix(s, t)
+
+    def continuation(self, prefix: Iterable[int], n: int, *, ignore_eos: bool = False) -> list[int]:
+        """The next ``n`` tokens after ``prefix``, stopping early after EOS."""
+        out: list[int] = []
+        for t in self.generate(prefix, ignore_eos=ignore_eos):
+            if len(out) >= n:
+                break
+            out.append(t)
+            if t == EOS_ID:
+                break
+        return out
+
+    @staticmethod
+    def advance(state: int, token: int) -> int:
+        return _mix(state, token)

@@ -1,0 +1,95 @@
+"""The worker model: what a worker is (spec), what etcd says about it (record, health)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any, Literal
+
+__all__ = ["HealthRecord", "HealthState", "Role", "WorkerRecord", "WorkerSpec"]
+
+Role = Literal["aggregated", "prefill", "decode"]
+
+
+class HealthState(StrEnum):
+    """The supervisor's verdict on a worker (``health/<id>`` in etcd)."""
+
+    STARTING = "starting"
+    READY = "ready"
+    SUSPECT = "suspect"
+    UNHEALTHY = "unhealthy"
+    DRAINING = "draining"
+    RESTARTING = "restarting"
+    QUARANTINED = "quarantined"
+    DEAD = "dead"
+
+    @property
+    def is_routable(self) -> bool:
+        """Whether a router may send new work to a worker in this state."""
+        return self in (HealthState.READY, HealthState.SUSPECT)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What to start: one worker process (its backend decides how)."""
+
+    id: str
+    host: str
+    port: int
+    model: str
+    role: Role = "aggregated"
+    node: str = "local"
+    gpus: tuple[int, ...] = ()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """``workers/<id>``: written by the node agent, bound to its lease."""
+
+    id: str
+    url: str
+    role: Role
+    model: str
+    node: str
+    backend: str
+    gpus: tuple[int, ...] = ()
+    started_at: float = 0.0
+    pid: int | None = None
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> WorkerRecord:
+        body: dict[str, Any] = json.loads(raw)
+        body["gpus"] = tuple(body.get("gpus", ()))
+        known = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in body.items() if k in known})
+
+
+@dataclass(frozen=True)
+class HealthRecord:
+    """``health/<id>``: the supervisor's verdict, with why and which detector said so."""
+
+    state: HealthState
+    reason: str = ""
+    detector: str = ""
+    since: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        body = {"state": self.state.value, "reason": self.reason, "detector": self.detector,
+                "since": self.since, **self.extra}
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> HealthRecord:
+        body: dict[str, Any] = json.loads(raw)
+        state = HealthState(body.pop("state"))
+        return cls(state=state, reason=body.pop("reason", ""), detector=body.pop("detector", ""),
+                   since=float(body.pop("since", 0.0)), extra=body)
