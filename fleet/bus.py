@@ -3,13 +3,24 @@
 Contract of :class:`EventBus`:
 
 - :meth:`~EventBus.publish` never waits for the broker. Events go into a bounded outbox that a background
-  task drains in order once connected; an event leaves the outbox only when the broker acknowledged it
-  (PUBACK). So a broker restart loses nothing published while it was down (delivery is at least once:
-  consumers dedupe on ``id``). When the outbox is full the oldest event is dropped and counted in
-  ``dropped`` (events are never the only copy of state; etcd is).
-- :meth:`~EventBus.subscribe` yields events across broker restarts. With a ``session`` name it uses a
-  persistent MQTT session, so events published while the subscriber was disconnected are queued for it
-  by the broker.
+  task (started by :meth:`MqttBus.start`) drains in order once connected; an event leaves the outbox only
+  when the broker acknowledged it (PUBACK). So a broker restart loses nothing published while it was down
+  (delivery is at least once: consumers dedupe on ``id``). When the outbox is full the oldest event is
+  dropped and counted in ``dropped`` (events are never the only copy of state; etcd is). Events published
+  before :meth:`MqttBus.start` wait in the outbox too. Extra fields may not reuse the envelope's names
+  (``v``, ``id``, ``ts``, ``cluster``, ``kind``): ValueError.
+- :meth:`~EventBus.flush` waits (up to a timeout) until everything published so far was acknowledged.
+- :meth:`~EventBus.subscribe` yields events across broker restarts, each ``id`` once (redeliveries are
+  recognised among the last 50,000 ids). With a ``session``
+  name it uses a persistent MQTT session: the broker keeps the subscription and queues QoS 1 events while
+  this subscriber is away (and, with Mosquitto's persistence, across a broker restart). Without one,
+  events published while it is disconnected are missed. The optional ``subscribed`` event is set each time
+  the subscription is in place (cleared while disconnected), so a caller knows when it may read etcd and
+  rely on the bus for later changes. A persistent session outlives the subscriber: the broker keeps
+  queueing for it until it returns.
+
+Errors: :meth:`MqttBus.start` raises :class:`~fleetward.fleet.errors.BusUnavailable` when the broker cannot
+be reached after bounded retries; later disconnects are retried in the background, forever.
 
 Payload: ``{"v": 1, "id", "ts", "cluster", "kind", "worker"?, "request"?, ...}`` (see DESIGN.md).
 """
@@ -19,14 +30,23 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import aiomqtt
+from tenacity import (
+    AsyncRetrying,
+    RetryError,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+    wait_random,
+)
 
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.errors import BusUnavailable
@@ -35,10 +55,16 @@ __all__ = ["EVENT_KINDS", "Event", "EventBus", "MqttBus", "topic_for"]
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 EVENT_KINDS = (
     "worker.up", "worker.down", "health.changed", "hang.detected", "migration", "restart", "quarantine",
     "scale", "fault.start", "fault.stop",
 )
+
+_RESERVED = frozenset({"v", "id", "ts", "cluster", "kind"})
+_BATCH = 64
+_SEEN_IDS = 50_000
 
 
 def topic_for(cluster: str, kind: str) -> str:
@@ -47,6 +73,8 @@ def topic_for(cluster: str, kind: str) -> str:
 
 @dataclass(frozen=True)
 class Event:
+    """One event; ``data`` holds the optional fields (``worker``, ``request``, ...) at the top level of JSON."""
+
     kind: str
     cluster: str
     ts: float
@@ -62,20 +90,27 @@ class Event:
         return self.data.get("request")
 
     def to_json(self) -> bytes:
-        body = {"v": 1, "id": self.id, "ts": self.ts, "cluster": self.cluster, "kind": self.kind, **self.data}
+        body = {**self.data, "v": 1, "id": self.id, "ts": self.ts, "cluster": self.cluster, "kind": self.kind}
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Event:
+        """Parse a payload; ValueError, KeyError or TypeError if it is not an event."""
         body = json.loads(raw)
-        data = {k: v for k, v in body.items() if k not in ("v", "id", "ts", "cluster", "kind")}
-        return cls(kind=body["kind"], cluster=body["cluster"], ts=body["ts"], id=body["id"], data=data)
+        if not isinstance(body, dict):
+            raise TypeError("an event is a JSON object")
+        data = {k: v for k, v in body.items() if k not in _RESERVED}
+        return cls(kind=str(body["kind"]), cluster=str(body["cluster"]), ts=float(body["ts"]),
+                   id=str(body["id"]), data=data)
 
 
 class EventBus(Protocol):
+    """Publish and subscribe to fleet events (see the module docstring)."""
+
     async def publish(self, kind: str, **data: Any) -> Event: ...
 
-    def subscribe(self, kinds: Sequence[str] = ("#",), *, session: str | None = None) -> AsyncIterator[Event]: ...
+    def subscribe(self, kinds: Sequence[str] = ("#",), *, session: str | None = None,
+                  subscribed: asyncio.Event | None = None) -> AsyncGenerator[Event, None]: ...
 
     async def flush(self, timeout: float) -> bool: ...
 
@@ -83,11 +118,19 @@ class EventBus(Protocol):
 
 
 class MqttBus:
-    """:class:`EventBus` on an MQTT broker at ``host:port``."""
+    """:class:`EventBus` on an MQTT broker at ``host:port``.
+
+    ``outbox_size`` bounds the events waiting for the broker; ``connect_attempts`` bounds the first
+    connection made by :meth:`start`.
+    """
 
     def __init__(self, endpoint: str, cluster: str, *, outbox_size: int = 10_000, clock: Clock = SYSTEM_CLOCK,
                  client_id: str | None = None, connect_attempts: int = 5) -> None:
-        host, _, port = endpoint.rpartition(":")
+        host, sep, port = endpoint.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"MQTT endpoint {endpoint!r} is not host:port")
+        if outbox_size < 1 or connect_attempts < 1:
+            raise ValueError("outbox_size and connect_attempts must be at least 1")
         self.endpoint = endpoint
         self._host, self._port = host, int(port)
         self.cluster = cluster
@@ -110,29 +153,42 @@ class MqttBus:
 
         Later disconnects are retried forever in the background (events queue in the outbox meanwhile).
         """
+        if self._task is not None:
+            return self
         await self._probe()
         self._task = asyncio.create_task(self._pump(), name=f"mqtt-outbox-{self._client_id}")
         return self
 
-    async def _probe(self) -> None:
-        from tenacity import AsyncRetrying, RetryError, stop_after_attempt, wait_exponential_jitter
+    async def __aenter__(self) -> MqttBus:
+        return await self.start()
 
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _probe(self) -> None:
         try:
             async for attempt in AsyncRetrying(stop=stop_after_attempt(self._attempts),
-                                               wait=wait_exponential_jitter(initial=0.1, max=2.0),
+                                               wait=wait_exponential(multiplier=0.1, max=2.0) + wait_random(0, 0.1),
+                                               retry=retry_if_exception_type(aiomqtt.MqttError),
                                                sleep=self._clock.sleep):
                 with attempt:
-                    async with aiomqtt.Client(self._host, self._port, identifier=f"{self._client_id}-probe",
-                                              timeout=3):
+                    async with _session(aiomqtt.Client(self._host, self._port, timeout=3,
+                                                       identifier=f"{self._client_id}-probe")):
                         pass
         except RetryError as exc:
             cause = exc.last_attempt.exception()
             raise BusUnavailable(
-                f"MQTT broker unreachable at {self.endpoint} after {self._attempts} attempts ({cause}); "
+                f"MQTT broker unreachable at {self.endpoint} after {self._attempts} attempt(s) ({cause}); "
                 "is the broker running? (`fleetward up` starts one, or pass --mqtt host:port)",
                 endpoint=self.endpoint, attempts=self._attempts) from cause
 
     async def publish(self, kind: str, **data: Any) -> Event:
+        """Queue an event (``None`` values are left out) and return it; never waits for the broker."""
+        if not kind or any(c in kind for c in "#+/"):
+            raise ValueError(f"event kind {kind!r} must be non-empty and free of '#', '+' and '/'")
+        reserved = _RESERVED.intersection(data)
+        if reserved:
+            raise ValueError(f"event fields {sorted(reserved)} are reserved")
         event = Event(kind=kind, cluster=self.cluster, ts=self._clock.wall(),
                       data={k: v for k, v in data.items() if v is not None})
         if len(self._outbox) == self._outbox.maxlen:
@@ -152,6 +208,7 @@ class MqttBus:
 
     @property
     def pending(self) -> int:
+        """Events waiting in the outbox (not yet acknowledged by the broker)."""
         return len(self._outbox)
 
     @property
@@ -162,54 +219,66 @@ class MqttBus:
         backoff = 0.1
         while True:
             try:
-                async with aiomqtt.Client(self._host, self._port, identifier=self._client_id, timeout=5,
-                                          keepalive=10) as client:
+                async with (
+                    _session(aiomqtt.Client(self._host, self._port, identifier=self._client_id, timeout=5,
+                                            keepalive=10)) as client,
+                    asyncio.TaskGroup() as tg,
+                ):
                     self._connected.set()
                     backoff = 0.1
-                    while True:
-                        if not self._outbox:
-                            self._drained.set()
-                            self._wakeup.clear()
-                            await self._wakeup.wait()
-                            continue
-                        batch = list(self._outbox)[:64]
-                        results = await asyncio.gather(
-                            *(client.publish(topic_for(e.cluster, e.kind), e.to_json(), qos=1) for e in batch),
-                            return_exceptions=True)
-                        acked = {e.id for e, r in zip(batch, results, strict=True) if r is None}
-                        self.published += len(acked)
-                        kept = [e for e in self._outbox if e.id not in acked]
-                        self._outbox.clear()
-                        self._outbox.extend(kept)
-                        failure = next((r for r in results if isinstance(r, BaseException)), None)
-                        if failure is not None:
-                            raise failure
-            except aiomqtt.MqttError as exc:
-                self._connected.clear()
+                    tg.create_task(_until_disconnected(client))
+                    tg.create_task(self._send(client))
+            except* (aiomqtt.MqttError, OSError) as group:
                 log.info("MQTT publisher disconnected from %s (%s); %d event(s) wait in the outbox",
-                         self.endpoint, exc, len(self._outbox))
-                await self._clock.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                         self.endpoint, group.exceptions[0], len(self._outbox))
+            self._connected.clear()
+            await self._clock.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    async def _send(self, client: aiomqtt.Client) -> None:
+        """Publish the outbox in order while connected; returns never (the connection ends it)."""
+        while True:
+            if not self._outbox:
+                self._drained.set()
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            batch = list(itertools.islice(self._outbox, _BATCH))
+            results = await asyncio.gather(
+                *(client.publish(topic_for(e.cluster, e.kind), e.to_json(), qos=1) for e in batch),
+                return_exceptions=True)
+            acked = {e.id for e, r in zip(batch, results, strict=True) if r is None}
+            self.published += len(acked)
+            # publish() may have appended (and dropped the oldest) meanwhile: keep what is still unacked.
+            kept = [e for e in self._outbox if e.id not in acked]
+            self._outbox.clear()
+            self._outbox.extend(kept)
+            failure = next((r for r in results if isinstance(r, BaseException)), None)
+            if failure is not None:
+                raise failure
 
     # -- subscribing ------------------------------------------------------------------------------------
 
-    async def subscribe(self, kinds: Sequence[str] = ("#",), *,
-                        session: str | None = None) -> AsyncIterator[Event]:
-        """Events of ``kinds`` (``"#"`` for all), across broker restarts.
+    async def subscribe(self, kinds: Sequence[str] = ("#",), *, session: str | None = None,
+                        subscribed: asyncio.Event | None = None) -> AsyncGenerator[Event, None]:
+        """Events of ``kinds`` (``"#"`` for all) of this bus's cluster, across broker restarts.
 
-        ``session`` names a persistent session: the broker keeps the subscription and queues QoS 1 events
-        while this subscriber (or the broker, with persistence on) is away.
+        ``session`` names a persistent session (also the MQTT client id, so one consumer per name).
+        ``subscribed`` is set once the broker acknowledged the subscription, cleared while disconnected.
         """
         identifier = session or f"fleetward-sub-{uuid.uuid4().hex[:10]}"
-        topics = [f"fleetward/{self.cluster}/events/{k}" for k in kinds]
+        topics = [topic_for(self.cluster, k) for k in kinds]
         seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         backoff = 0.1
         while True:
             try:
-                async with aiomqtt.Client(self._host, self._port, identifier=identifier,
-                                          clean_session=session is None, timeout=5, keepalive=10) as client:
+                async with _session(aiomqtt.Client(self._host, self._port, identifier=identifier,
+                                                   clean_session=session is None, timeout=5,
+                                                   keepalive=10)) as client:
                     for t in topics:
-                        await client.subscribe(t, qos=1)
+                        await _to_the_end(client.subscribe(t, qos=1))
+                    if subscribed is not None:
+                        subscribed.set()
                     backoff = 0.1
                     async for message in client.messages:
                         try:
@@ -220,18 +289,71 @@ class MqttBus:
                         if event.id in seen:  # at-least-once delivery: drop redeliveries
                             continue
                         seen[event.id] = None
-                        if len(seen) > 50_000:
+                        if len(seen) > _SEEN_IDS:
                             seen.popitem(last=False)
                         yield event
             except aiomqtt.MqttError as exc:
                 log.info("MQTT subscriber %s disconnected (%s); reconnecting", identifier, exc)
-                await self._clock.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+            if subscribed is not None:
+                subscribed.clear()
+            await self._clock.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
 
     async def aclose(self, *, flush_timeout: float = 2.0) -> None:
-        if self._task is not None:
+        """Give the outbox up to ``flush_timeout`` seconds to drain, then stop the publisher.
+
+        Events still in the outbox afterwards are lost (``pending`` tells how many).
+        """
+        task, self._task = self._task, None
+        if task is not None:
             await self.flush(flush_timeout)
-            self._task.cancel()
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await task
+
+
+# aiomqtt is not cancellation-safe, and a swallowed cancellation hangs whoever waits for the task:
+# - Client.__aenter__ connects in a worker thread that a cancel cannot stop: the connection then completes
+#   after the caller gave up and is never closed (paho later closes it from __del__, on a closed loop);
+# - on Python 3.11 its asyncio.wait_for returns the result, dropping the cancel, when the awaited reply
+#   (CONNACK, SUBACK, disconnect) arrives in the same loop iteration as the cancel;
+# - Client.__aexit__ raises MqttError when the graceful disconnect fails, replacing a propagating
+#   CancelledError or GeneratorExit, which a reconnect loop catching MqttError would then swallow.
+# So every aiomqtt call that waits for the broker runs to its end (each is bounded by the client's
+# timeout) and a cancellation is delivered right after.
+
+
+async def _to_the_end(aw: Awaitable[T]) -> T:
+    """Await an aiomqtt call without interrupting it; re-raise a cancellation once it has finished."""
+    call = asyncio.ensure_future(aw)
+    try:
+        return await asyncio.shield(call)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await call
+        raise
+
+
+@contextlib.asynccontextmanager
+async def _session(client: aiomqtt.Client) -> AsyncIterator[aiomqtt.Client]:
+    """Connect ``client`` for the block and always disconnect it; a failing disconnect is not an error."""
+    entering = asyncio.ensure_future(client.__aenter__())
+    try:
+        await asyncio.shield(entering)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await entering
+            await client.__aexit__(None, None, None)  # it connected after all
+        raise
+    try:
+        yield client
+    finally:
+        with contextlib.suppress(aiomqtt.MqttError):
+            await _to_the_end(client.__aexit__(None, None, None))
+
+
+async def _until_disconnected(client: aiomqtt.Client) -> None:
+    """Raise :class:`aiomqtt.MqttError` when ``client`` loses its connection (it subscribes to nothing)."""
+    async for _ in client.messages:
+        pass
+    raise aiomqtt.MqttError("message stream ended")

@@ -15,7 +15,7 @@ import itertools
 import time
 from typing import Protocol
 
-__all__ = ["Clock", "ManualClock", "SystemClock", "SYSTEM_CLOCK"]
+__all__ = ["SYSTEM_CLOCK", "Clock", "ManualClock", "SystemClock"]
 
 
 class Clock(Protocol):

@@ -24,12 +24,14 @@ from fleetward.fleet.errors import ConfigError
 __all__ = [
     "FleetConfig",
     "Frozen",
+    "RouterConfig",
     "SimConfig",
     "VllmConfig",
     "admin_token_from_env",
     "load_fleet_config",
     "load_model",
     "parse_yaml",
+    "validation_error",
 ]
 
 M = TypeVar("M", bound=BaseModel)
@@ -59,6 +61,22 @@ class SimConfig(Frozen):
     eos_probability: float = Field(0.0, ge=0, le=1, description="chance per step that EOS is the token")
     seed: int = 0
     model_name: str = "sim-tiny"
+    kv_block_size: int = Field(16, ge=1, description="KV cache block size in tokens")
+    max_num_batched_tokens: int = Field(
+        8192, ge=1, description="tokens per step (one per running sequence plus admitted prompts)")
+    # Fault switches a worker starts with (chaos can start a worker already faulty); the admin endpoint
+    # of a running worker changes them (``POST /admin/faults``).
+    fault_hang: bool = Field(False, description="the engine does not step: streams stall, /health stays 200")
+    fault_slowdown: float = Field(1.0, gt=0, description="factor on every step's duration")
+    fault_error_rate: float = Field(0.0, ge=0, le=1, description="share of new requests failed with a 500")
+    fault_wrong_tokens_probability: float = Field(0.0, ge=0, le=1, description="chance a token is corrupted")
+    fault_wrong_tokens_after: int | None = Field(
+        None, ge=0, description="corrupt every token from this output index on")
+    fault_crash_after_tokens: int | None = Field(
+        None, ge=0, description="the process exits (137) once the engine has emitted this many tokens in total "
+                                "and they are handed to the HTTP server")
+    fault_reset_after_tokens: int | None = Field(
+        None, ge=0, description="cut each request's connection once it has this many output tokens")
 
 
 class VllmConfig(Frozen):
@@ -71,6 +89,27 @@ class VllmConfig(Frozen):
     enforce_eager: bool = True
     extra_args: tuple[str, ...] = ()
     start_timeout_s: float = Field(240.0, gt=0)
+
+
+class RouterConfig(Frozen):
+    """The router (``fleetward router``, also started by ``fleetward up``)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    migration_limit: int = Field(3, ge=0, description="resumes allowed per request after its first attempt")
+    request_timeout_s: float = Field(600.0, gt=0, description="a request's deadline, migrations included")
+    checkpoints: bool = Field(True, description="checkpoint journals to etcd (off only to measure their cost)")
+    checkpoint_interval_ms: float = Field(75.0, gt=0, description="one etcd transaction per interval")
+    checkpoint_ttl_s: int = Field(30, ge=2, description="how long a dead router's checkpoints stay resumable")
+    detached_grace_s: float = Field(30.0, ge=0, description="how long a disconnected client may resume")
+    stall_floor_s: float = Field(1.0, gt=0, description="least silence, with work in flight, that counts as a stall")
+    itl_multiplier: float = Field(8.0, gt=1, description="allowed silence as a multiple of the fleet's p99 ITL")
+    prefill_s_per_token: float = Field(0.002, ge=0, description="initial prefill estimate (learned at run time)")
+    affinity_tokens: int = Field(64, ge=0, description="prompt prefix that picks the preferred worker; 0: off")
+    affinity_slack: int = Field(4, ge=0, description="in-flight requests above the least loaded before affinity yields")
+    drain_timeout_s: float = Field(30.0, ge=0, description="on shutdown, how long open streams may finish")
+    lease_ttl_s: int = Field(5, ge=2)
+    retry_after_s: int = Field(1, ge=1, description="Retry-After on 503 when no worker is healthy")
 
 
 class FleetConfig(Frozen):
@@ -88,8 +127,11 @@ class FleetConfig(Frozen):
     worker_base_port: int = Field(0, ge=0, le=65535, description="first worker port; 0 picks free ones")
     lease_ttl_s: int = Field(5, ge=2, le=3600)
     node: str = Field(default_factory=lambda: os.uname().nodename)
+    router: bool = Field(True, description="start a router in front of the workers")
+    router_port: int = Field(0, ge=0, le=65535, description="the router's port; 0 picks a free one")
     sim: SimConfig = SimConfig()
     vllm: VllmConfig = VllmConfig()
+    routing: RouterConfig = RouterConfig()
 
     @field_validator("etcd", "mqtt")
     @classmethod
@@ -141,7 +183,7 @@ def parse_yaml(text: str, *, file: str) -> tuple[Any, dict[Path_, int]]:
                 walk(item, (*path, i))
 
     walk(node, ())
-    data = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - _LineLoader is a SafeLoader
+    data = yaml.load(text, Loader=_LineLoader)
     return data, lines
 
 

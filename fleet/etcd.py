@@ -3,19 +3,30 @@
 Contract of :class:`StateStore` (the only thing the rest of fleetward sees):
 
 - ``get_prefix(prefix, revision=None)`` reads a consistent snapshot and returns its revision, so a reader
-  can then ``watch_prefix(prefix, start_revision=snapshot.revision + 1)`` and miss nothing.
-- ``watch_prefix`` survives connection loss: it reconnects with bounded retries and resumes from the
-  revision after the last event it delivered. If etcd compacted that revision meanwhile it raises
-  :class:`~fleetward.fleet.errors.StoreError` (``compacted=True``); the caller must re-read.
+  can then ``watch_prefix(prefix, start_revision=snapshot.revision + 1)`` and miss nothing. With
+  ``revision`` it is a historical read (:class:`StoreError` if that revision was compacted or is in the
+  future).
+- ``watch_prefix`` yields every change under the prefix from ``start_revision`` on, in revision order
+  (the events of one transaction share a revision and keep their order). It survives connection loss and
+  etcd restarts: it re-creates the watch with bounded retries and resumes right after the last event it
+  delivered, so nothing is missed and nothing is delivered twice. If etcd stays away longer than the retry
+  budget it raises :class:`StoreUnavailable`; if etcd compacted the revision it must resume from, it raises
+  :class:`StoreError` (the message says "compacted"): the caller must re-read with ``get_prefix``. It ends
+  quietly when the store is closed. Close it (``contextlib.aclosing``) when you stop reading early, so the
+  watch is cancelled on the server too.
 - Unary calls retry transient failures (unavailable, deadline) a bounded number of times with jittered
-  exponential backoff (tenacity) and then raise :class:`StoreUnavailable` naming the endpoint.
-- Leases: :meth:`grant`, :meth:`keepalive` (returns the remaining TTL, 0 once expired), :meth:`revoke`;
+  exponential backoff (tenacity) and then raise :class:`StoreUnavailable` naming the endpoint(s). A call
+  whose connection failed mid-flight has an unknown outcome and is retried as well: a compare-and-swap that
+  had in fact been applied then reports ``succeeded=False``, so callers that must know re-read.
+- Leases: :meth:`~StateStore.grant`, :meth:`~StateStore.keepalive` (returns the remaining TTL, 0 once
+  expired), :meth:`~StateStore.revoke` (revoking an unknown or expired lease is not an error);
   :class:`LeaseKeeper` keeps one alive in the background and reports when it was lost.
 - Transactions are all-or-nothing compare-and-swap over :class:`Compare` and :class:`Put` / :class:`Delete`.
 - :class:`Election` is the usual etcd recipe (lowest create-revision under a prefix wins) and gives the
   leader a fencing comparison to put in every transaction it makes as leader.
 
-Several endpoints may be given (a 3-member cluster); an unavailable one makes the client move to the next.
+Any other failure etcd reports becomes :class:`StoreError`; so does any call on a closed store. Several
+endpoints may be given (a 3-member cluster); an unavailable one makes the client move to the next.
 """
 
 from __future__ import annotations
@@ -24,24 +35,26 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import aetcd
 import aetcd.exceptions as aex
 from aetcd import rpc
+from grpc.aio import UsageError
 from tenacity import (
     AsyncRetrying,
     RetryError,
     retry_if_exception_type,
     stop_after_attempt,
     stop_after_delay,
-    wait_exponential_jitter,
+    wait_exponential,
+    wait_random,
 )
 
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
-from fleetward.fleet.errors import StoreError, StoreUnavailable
+from fleetward.fleet.errors import StoreError, StoreUnavailable, UnavailableError
 
 __all__ = [
     "KV",
@@ -55,12 +68,32 @@ __all__ = [
     "StateStore",
     "TxnResult",
     "WatchEvent",
+    "dumps",
+    "loads_all",
     "prefix_end",
 ]
 
 log = logging.getLogger(__name__)
 
-_TRANSIENT = (aex.ConnectionFailedError, aex.ConnectionTimeoutError, aex.InternalError)
+T = TypeVar("T")
+
+_TRANSIENT: tuple[type[Exception], ...] = (
+    aex.ConnectionFailedError, aex.ConnectionTimeoutError, aex.InternalError,
+)
+# Creating a watch waits for etcd's "created" reply; aetcd reports a missing reply as WatchTimeoutError.
+_WATCH_TRANSIENT: tuple[type[Exception], ...] = (*_TRANSIENT, aex.WatchTimeoutError)
+_FOREIGN: tuple[type[Exception], ...] = (aex.ClientError, rpc.AioRpcError, UsageError)
+
+# gRPC's reconnect backoff grows to 120 s by default: a restarted etcd would stay unused for minutes while
+# fail-fast calls keep failing. Keepalive pings find a dead peer under an idle watch stream (etcd refuses
+# pings more often than every 5 s, hence 10 s).
+_CHANNEL_OPTIONS: dict[str, Any] = {
+    "grpc.initial_reconnect_backoff_ms": 100,
+    "grpc.min_reconnect_backoff_ms": 100,
+    "grpc.max_reconnect_backoff_ms": 1000,
+    "grpc.keepalive_time_ms": 10_000,
+    "grpc.keepalive_timeout_ms": 5_000,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +119,8 @@ class Snapshot:
 
 @dataclass(frozen=True, slots=True)
 class WatchEvent:
+    """One change: ``revision`` is the revision of the change (for a delete, of the deletion)."""
+
     kind: Literal["put", "delete"]
     key: str
     value: bytes
@@ -98,7 +133,11 @@ class WatchEvent:
 
 @dataclass(frozen=True, slots=True)
 class Compare:
-    """``target(key) op value``; target is one of value, version, create, mod, lease."""
+    """``target(key) op value``; target is one of value, version, create, mod, lease.
+
+    A missing key has version, create and mod revision 0, so ``Compare(k, "create", "==", 0)`` means
+    "k does not exist".
+    """
 
     key: str
     target: Literal["value", "version", "create", "mod", "lease"]
@@ -142,7 +181,7 @@ class StateStore(Protocol):
     async def txn(self, compare: Sequence[Compare], success: Sequence[Put | Delete],
                   failure: Sequence[Put | Delete] = ()) -> TxnResult: ...
 
-    def watch_prefix(self, prefix: str, *, start_revision: int) -> AsyncIterator[WatchEvent]: ...
+    def watch_prefix(self, prefix: str, *, start_revision: int) -> AsyncGenerator[WatchEvent, None]: ...
 
     async def grant(self, ttl: int) -> int: ...
 
@@ -155,7 +194,8 @@ class StateStore(Protocol):
 
 def prefix_end(prefix: bytes) -> bytes:
     """The exclusive end of the key range holding every key that starts with ``prefix``."""
-    return aetcd.utils.prefix_range_end(prefix)
+    end: bytes = aetcd.utils.prefix_range_end(prefix)
+    return end
 
 
 _OPS = {"==": rpc.Compare.EQUAL, "!=": rpc.Compare.NOT_EQUAL, "<": rpc.Compare.LESS, ">": rpc.Compare.GREATER}
@@ -194,13 +234,26 @@ def _kv(raw: Any) -> KV:
 
 
 class EtcdStore:
-    """:class:`StateStore` on a real etcd (one or more endpoints ``host:port``)."""
+    """:class:`StateStore` on a real etcd (one or more endpoints ``host:port``).
 
-    def __init__(self, endpoints: str | Sequence[str], *, timeout_s: float = 5.0, attempts: int = 5,
+    ``timeout_s`` bounds each RPC; a call is tried at most ``attempts`` times and for at most
+    ``retry_budget_s`` seconds before :class:`StoreUnavailable` (backoff 0.05 s doubling to 2 s: the
+    defaults ride out an etcd restart or a leader election of several seconds). Connecting is lazy: the
+    constructor never fails on an unreachable etcd, the first call does. Usable as ``async with``;
+    :meth:`aclose` ends every watch of this store.
+    """
+
+    def __init__(self, endpoints: str | Sequence[str], *, timeout_s: float = 5.0, attempts: int = 10,
                  retry_budget_s: float = 15.0, clock: Clock = SYSTEM_CLOCK) -> None:
         self._endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not self._endpoints:
             raise ValueError("at least one etcd endpoint is needed")
+        for ep in self._endpoints:
+            host, sep, port = ep.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"etcd endpoint {ep!r} is not host:port")
+        if attempts < 1:
+            raise ValueError("attempts must be at least 1")
         self._current = 0
         self._timeout = timeout_s
         self._attempts = attempts
@@ -210,6 +263,12 @@ class EtcdStore:
         self._lock = asyncio.Lock()
         self._closed = False
 
+    async def __aenter__(self) -> EtcdStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
     @property
     def endpoint(self) -> str:
         return self._endpoints[self._current]
@@ -218,62 +277,78 @@ class EtcdStore:
     def endpoints(self) -> tuple[str, ...]:
         return tuple(self._endpoints)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     async def _connected(self) -> aetcd.Client:
         if self._closed:
-            raise StoreError("the store was closed")
+            raise StoreError("etcd: the store was closed")
         if self._client is None:
             async with self._lock:
                 if self._client is None:
                     host, _, port = self.endpoint.rpartition(":")
-                    client = aetcd.Client(host=host, port=int(port), timeout=self._timeout)
-                    await client.connect()
+                    client = aetcd.Client(host=host, port=int(port), timeout=self._timeout,
+                                          options=_CHANNEL_OPTIONS)
+                    await client.connect()  # no I/O: the channel connects on the first call
                     self._client = client
         return self._client
 
-    async def _rotate(self, failed: aetcd.Client | None) -> None:
-        """Drop a client that failed and move to the next endpoint."""
+    async def _rotate(self, failed: aetcd.Client) -> None:
+        """Move to the next endpoint after ``failed`` could not reach its own.
+
+        With a single endpoint the client stays: its channel reconnects by itself, and closing it would
+        break every other call and watch sharing it.
+        """
+        if len(self._endpoints) == 1:
+            return
         async with self._lock:
-            if failed is not None and self._client is failed:
+            if self._client is failed:
                 self._client = None
                 self._current = (self._current + 1) % len(self._endpoints)
                 with contextlib.suppress(Exception):
                     await failed.close()
 
-    def _retrying(self) -> AsyncRetrying:
+    def _retrying(self, transient: tuple[type[Exception], ...]) -> AsyncRetrying:
         return AsyncRetrying(
             stop=stop_after_attempt(self._attempts) | stop_after_delay(self._budget),
-            wait=wait_exponential_jitter(initial=0.05, max=2.0),
-            retry=retry_if_exception_type(_TRANSIENT),
+            wait=wait_exponential(multiplier=0.05, max=2.0) + wait_random(0, 0.05),
+            retry=retry_if_exception_type(transient),
             sleep=self._clock.sleep,
             reraise=False,
         )
 
-    async def _call(self, what: str, fn: Any) -> Any:
-        """Run ``fn(client)`` with bounded retries; translate aetcd's errors."""
+    async def _call(self, what: str, fn: Callable[[aetcd.Client], Awaitable[T]], *,
+                    transient: tuple[type[Exception], ...] = _TRANSIENT) -> T:
+        """Run ``fn(client)`` with bounded retries; translate aetcd's and gRPC's errors."""
         attempts = 0
         try:
-            async for attempt in self._retrying():
+            async for attempt in self._retrying(transient):
                 with attempt:
                     attempts += 1
                     client = await self._connected()
                     try:
                         return await fn(client)
-                    except _TRANSIENT:
-                        if len(self._endpoints) > 1:
-                            await self._rotate(client)
+                    except transient:
+                        await self._rotate(client)
+                        raise
+                    except _FOREIGN as exc:
+                        if client is not self._client and not self._closed:
+                            # Another call moved to the next endpoint and closed this client under us.
+                            raise aex.ConnectionFailedError(f"client closed while in use: {exc}") from exc
                         raise
         except RetryError as exc:
             cause = exc.last_attempt.exception()
             raise StoreUnavailable(
-                f"etcd unreachable at {', '.join(self._endpoints)}: {what} failed {attempts} times "
+                f"etcd unreachable at {', '.join(self._endpoints)}: {what} failed {attempts} time(s) "
                 f"({type(cause).__name__}: {cause}); is etcd running? (`fleetward up` starts one, "
                 f"or pass --etcd host:port)",
                 endpoint=",".join(self._endpoints), attempts=attempts) from cause
         except aex.RevisionCompactedError as exc:
-            raise StoreError(f"etcd: {what}: {exc}") from exc
-        except aex.ClientError as exc:
-            raise StoreError(f"etcd: {what} failed: {exc}") from exc
-        raise AssertionError("unreachable")
+            raise StoreError(f"etcd: {what}: {exc} (compacted: re-read the current state)") from exc
+        except _FOREIGN as exc:
+            raise StoreError(f"etcd: {what} failed: {type(exc).__name__}: {exc}") from exc
+        raise AssertionError("unreachable")  # tenacity has either returned or raised by now
 
     async def get(self, key: str) -> KV | None:
         snap = await self._range(key.encode(), b"", None, what=f"get {key}")
@@ -281,7 +356,8 @@ class EtcdStore:
 
     async def get_prefix(self, prefix: str, *, revision: int | None = None) -> Snapshot:
         key = prefix.encode()
-        return await self._range(key, prefix_end(key), revision, what=f"get-prefix {prefix}")
+        what = f"get-prefix {prefix}" + (f" at revision {revision}" if revision else "")
+        return await self._range(key, prefix_end(key), revision, what=what)
 
     async def _range(self, key: bytes, end: bytes, revision: int | None, *, what: str) -> Snapshot:
         req = rpc.RangeRequest(key=key, range_end=end, revision=revision or 0)
@@ -295,14 +371,15 @@ class EtcdStore:
                 aex._handle_exception(exc)
             return Snapshot(resp.header.revision, tuple(_kv(kv) for kv in resp.kvs))
 
-        result: Snapshot = await self._call(what, call)
-        return result
+        return await self._call(what, call)
 
     async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+        """Write ``key``; returns the revision of the write."""
         result = await self.txn((), (Put(key, value, lease),))
         return result.revision
 
     async def delete(self, key: str, *, prefix: bool = False) -> int:
+        """Delete ``key`` (or every key under it); returns how many keys were deleted."""
         req = rpc.DeleteRangeRequest(key=key.encode(), range_end=prefix_end(key.encode()) if prefix else b"")
 
         async def call(client: aetcd.Client) -> int:
@@ -312,8 +389,7 @@ class EtcdStore:
                 aex._handle_exception(exc)
             return int(resp.deleted)
 
-        result: int = await self._call(f"delete {key}", call)
-        return result
+        return await self._call(f"delete {key}", call)
 
     async def txn(self, compare: Sequence[Compare], success: Sequence[Put | Delete],
                   failure: Sequence[Put | Delete] = ()) -> TxnResult:
@@ -327,24 +403,21 @@ class EtcdStore:
                 aex._handle_exception(exc)
             return TxnResult(bool(resp.succeeded), int(resp.header.revision))
 
-        result: TxnResult = await self._call("txn", call)
-        return result
+        return await self._call("txn", call)
 
     async def grant(self, ttl: int) -> int:
         async def call(client: aetcd.Client) -> int:
             lease = await client.lease(ttl)
             return int(lease.id)
 
-        result: int = await self._call(f"grant lease ttl={ttl}", call)
-        return result
+        return await self._call(f"grant lease ttl={ttl}", call)
 
     async def keepalive(self, lease: int) -> int:
         async def call(client: aetcd.Client) -> int:
             reply = await client.refresh_lease(lease)
             return int(reply.TTL) if reply is not None else 0
 
-        result: int = await self._call(f"keepalive lease {lease:x}", call)
-        return result
+        return await self._call(f"keepalive lease {lease:x}", call)
 
     async def revoke(self, lease: int) -> None:
         async def call(client: aetcd.Client) -> None:
@@ -356,41 +429,74 @@ class EtcdStore:
 
         await self._call(f"revoke lease {lease:x}", call)
 
-    async def watch_prefix(self, prefix: str, *, start_revision: int) -> AsyncIterator[WatchEvent]:
+    async def watch_prefix(self, prefix: str, *, start_revision: int) -> AsyncGenerator[WatchEvent, None]:
         """Every change under ``prefix`` from ``start_revision`` on, in revision order, across reconnects."""
         key = prefix.encode()
-        next_rev = start_revision
-        while True:
-            client = await self._call(f"watch {prefix}", lambda c: asyncio.sleep(0, c))
+        end = prefix_end(key)
+        # Resume point: the revision of the last event delivered and how many of its events were delivered
+        # (one transaction makes several events with the same revision; a break may fall between them).
+        resume_rev, delivered_at_resume = start_revision, 0
+        pause = 0.0  # before re-creating a watch that broke without delivering anything: no tight loop
+        while not self._closed:
+            if pause:
+                await self._clock.sleep(pause)
+            what = f"watch {prefix} from revision {resume_rev}"
+
+            async def create(client: aetcd.Client, start: int = resume_rev) -> Any:
+                # aetcd waits for the "created" reply with asyncio.wait_for, which on Python 3.11 drops a
+                # cancellation that lands as the reply arrives: let creation finish, then honour the cancel.
+                creating = asyncio.ensure_future(client.watch(key, range_end=end, start_revision=start))
+                try:
+                    return await asyncio.shield(creating)
+                except asyncio.CancelledError:
+                    with contextlib.suppress(Exception):
+                        await (await creating).cancel()
+                    raise
+
             try:
-                watch = await client.watch(key, range_end=prefix_end(key), start_revision=next_rev)
-            except aex.RevisionCompactedError as exc:
-                raise StoreError(f"etcd: watch {prefix} from revision {next_rev}: {exc}") from exc
-            except _TRANSIENT + (aex.WatchTimeoutError,):
-                await self._rotate(client)
-                await self._clock.sleep(0.2)
-                continue
+                watch = await self._call(what, create, transient=_WATCH_TRANSIENT)
+            except StoreError:
+                if self._closed:
+                    return
+                raise
+            to_skip = delivered_at_resume
+            pause = min(max(pause * 2, 0.05), 1.0)
+            events = aiter(watch)
             try:
-                async for ev in watch:
+                async for ev in events:
                     kv = ev.kv
+                    rev = int(kv.mod_revision)
+                    if rev == resume_rev and to_skip > 0:
+                        to_skip -= 1  # delivered before the break
+                        continue
                     kind: Literal["put", "delete"] = "put" if ev.kind == "PUT" else "delete"
-                    yield WatchEvent(kind, kv.key.decode(), bytes(kv.value), kv.mod_revision,
-                                     kv.create_revision)
-                    next_rev = kv.mod_revision + 1
-                return  # cancelled by aclose of the store
+                    event = WatchEvent(kind, kv.key.decode(), bytes(kv.value), rev, int(kv.create_revision))
+                    if rev == resume_rev:
+                        delivered_at_resume += 1
+                    else:
+                        resume_rev, delivered_at_resume = rev, 1
+                    pause = 0.0
+                    yield event
+                # The stream ended without an error: the client was closed (by aclose, or by a rotation).
+                if not self._closed:
+                    log.info("etcd watch on %s ended; resuming from revision %d", prefix, resume_rev)
             except aex.RevisionCompactedError as exc:
-                raise StoreError(f"etcd: watch {prefix} from revision {next_rev}: {exc}") from exc
-            except (aex.ClientError, rpc.AioRpcError) as exc:
-                log.info("etcd watch on %s broke (%s); resuming from revision %d", prefix, exc, next_rev)
-                await self._rotate(client)
-                await self._clock.sleep(0.2)
+                raise StoreError(f"etcd: {what}: {exc} (compacted: re-read the current state)") from exc
+            except _FOREIGN as exc:
+                # Re-creating the watch retries (and moves to the next endpoint) if etcd is still away.
+                log.info("etcd watch on %s broke (%s: %s); resuming from revision %d", prefix,
+                         type(exc).__name__, exc, resume_rev)
             finally:
+                with contextlib.suppress(Exception):
+                    await events.aclose()
                 with contextlib.suppress(Exception):
                     await asyncio.shield(watch.cancel())
 
     async def aclose(self) -> None:
+        """Close the connection; watches of this store end, later calls raise :class:`StoreError`."""
         self._closed = True
-        client, self._client = self._client, None
+        async with self._lock:
+            client, self._client = self._client, None
         if client is not None:
             with contextlib.suppress(Exception):
                 await client.close()
@@ -399,11 +505,15 @@ class EtcdStore:
 class LeaseKeeper:
     """Grants a lease and keeps it alive until :meth:`aclose` revokes it.
 
-    ``lost`` is set when etcd says the lease expired (e.g. after a partition longer than the TTL): keys
-    bound to it are gone, and the owner must register again under a new lease.
+    Use as ``async with LeaseKeeper(store, ttl) as lease:`` or ``lease = await LeaseKeeper(...).start()``.
+    A keepalive goes out every ``ttl / 3`` seconds; a failed one is logged and tried again at the next
+    tick. ``lost`` is set when etcd says the lease expired (e.g. after a partition longer than the TTL):
+    keys bound to it are gone, and the owner must register again under a new lease.
     """
 
     def __init__(self, store: StateStore, ttl: int, *, clock: Clock = SYSTEM_CLOCK) -> None:
+        if ttl < 1:
+            raise ValueError("lease ttl must be at least 1 second")
         self.store = store
         self.ttl = ttl
         self.id = 0
@@ -411,20 +521,28 @@ class LeaseKeeper:
         self._clock = clock
         self._task: asyncio.Task[None] | None = None
 
-    async def __aenter__(self) -> LeaseKeeper:
+    async def start(self) -> LeaseKeeper:
+        """Grant the lease and start keeping it alive (:class:`StoreUnavailable` if etcd is away)."""
+        if self._task is not None:
+            raise StoreError(f"lease {self.id:x} is already being kept alive")
         self.id = await self.store.grant(self.ttl)
+        self.lost.clear()
         self._task = asyncio.create_task(self._run(), name=f"lease-keepalive-{self.id:x}")
         return self
+
+    async def __aenter__(self) -> LeaseKeeper:
+        return await self.start()
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     async def _run(self) -> None:
+        interval = max(0.3, self.ttl / 3)
         while True:
-            await self._clock.sleep(max(0.5, self.ttl / 3))
+            await self._clock.sleep(interval)
             try:
                 remaining = await self.store.keepalive(self.id)
-            except StoreUnavailable as exc:
+            except (UnavailableError, StoreError) as exc:
                 log.warning("lease %x keepalive failed: %s", self.id, exc)
                 continue
             if remaining <= 0:
@@ -433,24 +551,31 @@ class LeaseKeeper:
                 return
 
     async def aclose(self, *, revoke: bool = True) -> None:
-        """Stop keeping the lease alive; revoke it (its keys vanish now) unless ``revoke`` is false."""
+        """Stop keeping the lease alive and revoke it unless ``revoke`` is false.
+
+        When this returns after a successful revoke, the keys bound to the lease are gone. If etcd cannot
+        be reached the revoke is given up (logged) and the keys vanish when the TTL runs out.
+        """
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if revoke and self.id and not self.lost.is_set():
-            with contextlib.suppress(StoreUnavailable, StoreError):
+            try:
                 await self.store.revoke(self.id)
+            except (UnavailableError, StoreError) as exc:
+                log.warning("lease %x not revoked (%s); its keys expire within %ds", self.id, exc, self.ttl)
 
 
 class Election:
     """Leader election under ``prefix`` (e.g. ``/fleetward/c/leader/supervisor/``).
 
-    Each candidate puts ``prefix + <lease id>`` bound to its lease; the key with the lowest create
-    revision is the leader. :meth:`campaign` returns once this candidate leads. Every action the leader
-    takes should include :attr:`fence` in its transaction: it fails as soon as leadership is lost, so two
-    leaders never both act.
+    Each candidate puts ``prefix + <lease id>`` bound to its (started) lease; the key with the lowest create
+    revision is the leader. :meth:`campaign` returns once this candidate leads; if it is cancelled, the
+    candidate's key stays until :meth:`resign` or the lease ends. Every action the leader takes should
+    include :attr:`fence` in its transaction: it fails as soon as leadership is lost (the key was deleted,
+    e.g. because the lease expired or was revoked), so two leaders never both act.
     """
 
     def __init__(self, store: StateStore, prefix: str, *, candidate: str, lease: LeaseKeeper) -> None:
@@ -469,26 +594,35 @@ class Election:
         return Compare(self.key, "create", "==", self.create_revision)
 
     async def campaign(self) -> None:
+        """Become the leader: wait until every candidate that came earlier is gone.
+
+        Raises :class:`StoreError` if this candidate's own key disappears meanwhile (its lease ended).
+        """
+        if not self.lease.id:
+            raise StoreError("campaign needs a started lease (LeaseKeeper.start)")
         self.key = f"{self.prefix}{self.lease.id:x}"
-        value = json.dumps({"candidate": self.candidate}).encode()
-        res = await self.store.txn([Compare(self.key, "create", "==", 0)], [Put(self.key, value, self.lease.id)])
+        value = dumps({"candidate": self.candidate})
+        # Create only if absent: campaigning again with the same lease keeps the original place in line.
+        await self.store.txn([Compare(self.key, "create", "==", 0)], [Put(self.key, value, self.lease.id)])
         kv = await self.store.get(self.key)
         if kv is None:
             raise StoreError(f"election key {self.key} vanished right after it was created (lease expired?)")
         self.create_revision = kv.create_revision
-        del res
         while True:
             snap = await self.store.get_prefix(self.prefix)
-            older = [kv for kv in snap.items if kv.create_revision < self.create_revision]
             if not any(kv.key == self.key for kv in snap.items):
+                self.create_revision = 0
                 raise StoreError(f"election key {self.key} was deleted while campaigning")
+            older = [kv for kv in snap.items if kv.create_revision < self.create_revision]
             if not older:
                 return
-            # Wait for the candidate right before us to go away, then look again.
-            target = max(older, key=lambda kv: kv.create_revision).key
-            async for ev in self.store.watch_prefix(self.prefix, start_revision=snap.revision + 1):
-                if ev.kind == "delete" and ev.key in (target, self.key):
-                    break
+            # Wait for the candidate right before us (or our own key) to go away, then look again.
+            watched = {max(older, key=lambda kv: kv.create_revision).key, self.key}
+            async with contextlib.aclosing(
+                    self.store.watch_prefix(self.prefix, start_revision=snap.revision + 1)) as changes:
+                async for ev in changes:
+                    if ev.kind == "delete" and ev.key in watched:
+                        break
 
     async def leader(self) -> str | None:
         """The current leader's candidate name, or None."""
@@ -500,16 +634,15 @@ class Election:
         return candidate
 
     async def is_leader(self) -> bool:
+        """Whether this candidate still leads (its key stands; nobody older can appear later)."""
         if not self.create_revision:
             return False
         res = await self.store.txn([self.fence], ())
-        if not res.succeeded:
-            return False
-        snap = await self.store.get_prefix(self.prefix)
-        return min(snap.items, key=lambda kv: kv.create_revision).key == self.key
+        return res.succeeded
 
     async def resign(self) -> None:
-        if self.key:
+        """Step down (or leave the line): delete this candidate's key if it is still ours."""
+        if self.key and self.create_revision:
             await self.store.txn([self.fence], [Delete(self.key)])
         self.create_revision = 0
 

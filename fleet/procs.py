@@ -2,15 +2,26 @@
 
 Every process fleetward starts (etcd, the broker, workers) goes through :class:`ManagedProcess`:
 
-- it runs in its own session, so its whole tree (e.g. vLLM's API server → EngineCore → Worker) can be
-  signalled at once;
-- it gets ``PR_SET_PDEATHSIG=SIGKILL``, so if the fleetward process that started it is ``kill -9``-ed
-  the child dies with it instead of becoming an orphan;
+- it runs in its own session (its pid is its process group id), so its whole tree (e.g. vLLM's API
+  server → EngineCore → Worker) can be signalled at once;
+- it gets ``PR_SET_PDEATHSIG=SIGKILL`` (Linux), so if the fleetward process that started it is
+  ``kill -9``-ed the child dies with it instead of becoming an orphan. The kernel ties this to the *thread*
+  that forked the child: call :meth:`ManagedProcess.start` from a thread that lives as long as the child
+  should (the main / event-loop thread), never from a short-lived worker thread. Grandchildren are covered
+  only if the child does the same (a child that is itself a ``ManagedProcess`` user does);
 - its output goes to a log file whose tail is quoted when it fails to start;
-- :meth:`ManagedProcess.stop` is ordered: SIGCONT (a stopped process cannot handle SIGTERM), SIGTERM to
-  the tree, wait with a deadline, SIGKILL what is left, reap.
+- :meth:`ManagedProcess.stop` is ordered: SIGCONT (a stopped process cannot act on SIGTERM), SIGTERM to
+  the group and every descendant seen so far, wait with a deadline, SIGKILL what is left, reap. It works
+  on a SIGSTOPped tree and on descendants that moved to another process group, and returns the exit code
+  of the process itself (negative: killed by that signal). "Seen so far" means seen by :meth:`tree`,
+  :meth:`kill` or :meth:`stop` while the process lived, plus what was left in its process group when it
+  exited (:meth:`wait_exit` looks before it reaps). Its group itself is signalled only while the exited
+  child is not yet reaped: afterwards its pid may belong to someone else;
 - :meth:`ManagedProcess.wait_exit` wakes the moment the process exits (a pidfd in the event loop), which
   is what crash detection needs.
+
+Errors: :class:`~fleetward.fleet.errors.ProcessError` when a process cannot be started or dies before it
+is ready; :class:`~fleetward.fleet.errors.PortInUseError` from :func:`ensure_port`.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import ctypes.util
 import errno
 import logging
 import os
@@ -25,26 +37,48 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import psutil
 
 from fleetward.fleet.errors import PortInUseError, ProcessError
 
-__all__ = ["ManagedProcess", "free_port", "kill_tree", "port_is_free", "tree_of"]
+__all__ = [
+    "ManagedProcess",
+    "ensure_port",
+    "free_port",
+    "is_gone",
+    "kill_tree",
+    "port_is_free",
+    "tree_of",
+]
 
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 
 
-def _child_setup() -> None:  # runs in the child between fork and exec
+def _load_libc() -> ctypes.CDLL | None:
+    # Loaded once here, in the parent: dlopen between fork and exec of a threaded process can deadlock.
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:
-        pass
+        return None
+
+
+_LIBC = _load_libc()
+
+
+def _pdeathsig_setup(parent_pid: int) -> Callable[[], None]:
+    def setup() -> None:  # runs in the child between fork and exec: no allocation-heavy work here
+        if _LIBC is not None:
+            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        # The parent may have died between fork and prctl; then no signal will ever come.
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+    return setup
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -55,6 +89,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_is_free(host: str, port: int) -> bool:
+    """Whether a listener could bind ``host:port`` now (SO_REUSEADDR, as servers do)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -84,14 +119,42 @@ def tree_of(pid: int) -> list[psutil.Process]:
         return []
 
 
-def kill_tree(procs: Sequence[psutil.Process], sig: int = signal.SIGKILL) -> None:
+def is_gone(proc: psutil.Process) -> bool:
+    """True once ``proc`` has exited: no such process, or a zombie nobody reaped yet."""
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.AccessDenied:
+        return False
+
+
+def kill_tree(procs: Iterable[psutil.Process], sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to each process that is still there (identity checked by psutil, so no stray pid)."""
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
             p.send_signal(sig)
 
 
+def _peek_exit(popen: subprocess.Popen[bytes]) -> int | None:
+    """Our child's exit code if it exited, without reaping it (so its pid, its group id, stays ours)."""
+    if popen.returncode is not None:
+        return popen.returncode
+    try:
+        info = os.waitid(os.P_PID, popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped behind Popen's back
+        return popen.poll()
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def _exited(popen: subprocess.Popen[bytes]) -> bool:
+    return _peek_exit(popen) is not None
+
+
 class ManagedProcess:
-    """One child process (and its tree) with an ordered, orphan-free life."""
+    """One child process (and its tree) with an ordered, orphan-free life (see the module docstring)."""
 
     def __init__(self, name: str, argv: Sequence[str], *, log_path: Path, env: Mapping[str, str] | None = None,
                  cwd: Path | None = None) -> None:
@@ -104,17 +167,29 @@ class ManagedProcess:
         self._known: dict[int, psutil.Process] = {}
 
     def start(self) -> ManagedProcess:
+        """Spawn the process (output appended to ``log_path``); :class:`ProcessError` if exec fails.
+
+        A stopped or exited process may be started again (same argv, same log).
+        """
+        if self.is_running:
+            raise ProcessError(f"{self.name} is already running (pid {self.pid})", name=self.name)
+        if self._popen is not None:
+            self._popen.wait()  # reap the previous run (it exited)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **(self.env or {})}
+        self._known.clear()
         with open(self.log_path, "ab", buffering=0) as out:
             try:
-                self._popen = subprocess.Popen(  # noqa: S603 - argv is ours
+                self._popen = subprocess.Popen(
                     self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                    cwd=self.cwd, start_new_session=True, preexec_fn=_child_setup,  # noqa: PLW1509
+                    cwd=self.cwd, start_new_session=True,
+                    preexec_fn=_pdeathsig_setup(os.getpid()),
                 )
             except OSError as exc:
                 raise ProcessError(f"{self.name}: cannot start {self.argv[0]}: {exc.strerror}",
                                    name=self.name) from exc
+        with contextlib.suppress(psutil.NoSuchProcess):
+            self._known[self.pid] = psutil.Process(self.pid)
         log.debug("started %s pid %d: %s", self.name, self.pid, " ".join(self.argv))
         return self
 
@@ -126,11 +201,24 @@ class ManagedProcess:
 
     @property
     def returncode(self) -> int | None:
-        return None if self._popen is None else self._popen.poll()
+        """The exit code once the process exited (negative: killed by that signal), else None."""
+        # Peeking does not reap: until wait_exit or stop reaps it, the exited child's group can still be
+        # found and signalled (its descendants may live on in it).
+        return None if self._popen is None else _peek_exit(self._popen)
 
     @property
     def is_running(self) -> bool:
-        return self._popen is not None and self._popen.poll() is None
+        return self._popen is not None and _peek_exit(self._popen) is None
+
+    def _remember_group(self) -> None:
+        """Remember every process in the child's group; only while the child is unreaped (pid still ours)."""
+        if self._popen is None or self._popen.returncode is not None:
+            return
+        pgid = self._popen.pid
+        for pid in psutil.pids():
+            with contextlib.suppress(OSError, psutil.Error):
+                if pid not in self._known and os.getpgid(pid) == pgid:
+                    self._known[pid] = psutil.Process(pid)
 
     def tree(self) -> list[psutil.Process]:
         """The live process tree, remembered so that :meth:`stop` can find descendants whose parent died."""
@@ -147,6 +235,7 @@ class ManagedProcess:
         return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
 
     def signal(self, sig: int) -> None:
+        """Send ``sig`` to the process itself (not its tree); nothing if it already exited."""
         if self.is_running:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
@@ -156,29 +245,35 @@ class ManagedProcess:
         popen = self._popen
         if popen is None:
             raise ProcessError(f"{self.name} was never started", name=self.name)
-        if (rc := popen.poll()) is not None:
-            return rc
+        if popen.returncode is not None:
+            return popen.returncode
         loop = asyncio.get_running_loop()
         try:
             fd = os.pidfd_open(popen.pid)
-        except (OSError, AttributeError):
-            while (rc := popen.poll()) is None:
-                await asyncio.sleep(0.02)
-            return rc
-        exited = loop.create_future()
-        loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+        except (OSError, AttributeError):  # old kernel or not Linux: block a worker thread instead
+            return await asyncio.to_thread(popen.wait)
+        exited: asyncio.Future[None] = loop.create_future()
+
+        def on_readable() -> None:
+            if not exited.done():
+                exited.set_result(None)
+
+        loop.add_reader(fd, on_readable)
         try:
-            if popen.poll() is None:
+            if not _exited(popen):
                 await exited
         finally:
             loop.remove_reader(fd)
             os.close(fd)
-        rc = popen.wait()
-        return rc
+        self._remember_group()  # before reaping: what it left behind in its group, for stop()
+        return popen.wait()  # the process is a zombie by now: reaping does not block
 
     async def wait_ready(self, ready: Callable[[], Awaitable[bool]], *, timeout: float,
                          interval: float = 0.1) -> None:
-        """Poll ``ready()`` until it is true; fail fast with the log tail if the process exits first."""
+        """Poll ``ready()`` until it is true; fail fast with the log tail if the process exits first.
+
+        Exceptions from ``ready()`` count as "not yet". Raises :class:`ProcessError` on exit or timeout.
+        """
         deadline = time.monotonic() + timeout
         while True:
             if not self.is_running:
@@ -194,31 +289,65 @@ class ManagedProcess:
                                    f"{self.log_tail()}", name=self.name, log_tail=self.log_tail())
             await asyncio.sleep(interval)
 
+    def _killpg(self, sig: int) -> None:
+        # Only while our child is unreaped: until then its pid (= its group id) cannot be reused by anyone.
+        if self._popen is not None and self._popen.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._popen.pid, sig)
+
     def stop_now(self, grace: float = 5.0) -> int | None:
-        """Synchronous ordered stop (for signal paths and atexit): CONT, TERM, wait, KILL, reap."""
-        if self._popen is None:
+        """Synchronous ordered stop (for signal paths and atexit): CONT, TERM, wait, KILL, reap.
+
+        Blocks up to ``grace`` seconds (plus a little for SIGKILL). Returns the exit code of the process
+        itself, or None if it was never started.
+        """
+        popen = self._popen
+        if popen is None:
             return None
-        procs = {p.pid: p for p in [*self._known.values(), *self.tree()]}.values()
-        live = [p for p in procs if p.is_running()]
-        kill_tree(live, signal.SIGCONT)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGTERM)
-        kill_tree(live, signal.SIGTERM)
-        _, alive = psutil.wait_procs(live, timeout=grace)
-        if alive:
-            log.warning("%s: %d process(es) ignored SIGTERM for %.0fs; killing", self.name, len(alive), grace)
-            kill_tree(alive, signal.SIGKILL)
-            psutil.wait_procs(alive, timeout=5)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
-        rc = self._popen.wait()
+        self.tree()
+        self._remember_group()
+        root = popen.pid
+        # psutil would reap our direct child (and lose its exit code): it only watches the others, and the
+        # child is reaped last, after the final signal to its group.
+        others = [p for pid, p in self._known.items() if pid != root and not is_gone(p)]
+        for sig in (signal.SIGCONT, signal.SIGTERM):
+            self._signal_all(others, sig)
+        if not self._wait_all(popen, others, grace):
+            left = sum(not is_gone(p) for p in others) + (not _exited(popen))
+            log.warning("%s: %d process(es) ignored SIGTERM for %.1fs; killing", self.name, left, grace)
+            self._signal_all(others, signal.SIGKILL)
+            self._wait_all(popen, others, 5.0)
+        self._killpg(signal.SIGKILL)  # anything that joined the group meanwhile
+        rc = popen.wait()
         self._known.clear()
         return rc
 
+    def _signal_all(self, others: Sequence[psutil.Process], sig: int) -> None:
+        """The group, every remembered descendant, and the child itself (even if it left its group)."""
+        self._killpg(sig)
+        kill_tree(others, sig)
+        if self._popen is not None and self._popen.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._popen.pid, sig)
+
+    @staticmethod
+    def _wait_all(popen: subprocess.Popen[bytes], others: Sequence[psutil.Process], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while True:
+            if _exited(popen) and all(is_gone(p) for p in others):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)  # in a worker thread (see stop); nothing can block on another's exit here
+
     async def stop(self, grace: float = 5.0) -> int | None:
+        """:meth:`stop_now` in a worker thread, so the event loop keeps running meanwhile."""
         return await asyncio.to_thread(self.stop_now, grace)
 
     def kill(self) -> None:
-        """SIGKILL the whole tree at once (what a crash looks like)."""
-        procs = self.tree()
-        kill_tree(procs, signal.SIGKILL)
+        """SIGKILL the whole tree at once (what a crash looks like); :meth:`wait_exit` or :meth:`stop` reaps."""
+        if self._popen is None:
+            return
+        self.tree()
+        self._killpg(signal.SIGKILL)
+        kill_tree(self._known.values(), signal.SIGKILL)

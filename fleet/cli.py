@@ -1,0 +1,389 @@
+"""``fleetward``: the command line.
+
+    fleetward up [--workers N] [--backend sim|vllm] [--config FILE] ...   start a local fleet
+    fleetward status [--json]                                             the fleet as etcd sees it
+    fleetward events [KIND ...]                                           follow the event bus
+    fleetward model tiny --out DIR [--seed N]                             write the tiny local model
+    fleetward supervisor --role agent ...                                 one node's agent (multi-host)
+
+Errors fleetward raises on purpose (:class:`FleetwardError`) print as one clear line and exit 2 (bad
+input) or 1 (anything else); a traceback means a bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from fleetward.fleet.config import FleetConfig, RouterConfig, load_fleet_config, validation_error
+from fleetward.fleet.errors import ConfigError, FleetwardError
+
+__all__ = ["main"]
+
+log = logging.getLogger("fleetward")
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+# Flags of `up` that map 1:1 to FleetConfig fields (flag dest -> field).
+_UP_FIELDS = ("cluster", "workers", "backend", "host", "run_dir", "etcd", "etcd_port", "mqtt", "mqtt_port",
+              "worker_base_port", "lease_ttl_s", "node")
+
+
+def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, help="YAML file with any of the settings below (flags win)")
+    p.add_argument("--cluster", help="cluster name (etcd prefix /fleetward/<cluster>/); default local")
+    p.add_argument("--workers", type=int, help="number of workers to start; default 3")
+    p.add_argument("--backend", choices=["sim", "vllm"], help="simulated workers (default) or real vLLM")
+    p.add_argument("--model", help="vllm backend: model folder (default: the tiny local model, made on demand)")
+    p.add_argument("--host", help="address to bind everything to; default 127.0.0.1")
+    p.add_argument("--run-dir", dest="run_dir", type=Path, help="where logs and data go; default .fleetward")
+    p.add_argument("--etcd", help="use this etcd (host:port) instead of starting one")
+    p.add_argument("--etcd-port", dest="etcd_port", type=int, help="port for the embedded etcd")
+    p.add_argument("--mqtt", help="use this MQTT broker (host:port) instead of starting one")
+    p.add_argument("--mqtt-port", dest="mqtt_port", type=int, help="port for the embedded broker")
+    p.add_argument("--worker-base-port", dest="worker_base_port", type=int, help="first worker port")
+    p.add_argument("--lease-ttl", dest="lease_ttl_s", type=int, help="registration lease TTL in seconds")
+    p.add_argument("--node", help="this node's name; default the host name")
+
+
+def _fleet_config(args: argparse.Namespace) -> FleetConfig:
+    overrides: dict[str, Any] = {f: getattr(args, f) for f in _UP_FIELDS if getattr(args, f, None) is not None}
+    config = load_fleet_config(args.config, overrides)
+    if getattr(args, "model", None):
+        config = config.model_copy(update={"vllm": config.vllm.model_copy(update={"model": args.model})})
+    return config
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fleetward", description="Reliability layer and chaos testbed for LLM "
+                                "inference fleets.")
+    p.add_argument("--log-level", default=os.environ.get("FLEETWARD_LOG_LEVEL", "WARNING"),
+                   help="DEBUG, INFO, WARNING (default) or ERROR")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = sub.add_parser("up", help="start a local fleet and keep it running until Ctrl-C / SIGTERM")
+    _add_fleet_flags(up)
+
+    st = sub.add_parser("status", help="show the fleet as etcd sees it")
+    st.add_argument("--cluster", default=None)
+    st.add_argument("--etcd", help="etcd host:port (default: the local fleet started by `fleetward up`)")
+    st.add_argument("--run-dir", dest="run_dir", type=Path, default=None)
+    st.add_argument("--json", action="store_true", help="print JSON (stable shape, for scripts)")
+
+    ev = sub.add_parser("events", help="print events from the bus as they arrive")
+    ev.add_argument("kinds", nargs="*", default=["#"], help="event kinds (e.g. worker.down); default all")
+    ev.add_argument("--cluster", default=None)
+    ev.add_argument("--mqtt", help="broker host:port (default: the local fleet's)")
+    ev.add_argument("--run-dir", dest="run_dir", type=Path, default=None)
+    ev.add_argument("--count", type=int, default=0, help="exit after this many events")
+
+    model = sub.add_parser("model", help="local models")
+    msub = model.add_subparsers(dest="model_command", required=True, metavar="KIND")
+    tiny = msub.add_parser("tiny", help="write the tiny Llama that real vLLM serves on a CPU")
+    tiny.add_argument("--out", type=Path, required=True, help="folder to write")
+    tiny.add_argument("--seed", type=int, default=0)
+
+    rt = sub.add_parser("router", help="run a router (OpenAI-compatible front door with stream migration)")
+    rt.add_argument("--config", type=Path, help="fleet YAML file; its `routing:` section configures the router")
+    rt.add_argument("--cluster", default=None)
+    rt.add_argument("--etcd", help="etcd host:port (default: the local fleet's)")
+    rt.add_argument("--mqtt", help="broker host:port (default: the local fleet's)")
+    rt.add_argument("--run-dir", dest="run_dir", type=Path, default=None)
+    rt.add_argument("--host", help="address to bind; default 127.0.0.1")
+    rt.add_argument("--port", type=int, help="port to bind; default a free one")
+    rt.add_argument("--id", dest="router_id", help="router id (default: random)")
+    rt.add_argument("--migration-limit", dest="migration_limit", type=int)
+    rt.add_argument("--no-checkpoints", dest="checkpoints", action="store_false", default=None,
+                    help="do not checkpoint to etcd (only to measure what checkpoints cost)")
+
+    sup = sub.add_parser("supervisor", help="run supervisor parts alone (for multi-host fleets)")
+    sup.add_argument("--role", choices=["agent"], required=True)
+    _add_fleet_flags(sup)
+    return p
+
+
+# -- helpers --------------------------------------------------------------------------------------------
+
+
+def _state_file(run_dir: Path | None, cluster: str | None) -> Path:
+    defaults = FleetConfig()
+    return (run_dir or defaults.run_dir) / (cluster or defaults.cluster) / "fleet.json"
+
+
+def _local_endpoint(args: argparse.Namespace, kind: str) -> tuple[str, str]:
+    """(endpoint, cluster) from the flag, the environment, or the local fleet's state file."""
+    flag = getattr(args, kind, None)
+    cluster = args.cluster or os.environ.get("FLEETWARD_CLUSTER") or FleetConfig().cluster
+    if flag:
+        return flag, cluster
+    env = os.environ.get(f"FLEETWARD_{kind.upper()}")
+    if env:
+        return env, cluster
+    path = _state_file(args.run_dir, args.cluster)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"no running local fleet found ({path} does not exist): start one with "
+                          f"`fleetward up`, or pass --{kind} host:port", field=kind) from None
+    return data[kind], data.get("cluster", cluster)
+
+
+def _install_signal_handlers(stop: asyncio.Event) -> None:
+    """Signals only record; the main loop acts. A second Ctrl-C forces an immediate exit."""
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signame: str) -> None:
+        if stop.is_set():
+            err.print(f"[bold red]{signame} again: forcing exit[/]")
+            from fleetward.fleet.procs import kill_tree, tree_of
+
+            kill_tree(tree_of(os.getpid())[1:])  # and PR_SET_PDEATHSIG catches any we missed
+            os._exit(130)
+        err.print(f"\n{signame}: stopping (again to force)")
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, signal.Signals(sig).name)
+
+
+def _age(since: float | None) -> str:
+    if not since:
+        return "-"
+    s = max(0, int(time.time() - since))
+    return f"{s}s" if s < 120 else f"{s // 60}m" if s < 7200 else f"{s // 3600}h"
+
+
+_HEALTH_STYLE = {"ready": "green", "starting": "cyan", "suspect": "yellow", "draining": "yellow",
+                 "restarting": "yellow", "unhealthy": "red", "quarantined": "magenta", "dead": "red"}
+
+
+def _print_status(status: dict[str, Any]) -> None:
+    table = Table(title=f"fleet {status['cluster']}", title_justify="left")
+    for col in ("WORKER", "ROLE", "URL", "MODEL", "NODE", "HEALTH", "AGE"):
+        table.add_column(col)
+    for w in status["workers"]:
+        style = _HEALTH_STYLE.get(w["health"], "")
+        health = f"[{style}]{w['health']}[/]" if style else w["health"]
+        if w.get("reason") and w["health"] != "ready":
+            health += f" ({w['reason'][:60]})"
+        table.add_row(w["id"], w["role"] or "-", w["url"] or "-", w["model"] or "-", w["node"] or "-", health,
+                      _age(w["since"]))
+    out.print(table)
+    if status["routers"]:
+        out.print("routers: " + ", ".join(f"{r['id']} {r['url']}" for r in status["routers"]))
+    if not status["workers"]:
+        out.print("(no workers registered)")
+
+
+# -- commands -------------------------------------------------------------------------------------------
+
+
+async def _cmd_up(args: argparse.Namespace) -> int:
+    from fleetward.fleet.compose import LocalFleet
+
+    config = _fleet_config(args)
+    stop = asyncio.Event()
+    _install_signal_handlers(stop)
+    ready: set[str] = set()
+    failed: set[str] = set()
+
+    def progress(step: str, what: str) -> None:
+        if what == "ready":
+            ready.add(step)
+            err.print(f"  worker {step} [green]ready[/] ({len(ready)}/{config.workers})")
+        elif what == "failed":
+            failed.add(step)
+            err.print(f"  worker {step} [red]failed to start[/] (see `fleetward status`)")
+        elif what == "launched":
+            pass
+        else:
+            err.print(f"  {what}")
+
+    err.print(f"[bold]fleetward up[/]: cluster {config.cluster}, {config.workers} {config.backend} worker(s)")
+    fleet = LocalFleet(config, progress=progress)
+    starting = asyncio.create_task(fleet.start())
+    waiter = asyncio.create_task(stop.wait())
+    with err.status("starting the fleet…", spinner="dots"):
+        await asyncio.wait({starting, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        if not starting.done():
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, FleetwardError):
+                await starting
+            return 130
+        starting.result()
+        _print_where_to_look(fleet, len(ready), config)
+        if config.workers and not ready:
+            err.print("[red]no worker came up[/]; see the logs above")
+            return 1
+        await waiter
+        return 0
+    finally:
+        waiter.cancel()
+        with err.status("stopping…"):
+            await fleet.aclose()
+        err.print("stopped; no process left behind")
+
+
+def _print_where_to_look(fleet: Any, n_ready: int, config: FleetConfig) -> None:
+    cluster = config.cluster
+    first = next(iter(fleet.agent.handles.values()), None) if fleet.agent else None
+    model = first.spec.model if first else config.sim.model_name
+    entry = fleet.router_url or (first.url if first else "")
+    out.print(f"\n[bold green]fleet {cluster} is up[/]: {n_ready}/{config.workers} worker(s) ready\n")
+    out.print(f"  etcd    {fleet.etcd_endpoint}   (keys under /fleetward/{cluster}/)")
+    out.print(f"  mqtt    {fleet.mqtt_endpoint}   (events on fleetward/{cluster}/events/#)")
+    out.print(f"  logs    {fleet.log_dir}/")
+    out.print("  status  fleetward status          events  fleetward events")
+    if fleet.router_url:
+        out.print(f"  router  {fleet.router_url}   (OpenAI-compatible; streams survive worker failures)")
+    if entry:
+        out.print(f"  try     curl -N {entry}/v1/completions -H 'content-type: application/json' "
+                  f"-d '{{\"model\":\"{model}\",\"prompt\":\"Hello\",\"max_tokens\":16,\"stream\":true}}'")
+    out.print("\nCtrl-C (or SIGTERM) stops everything.")
+
+
+async def _cmd_status(args: argparse.Namespace) -> int:
+    from fleetward.fleet.etcd import EtcdStore
+    from fleetward.fleet.keys import Keys
+    from fleetward.fleet.registry import read_fleet
+
+    endpoint, cluster = _local_endpoint(args, "etcd")
+    store = EtcdStore(endpoint, attempts=3, retry_budget_s=5.0, timeout_s=3.0)
+    try:
+        fleet = await read_fleet(store, Keys(cluster))
+    finally:
+        await store.aclose()
+    status = fleet.to_status()
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        _print_status(status)
+    return 0
+
+
+async def _cmd_events(args: argparse.Namespace) -> int:
+    from fleetward.fleet.bus import MqttBus
+
+    endpoint, cluster = _local_endpoint(args, "mqtt")
+    bus = MqttBus(endpoint, cluster)
+    await bus._probe()
+    stop = asyncio.Event()
+    _install_signal_handlers(stop)
+    seen = 0
+
+    async def follow() -> None:
+        nonlocal seen
+        async for event in bus.subscribe(args.kinds):
+            stamp = time.strftime("%H:%M:%S", time.localtime(event.ts))
+            fields = " ".join(f"{k}={v}" for k, v in event.data.items())
+            out.print(f"{stamp} [bold]{event.kind}[/] {fields}")
+            seen += 1
+            if args.count and seen >= args.count:
+                stop.set()
+                return
+
+    task = asyncio.create_task(follow())
+    await stop.wait()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return 0
+
+
+def _cmd_model(args: argparse.Namespace) -> int:
+    from fleetward.fleet.tinymodel import write_tiny_model
+
+    with err.status(f"writing the tiny model to {args.out}…"):
+        path = write_tiny_model(args.out, seed=args.seed)
+    out.print(f"wrote {path} (seed {args.seed}).\nServe it: python -m vllm.entrypoints.openai.api_server "
+              f"--model {path} --dtype float32 --max-model-len 2048 --enforce-eager")
+    return 0
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from fleetward.migration.server import serve_router
+
+    base = load_fleet_config(args.config) if args.config else FleetConfig()
+    updates = {k: getattr(args, k) for k in ("host", "port", "migration_limit", "checkpoints")
+               if getattr(args, k, None) is not None}
+    try:
+        config = RouterConfig.model_validate({**base.routing.model_dump(), **updates})
+    except ValidationError as exc:
+        raise validation_error(exc, file="<command line>", lines={}) from None
+    if args.cluster is None and base.cluster != FleetConfig().cluster:
+        args.cluster = base.cluster
+    etcd, cluster = _local_endpoint(args, "etcd")
+    mqtt, _ = _local_endpoint(args, "mqtt")
+
+    def ready(router: Any) -> None:
+        print(f"READY {router.id} {router.url}", flush=True)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve_router(config, etcd=etcd, mqtt=mqtt, cluster=cluster, router_id=args.router_id,
+                                on_ready=ready))
+    return 0
+
+
+async def _cmd_agent(args: argparse.Namespace) -> int:
+    """One node's agent against an existing etcd and broker (no embedded infrastructure)."""
+    from fleetward.fleet.compose import LocalFleet
+
+    config = _fleet_config(args)
+    if not config.etcd or not config.mqtt:
+        raise ConfigError("supervisor --role agent needs --etcd and --mqtt (the cluster's etcd and broker)",
+                          field="etcd" if not config.etcd else "mqtt")
+    stop = asyncio.Event()
+    _install_signal_handlers(stop)
+    async with LocalFleet(config, progress=lambda w, what: log.info("%s %s", w, what)):
+        print("READY", flush=True)
+        await stop.wait()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "up":
+            return asyncio.run(_cmd_up(args))
+        if args.command == "status":
+            return asyncio.run(_cmd_status(args))
+        if args.command == "events":
+            return asyncio.run(_cmd_events(args))
+        if args.command == "model":
+            return _cmd_model(args)
+        if args.command == "router":
+            return _cmd_router(args)
+        if args.command == "supervisor":
+            return asyncio.run(_cmd_agent(args))
+    except ConfigError as exc:
+        err.print(f"[red]error:[/] {exc}")
+        return 2
+    except FleetwardError as exc:
+        err.print(f"[red]error:[/] {exc}")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""Token progress per worker, and how long a worker may stay silent before it counts as stalled.
+
+A sans-IO model, fed by whoever sees the streams (the router): ``dispatched``, ``token``, ``finished``.
+It answers one question, :meth:`ProgressModel.stalled`: which workers have work in flight and have not
+produced a token for longer than their allowed silence. The allowed silence adapts to the work:
+
+    allowed = max(floor, itl_multiplier * p99 inter-token gap seen on the fleet)
+              + pending prefill tokens on that worker * learned prefill seconds per token
+
+- Silence is per *worker*, not per stream: a request that waits in a busy worker's queue (or was
+  preempted) while the worker keeps emitting tokens for others is not a hang. Only a worker that emits
+  nothing at all while it has work is suspect, which is exactly vLLM's silent hang (EngineCore stopped).
+- Long prompts get longer: prefill cost is learned from first-token latencies of long prompts, and the
+  prompts that have not produced their first token yet extend the worker's allowance.
+
+The same model runs in the router (to migrate streams off a stalled worker) and its :meth:`view` is what
+the supervisor's stream-progress detector reads.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
+
+__all__ = ["ProgressModel", "WorkerProgress"]
+
+
+@dataclass
+class WorkerProgress:
+    in_flight: int = 0
+    pending_prefill_tokens: int = 0  # prompt tokens of in-flight streams that have no first token yet
+    last_token: float = 0.0  # monotonic time of the last token (or of the first dispatch after idle)
+    tokens: int = 0
+    streams: dict[str, int] = field(default_factory=dict)  # stream id -> prompt length while awaiting 1st token
+
+
+class _Window:
+    """A sliding window of the last ``size`` samples with cheap percentiles."""
+
+    def __init__(self, size: int) -> None:
+        self._fifo: collections.deque[float] = collections.deque()
+        self._sorted: list[float] = []
+        self._size = size
+
+    def add(self, x: float) -> None:
+        self._fifo.append(x)
+        bisect.insort(self._sorted, x)
+        if len(self._fifo) > self._size:
+            old = self._fifo.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+
+    def quantile(self, q: float) -> float | None:
+        if not self._sorted:
+            return None
+        return self._sorted[min(len(self._sorted) - 1, int(q * len(self._sorted)))]
+
+    def __len__(self) -> int:
+        return len(self._sorted)
+
+
+class ProgressModel:
+    def __init__(self, *, clock: Clock = SYSTEM_CLOCK, floor_s: float = 1.0, itl_multiplier: float = 8.0,
+                 prefill_s_per_token: float = 0.002, first_token_base_s: float = 1.0,
+                 window: int = 2048) -> None:
+        self.clock = clock
+        self.floor_s = floor_s
+        self.itl_multiplier = itl_multiplier
+        self.first_token_base_s = first_token_base_s
+        self.prefill_s_per_token = prefill_s_per_token
+        self.workers: dict[str, WorkerProgress] = {}
+        self._gaps = _Window(window)
+        self._dispatched_at: dict[str, float] = {}
+        self._last_token_of: dict[str, float] = {}
+
+    def _worker(self, worker: str) -> WorkerProgress:
+        w = self.workers.get(worker)
+        if w is None:
+            w = self.workers[worker] = WorkerProgress(last_token=self.clock.monotonic())
+        return w
+
+    # -- observations -----------------------------------------------------------------------------------
+
+    def dispatched(self, worker: str, stream: str, prompt_tokens: int) -> None:
+        w = self._worker(worker)
+        now = self.clock.monotonic()
+        if w.in_flight == 0:
+            w.last_token = now  # silence is counted from when there is work
+        w.in_flight += 1
+        w.streams[stream] = prompt_tokens
+        w.pending_prefill_tokens += prompt_tokens
+        self._dispatched_at[stream] = now
+
+    def token(self, worker: str, stream: str, n: int = 1) -> None:
+        w = self._worker(worker)
+        now = self.clock.monotonic()
+        w.last_token = now
+        w.tokens += n
+        prompt = w.streams.pop(stream, None)
+        if prompt is not None:
+            w.pending_prefill_tokens -= prompt
+            started = self._dispatched_at.pop(stream, now)
+            if prompt >= 256:  # long prompts teach the prefill rate
+                rate = max(0.0, (now - started)) / prompt
+                self.prefill_s_per_token = 0.8 * self.prefill_s_per_token + 0.2 * rate
+        else:
+            last = self._last_token_of.get(stream)
+            if last is not None and n == 1:
+                self._gaps.add(now - last)
+        self._last_token_of[stream] = now
+
+    def finished(self, worker: str, stream: str) -> None:
+        w = self.workers.get(worker)
+        self._dispatched_at.pop(stream, None)
+        self._last_token_of.pop(stream, None)
+        if w is None:
+            return
+        prompt = w.streams.pop(stream, None)
+        if prompt is not None:
+            w.pending_prefill_tokens -= prompt
+        w.in_flight = max(0, w.in_flight - 1)
+
+    def forget(self, worker: str) -> None:
+        self.workers.pop(worker, None)
+
+    # -- verdicts ---------------------------------------------------------------------------------------
+
+    def allowed_silence(self, worker: str) -> float:
+        """Seconds this worker may go without emitting a token, given the work it has now."""
+        w = self.workers.get(worker)
+        p99 = self._gaps.quantile(0.99)
+        decode = max(self.floor_s, self.itl_multiplier * p99) if p99 is not None else self.floor_s
+        if w is None or not w.pending_prefill_tokens:
+            return decode
+        return decode + self.first_token_base_s + w.pending_prefill_tokens * self.prefill_s_per_token
+
+    def silent_for(self, worker: str) -> float:
+        w = self.workers.get(worker)
+        if w is None or w.in_flight == 0:
+            return 0.0
+        return self.clock.monotonic() - w.last_token
+
+    def stalled(self) -> list[tuple[str, float, float]]:
+        """``(worker, silent for, allowed)`` for every worker with work in flight past its allowance."""
+        out = []
+        for worker, w in self.workers.items():
+            if w.in_flight == 0:
+                continue
+            silent = self.clock.monotonic() - w.last_token
+            allowed = self.allowed_silence(worker)
+            if silent > allowed:
+                out.append((worker, silent, allowed))
+        return out
+
+    def view(self) -> dict[str, Any]:
+        """What the router publishes for the supervisor: per worker in-flight work and silence."""
+        return {
+            "itl_p99_s": self._gaps.quantile(0.99),
+            "prefill_s_per_token": self.prefill_s_per_token,
+            "workers": {
+                worker: {
+                    "in_flight": w.in_flight,
+                    "pending_prefill_tokens": w.pending_prefill_tokens,
+                    "silent_for_s": self.silent_for(worker),
+                    "allowed_silence_s": self.allowed_silence(worker),
+                    "tokens": w.tokens,
+                }
+                for worker, w in self.workers.items()
+            },
+        }

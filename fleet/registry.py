@@ -1,0 +1,132 @@
+"""The fleet as etcd describes it: workers, their health, routers.
+
+:func:`read_fleet` takes one consistent snapshot (one revision). :class:`FleetView` keeps a live copy:
+it reads at revision R and watches from R+1, so it misses nothing (what a restarted router needs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetward.fleet.etcd import StateStore
+from fleetward.fleet.keys import Keys
+from fleetward.fleet.worker import HealthRecord, HealthState, WorkerRecord
+
+__all__ = ["FleetSnapshot", "FleetView", "read_fleet"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FleetSnapshot:
+    cluster: str
+    revision: int = 0
+    workers: dict[str, WorkerRecord] = field(default_factory=dict)
+    health: dict[str, HealthRecord] = field(default_factory=dict)
+    routers: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def health_of(self, worker_id: str) -> HealthRecord | None:
+        return self.health.get(worker_id)
+
+    def routable(self) -> list[WorkerRecord]:
+        """Registered workers whose health says new work may go to them."""
+        out = []
+        for wid, rec in self.workers.items():
+            h = self.health.get(wid)
+            if h is not None and h.state.is_routable:
+                out.append(rec)
+        return out
+
+    def apply(self, keys: Keys, kind: str, key: str, value: bytes) -> str | None:
+        """Fold one change into the snapshot; returns which section changed (or None)."""
+        for prefix, section in ((keys.workers, "workers"), (keys.health, "health"), (keys.routers, "routers")):
+            if not key.startswith(prefix):
+                continue
+            ident = key[len(prefix):]
+            table: dict[str, Any] = getattr(self, section)
+            if kind == "delete":
+                table.pop(ident, None)
+                return section
+            try:
+                if section == "workers":
+                    table[ident] = WorkerRecord.from_json(value)
+                elif section == "health":
+                    table[ident] = HealthRecord.from_json(value)
+                else:
+                    table[ident] = json.loads(value)
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("ignoring malformed value at %s: %s", key, exc)
+                return None
+            return section
+        return None
+
+    def to_status(self) -> dict[str, Any]:
+        """The stable shape of ``fleetward status --json``."""
+        workers = []
+        for wid in sorted(set(self.workers) | set(self.health)):
+            rec = self.workers.get(wid)
+            h = self.health.get(wid)
+            workers.append({
+                "id": wid,
+                "url": rec.url if rec else None,
+                "role": rec.role if rec else None,
+                "model": rec.model if rec else None,
+                "node": rec.node if rec else None,
+                "health": h.state.value if h else ("unknown" if rec else HealthState.DEAD.value),
+                "since": h.since if h else (rec.started_at if rec else None),
+                "reason": h.reason if h else "",
+            })
+        routers = [{"id": rid, "url": r.get("url")} for rid, r in sorted(self.routers.items())]
+        return {"cluster": self.cluster, "routers": routers, "workers": workers}
+
+
+async def read_fleet(store: StateStore, keys: Keys, *, revision: int | None = None) -> FleetSnapshot:
+    snap = await store.get_prefix(keys.root, revision=revision)
+    fleet = FleetSnapshot(keys.cluster, revision=snap.revision)
+    for kv in snap.items:
+        fleet.apply(keys, "put", kv.key, kv.value)
+    return fleet
+
+
+class FleetView:
+    """A live :class:`FleetSnapshot`: read once at R, then every change from R+1 on.
+
+    ``on_change(section, id)`` is called after each change is applied (section is workers, health or
+    routers). :meth:`ready` is set once the first snapshot is loaded.
+    """
+
+    def __init__(self, store: StateStore, keys: Keys,
+                 on_change: Callable[[str, str], None] | None = None) -> None:
+        self.store = store
+        self.keys = keys
+        self.fleet = FleetSnapshot(keys.cluster)
+        self.loaded = asyncio.Event()
+        self._on_change = on_change
+
+    async def run(self) -> None:
+        from fleetward.fleet.errors import StoreError
+
+        while True:
+            self.fleet = await read_fleet(self.store, self.keys)
+            self.loaded.set()
+            if self._on_change is not None:
+                self._on_change("*", "")
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    for section in ("workers", "health", "routers"):
+                        tg.create_task(self._follow(section, self.fleet.revision + 1))
+            except* StoreError as group:  # compacted or broken for good: re-read and watch again
+                log.warning("fleet watch lost (%s); re-reading the key space", group.exceptions[0])
+
+    async def _follow(self, section: str, start_revision: int) -> None:
+        prefix: str = getattr(self.keys, section)
+        async for ev in self.store.watch_prefix(prefix, start_revision=start_revision):
+            if self.fleet.apply(self.keys, ev.kind, ev.key, ev.value) is not None:
+                self.fleet.revision = max(self.fleet.revision, ev.revision)
+                if self._on_change is not None:
+                    self._on_change(section, ev.key[len(prefix):])

@@ -1,0 +1,329 @@
+"""The request journal: everything needed to resume a generation elsewhere, and the rules for doing so.
+
+Sans-IO. A :class:`Journal` is one in-flight request: the client's body, the prompt as token ids (known
+from the first upstream chunk), every token emitted so far, the worker, attempts, the deadline. From it
+:meth:`Journal.upstream_request` builds the next attempt:
+
+- the first attempt goes to the API the client called (``/v1/completions`` or ``/v1/chat/completions``)
+  with ``return_token_ids`` on, so the worker reports the prompt ids and every token's id;
+- a resumed attempt always goes to ``/v1/completions`` with ``prompt = prompt ids + emitted ids`` and
+  the remaining ``max_tokens`` / ``min_tokens``, same sampling parameters. A chat stream is converted
+  back to chat chunks by the router, so the client does not see the switch.
+
+Exactness: with greedy decoding (temperature 0) the resumed stream equals the uninterrupted one, token
+for token (the worker computes the same next token from the same prefix). With sampling the stream
+still has no gap and no duplicate, but the continuation after a migration is a fresh sample. Requests
+whose state is not a function of the prefix cannot be resumed exactly and are not migrated after their
+first token (see :func:`migration_blocker`): the client gets a clear error event instead.
+
+Stop strings are matched by the router (:class:`StopChecker`), not the worker: a stop string may
+straddle a migration boundary, and a worker only searches the text it generated itself.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+__all__ = [
+    "Journal",
+    "Kind",
+    "RequestRefused",
+    "StopChecker",
+    "migration_blocker",
+    "new_request_id",
+    "validate_body",
+]
+
+
+class Kind(StrEnum):
+    COMPLETION = "completion"
+    CHAT = "chat"
+
+    @property
+    def path(self) -> str:
+        return "/v1/completions" if self is Kind.COMPLETION else "/v1/chat/completions"
+
+    @property
+    def id_prefix(self) -> str:
+        return "cmpl-" if self is Kind.COMPLETION else "chatcmpl-"
+
+
+class RequestRefused(ValueError):
+    """The request is malformed or asks for something the router cannot do (a 4xx for the client)."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+
+
+def new_request_id(kind: Kind) -> str:
+    return f"{kind.id_prefix}fw{uuid.uuid4().hex[:20]}"
+
+
+# Body keys the router owns: never forwarded as the client sent them.
+_ROUTER_KEYS = {"stream", "stream_options", "stop", "include_stop_str_in_output", "return_token_ids",
+                "max_tokens", "max_completion_tokens", "min_tokens", "prompt", "messages", "n", "best_of"}
+# Sampling keys that mean the same thing on /v1/completions, so a chat request can resume there.
+_PORTABLE = {"model", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "logit_bias", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+             "spaces_between_special_tokens", "bad_words", "allowed_token_ids", "user", "priority"}
+
+
+def _int_field(body: dict[str, Any], key: str, *, minimum: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestRefused(f"{key} must be an integer, got {value!r}", param=key)
+    if value < minimum:
+        raise RequestRefused(f"{key} must be at least {minimum}, got {value}.", param=key)
+    return value
+
+
+def validate_body(body: Any, kind: Kind) -> None:
+    """Refuse what no worker should see: wrong types, missing prompt, unsupported fan-out."""
+    if not isinstance(body, dict):
+        raise RequestRefused("the request body must be a JSON object")
+    if not isinstance(body.get("model"), str) or not body.get("model"):
+        raise RequestRefused("model is required (a string; see GET /v1/models)", param="model")
+    if kind is Kind.COMPLETION:
+        prompt = body.get("prompt")
+        ok = (isinstance(prompt, str) and prompt) or (
+            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                        for t in prompt))
+        if not ok:
+            if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+                raise RequestRefused("batched prompts (a list of prompts) are not supported by the router; "
+                                     "send one request per prompt", param="prompt")
+            raise RequestRefused("prompt must be a non-empty string or a non-empty list of token ids",
+                                 param="prompt")
+    else:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise RequestRefused("messages must be a non-empty list of message objects", param="messages")
+    for key in ("n", "best_of"):
+        value = _int_field(body, key, minimum=1)
+        if value is not None and value > 1:
+            raise RequestRefused(f"{key}={value} is not supported by the router: a fan-out of samples cannot be "
+                                 "journaled and resumed token by token; send separate requests", param=key)
+    _int_field(body, "max_tokens", minimum=1)
+    _int_field(body, "max_completion_tokens", minimum=1)
+    _int_field(body, "min_tokens", minimum=0)
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise RequestRefused("stop must be a string or a list of strings", param="stop")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise RequestRefused("stream_options must be an object", param="stream_options")
+
+
+def migration_blocker(body: dict[str, Any], kind: Kind) -> str | None:
+    """Why this request cannot be resumed exactly after its first token, or None when it can."""
+    if body.get("echo"):
+        return "echo"
+    for key in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                "structured_outputs", "tools", "tool_choice"):
+        value = body.get(key)
+        if value not in (None, {}, [], "none", {"type": "text"}):
+            return f"{key} (constrained decoding state is not a function of the token prefix alone)"
+    if kind is Kind.CHAT:
+        if body.get("logprobs"):
+            return "logprobs on chat completions (a resumed chat stream cannot convert them yet)"
+        unknown = set(body) - _ROUTER_KEYS - _PORTABLE - {"logprobs", "top_logprobs", "add_generation_prompt",
+                                                          "chat_template_kwargs", "chat_template"}
+        if unknown:
+            return f"chat parameters without a completions equivalent: {', '.join(sorted(unknown))}"
+    return None
+
+
+class StopChecker:
+    """Stop-string matching over a text stream, holding back what might be the start of a stop string.
+
+    Mirrors vLLM: the stop string itself is not emitted (unless ``include``), and text that could be the
+    beginning of a stop string is delayed until it is known not to be.
+    """
+
+    def __init__(self, stops: list[str], *, include: bool = False) -> None:
+        self.stops = [s for s in stops if s]
+        self.include = include
+        self.held = ""
+        self._keep = max((len(s) for s in self.stops), default=1) - 1
+
+    def feed(self, delta: str) -> tuple[str, str | None]:
+        """Text that is safe to emit now, and the stop string that matched (generation ends) if any."""
+        if not self.stops:
+            return delta, None
+        full = self.held + delta
+        best: tuple[int, str] | None = None
+        for s in self.stops:
+            i = full.find(s)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            i, s = best
+            self.held = ""
+            return full[: i + len(s)] if self.include else full[:i], s
+        cut = max(0, len(full) - self._keep)
+        self.held = full[cut:]
+        return full[:cut], None
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held
+
+
+@dataclass
+class Journal:
+    """One in-flight request (see the module docstring)."""
+
+    id: str
+    kind: Kind
+    body: dict[str, Any]
+    created: float = field(default_factory=time.time)
+    deadline: float = 0.0  # wall-clock seconds
+    prompt_ids: list[int] | None = None
+    emitted: list[int] = field(default_factory=list)
+    text: str = ""
+    text_ends: list[int] = field(default_factory=list)  # len(text) after each emitted token
+    worker: str | None = None
+    attempts: int = 0
+    migrations: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    blocker: str | None = None
+    dirty: bool = True
+    stop: StopChecker = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        stop = self.body.get("stop")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        self.stop = StopChecker(stops, include=bool(self.body.get("include_stop_str_in_output")))
+        self.blocker = migration_blocker(self.body, self.kind)
+        if self.kind is Kind.COMPLETION and isinstance(self.body.get("prompt"), list):
+            self.prompt_ids = list(self.body["prompt"])
+
+    @property
+    def model(self) -> str:
+        return str(self.body["model"])
+
+    @property
+    def max_tokens(self) -> int | None:
+        value = self.body.get("max_tokens")
+        if value is None:
+            value = self.body.get("max_completion_tokens")
+        return int(value) if value is not None else None
+
+    @property
+    def remaining(self) -> int | None:
+        m = self.max_tokens
+        return None if m is None else max(0, m - len(self.emitted))
+
+    @property
+    def wants_token_ids(self) -> bool:
+        return bool(self.body.get("return_token_ids"))
+
+    @property
+    def wants_usage(self) -> bool:
+        opts = self.body.get("stream_options") or {}
+        return bool(opts.get("include_usage")) or not self.body.get("stream")
+
+    @property
+    def is_done(self) -> bool:
+        return self.finish_reason is not None
+
+    def resumable(self) -> str | None:
+        """None if a failed attempt may be resumed elsewhere; otherwise why not."""
+        if not self.emitted:
+            return None  # nothing sent yet: any worker can start over
+        if self.blocker:
+            return self.blocker
+        if self.prompt_ids is None:
+            return "the worker never reported the prompt's token ids"
+        return None
+
+    def upstream_request(self) -> tuple[str, dict[str, Any]]:
+        """Path and body of the next attempt."""
+        if not self.emitted and (self.kind is Kind.COMPLETION or self.prompt_ids is None):
+            body = {k: v for k, v in self.body.items() if k not in _ROUTER_KEYS or k in ("prompt", "messages")}
+            if self.kind is Kind.COMPLETION and self.prompt_ids is not None:
+                body["prompt"] = self.prompt_ids
+            path = self.kind.path
+        else:
+            assert self.prompt_ids is not None
+            body = {k: v for k, v in self.body.items() if k in _PORTABLE}
+            body["prompt"] = self.prompt_ids + self.emitted
+            if self.kind is Kind.COMPLETION and self.body.get("logprobs") is not None:
+                body["logprobs"] = self.body["logprobs"]
+            path = Kind.COMPLETION.path
+        body["stream"] = True
+        body["return_token_ids"] = True
+        remaining = self.remaining
+        if remaining is not None:
+            body["max_tokens"] = remaining
+        min_tokens = self.body.get("min_tokens")
+        if min_tokens:
+            body["min_tokens"] = max(0, int(min_tokens) - len(self.emitted))
+        return path, body
+
+    def text_after(self, n: int) -> str:
+        """The text the client has not seen if it holds the first ``n`` tokens."""
+        return self.text[self.text_ends[n - 1]:] if n > 0 else self.text
+
+    def record(self, token_ids: list[int], text: str, finish_reason: str | None,
+               stop_reason: str | int | None) -> tuple[list[int], str, str | None]:
+        """Fold one upstream chunk in; returns (tokens, text, finish reason) to send to the client."""
+        if self.is_done:
+            return [], "", None
+        remaining = self.remaining
+        if remaining is not None and len(token_ids) > remaining:
+            token_ids = token_ids[:remaining]
+            finish_reason = finish_reason or "length"
+        self.emitted.extend(token_ids)
+        out_text, matched = self.stop.feed(text)
+        if matched is not None:
+            finish_reason, stop_reason = "stop", matched
+        elif finish_reason is not None:
+            out_text += self.stop.flush()
+        elif remaining is not None and len(self.emitted) >= (self.max_tokens or 0):
+            finish_reason = "length"
+            out_text += self.stop.flush()
+        self.text += out_text
+        self.text_ends.extend([len(self.text)] * len(token_ids))
+        self.dirty = True
+        if finish_reason is not None:
+            self.finish_reason = finish_reason
+            self.stop_reason = stop_reason
+        return token_ids, out_text, finish_reason
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+
+    def checkpoint(self, router: str) -> dict[str, Any]:
+        return {
+            "v": 1, "id": self.id, "kind": self.kind.value, "router": router, "body": self.body,
+            "prompt_ids": self.prompt_ids, "emitted": self.emitted, "text": self.text, "text_ends": self.text_ends,
+            "stop_held": self.stop.held,
+            "worker": self.worker, "attempts": self.attempts, "migrations": self.migrations,
+            "deadline": self.deadline, "created": self.created, "finish_reason": self.finish_reason,
+        }
+
+    @classmethod
+    def from_checkpoint(cls, data: dict[str, Any]) -> Journal:
+        j = cls(id=data["id"], kind=Kind(data["kind"]), body=data["body"], created=data.get("created", 0.0),
+                deadline=data.get("deadline", 0.0))
+        j.prompt_ids = data.get("prompt_ids")
+        j.emitted = list(data.get("emitted") or [])
+        j.text = data.get("text") or ""
+        j.text_ends = list(data.get("text_ends") or [])
+        j.finish_reason = data.get("finish_reason")
+        j.stop.held = data.get("stop_held") or ""
+        j.worker = data.get("worker")
+        j.attempts = int(data.get("attempts", 0))
+        j.migrations = int(data.get("migrations", 0))
+        return j

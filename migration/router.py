@@ -1,0 +1,575 @@
+"""The router: an OpenAI-compatible front door whose streams survive worker failures.
+
+Request life (see DESIGN.md): validate → journal → pick a healthy worker → stream tokens to the client,
+journaling each → on failure (connect error, reset, EOF without finish, 5xx, in-band error, worker
+silent past its adaptive allowance, worker turned unhealthy in etcd) resume on another worker from prompt
++ emitted tokens, up to ``migration_limit`` times within the request's deadline. Journals are checkpointed
+to etcd by :class:`~fleetward.migration.checkpoint.Checkpointer`; a client that lost its connection (or
+its router) reconnects to any replica with ``Last-Event-ID`` and continues from the checkpoint.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
+``GET /metrics``, and ``GET /fleetward/v1/progress`` (the per-worker token progress the supervisor's
+stream-progress detector reads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from fleetward.fleet.bus import EventBus
+from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
+from fleetward.fleet.config import RouterConfig
+from fleetward.fleet.etcd import LeaseKeeper, StateStore
+from fleetward.fleet.keys import Keys
+from fleetward.fleet.progress import ProgressModel
+from fleetward.fleet.registry import FleetView
+from fleetward.fleet.worker import HealthState
+from fleetward.migration import wire
+from fleetward.migration.checkpoint import Checkpointer
+from fleetward.migration.journal import Journal, Kind, RequestRefused, new_request_id, validate_body
+from fleetward.migration.policy import LeastLoadedAffinity, RoutingPolicy, prefix_key
+from fleetward.migration.upstream import Upstream, UpstreamError, UpstreamStream
+
+__all__ = ["Router", "RouterError"]
+
+log = logging.getLogger(__name__)
+
+# Health states in which a worker's open streams are moved elsewhere at once.
+_EVACUATE = {HealthState.UNHEALTHY, HealthState.DEAD, HealthState.RESTARTING, HealthState.QUARANTINED}
+
+
+class RouterError(Exception):
+    """A request ends with this status and message (before streaming: an HTTP error; after: an in-band one)."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, body: dict[str, Any] | None = None,
+                 retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.body = body
+        self.retry_after = retry_after
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after else None
+        body = self.body or wire.error_body(self.status, self.message, param=self.param)
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+@dataclass(slots=True)
+class Out:
+    tokens: list[int]
+    text: str
+    finish_reason: str | None
+    stop_reason: str | int | None
+    logprobs: Any = None
+
+
+@dataclass
+class Active:
+    journal: Journal
+    worker: str | None = None
+    stream: UpstreamStream | None = None
+    detached_at: float | None = None
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("fleetward_router_requests", "Requests by endpoint and outcome.",
+                                ["endpoint", "outcome"], registry=r)
+        self.tokens = Counter("fleetward_router_tokens", "Completion tokens delivered to clients.", registry=r)
+        self.migrations = Counter("fleetward_router_migrations", "Streams resumed on another worker, by trigger.",
+                                  ["reason"], registry=r)
+        self.upstream_errors = Counter("fleetward_router_upstream_errors", "Failed upstream attempts by kind.",
+                                       ["kind"], registry=r)
+        self.in_flight = Gauge("fleetward_router_in_flight_requests", "Requests being served.", registry=r)
+        self.stall = Histogram("fleetward_router_migration_stall_seconds",
+                               "Client-visible gap between the last token before a failure and the first after it.",
+                               buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5, 10, 30), registry=r)
+        self.ttft = Histogram("fleetward_router_time_to_first_token_seconds", "Time to first token at the router.",
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
+        self.checkpoint_flushes = Counter("fleetward_router_checkpoint_flushes",
+                                          "Checkpoint flushes that wrote something.", registry=r)
+        self.checkpoint_txns = Counter("fleetward_router_checkpoint_txns", "etcd transactions for checkpoints.",
+                                       registry=r)
+        self.workers_routable = Gauge("fleetward_router_workers_routable", "Workers new requests may go to.",
+                                      registry=r)
+
+
+class Router:
+    def __init__(self, config: RouterConfig, *, store: StateStore, bus: EventBus, keys: Keys,
+                 router_id: str | None = None, url: str = "", clock: Clock = SYSTEM_CLOCK,
+                 policy: RoutingPolicy | None = None) -> None:
+        self.config = config
+        self.store = store
+        self.bus = bus
+        self.keys = keys
+        self.id = router_id or f"router-{uuid.uuid4().hex[:8]}"
+        self.url = url
+        self.clock = clock
+        self.policy = policy or LeastLoadedAffinity(config.affinity_slack)
+        self.view = FleetView(store, keys, on_change=self._on_fleet_change)
+        self.upstream = Upstream()
+        self.progress = ProgressModel(clock=clock, floor_s=config.stall_floor_s,
+                                      itl_multiplier=config.itl_multiplier,
+                                      prefill_s_per_token=config.prefill_s_per_token)
+        self.checkpointer = Checkpointer(store, keys, self.id, interval_s=config.checkpoint_interval_ms / 1000,
+                                         ttl_s=config.checkpoint_ttl_s, clock=clock, on_lost=self._on_lost)
+        self.checkpointer.enabled = config.checkpoints
+        self.active: dict[str, Active] = {}
+        self.metrics = _Metrics()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._lease: LeaseKeeper | None = None
+        self._accepting = False
+        self.orphans: set[str] = set()
+        self._seen_flushes = self._seen_txns = 0
+        self._seen_models: set[str] = set()  # a model whose workers all died is unavailable (503), not unknown
+
+    # -- life -------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the fleet at revision R, watch from R+1, register; serving only once the state is whole."""
+        await self.upstream.start()
+        if self.config.checkpoints:
+            await self.checkpointer.start()
+        self._tasks.append(asyncio.create_task(self.view.run(), name="router-fleet-view"))
+        await self.view.loaded.wait()
+        snap = await self.store.get_prefix(self.keys.requests)
+        routers = set(self.view.fleet.routers)
+        for kv in snap.items:
+            try:
+                owner = orjson.loads(kv.value).get("router")
+            except orjson.JSONDecodeError:
+                continue
+            if owner not in routers:
+                self.orphans.add(self.keys.tail(kv.key, self.keys.requests))
+        if self.orphans:
+            log.info("%d request checkpoint(s) of dead routers are resumable until their lease expires",
+                     len(self.orphans))
+        if self.config.checkpoints:
+            self._tasks.append(asyncio.create_task(self.checkpointer.run(), name="router-checkpoints"))
+        self._tasks.append(asyncio.create_task(self._monitor(), name="router-monitor"))
+        self._lease = await LeaseKeeper(self.store, self.config.lease_ttl_s, clock=self.clock).__aenter__()
+        info = {"id": self.id, "url": self.url, "started_at": self.clock.wall(), "pid": os.getpid()}
+        await self.store.put(self.keys.router(self.id), orjson.dumps(info), lease=self._lease.id)
+        self._accepting = True
+
+    async def aclose(self) -> None:
+        """Stop taking requests, let open streams finish (``drain_timeout_s``), cancel the rest, deregister."""
+        self._accepting = False
+        deadline = self.clock.monotonic() + self.config.drain_timeout_s
+        while any(a.detached_at is None for a in self.active.values()) and self.clock.monotonic() < deadline:
+            await self.clock.sleep(0.05)
+        for a in list(self.active.values()):
+            for t in list(a.tasks):
+                t.cancel()
+        with contextlib.suppress(Exception):
+            await self.checkpointer.flush()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        # Keep the checkpoints of unfinished streams resumable on a replica: their lease runs out on its own.
+        await self.checkpointer.aclose(revoke=not self.checkpointer.live)
+        if self._lease is not None:
+            await self._lease.aclose()
+            self._lease = None
+        await self.upstream.aclose()
+
+    # -- fleet ------------------------------------------------------------------------------------------
+
+    def _on_fleet_change(self, section: str, worker: str) -> None:
+        fleet = self.view.fleet
+        self.metrics.workers_routable.set(len(fleet.routable()))
+        self._seen_models.update(rec.model for rec in fleet.workers.values())
+        if section not in ("workers", "health"):
+            return
+        health = fleet.health.get(worker)
+        gone = worker not in fleet.workers
+        if gone or (health is not None and health.state in _EVACUATE):
+            why = "worker deregistered" if gone else f"worker {health.state.value}: {health.reason}"  # type: ignore[union-attr]
+            self._evacuate(worker, why)
+            if gone:
+                self.progress.forget(worker)
+
+    def _evacuate(self, worker: str, reason: str) -> None:
+        for a in self.active.values():
+            if a.worker == worker and a.stream is not None:
+                a.stream.abort(reason)
+
+    def _on_lost(self, request_id: str) -> None:
+        a = self.active.get(request_id)
+        if a is not None:
+            for t in list(a.tasks):
+                t.cancel()
+
+    async def _monitor(self) -> None:
+        """Abort streams on stalled workers; forget detached requests whose clients did not come back."""
+        while True:
+            await self.clock.sleep(0.05)
+            for worker, silent, allowed in self.progress.stalled():
+                reason = f"stalled: no token for {silent:.2f}s with work in flight (allowed {allowed:.2f}s)"
+                for a in self.active.values():
+                    if a.worker == worker and a.stream is not None and a.stream.abort_reason is None:
+                        log.warning("worker %s %s; migrating its streams", worker, reason)
+                        a.stream.abort(reason)
+            now = self.clock.monotonic()
+            for rid, a in list(self.active.items()):
+                if a.detached_at is not None and now - a.detached_at > self.config.detached_grace_s:
+                    self._release(rid)
+            self._mirror_checkpoint_counters()
+
+    def _mirror_checkpoint_counters(self) -> None:
+        cp = self.checkpointer
+        self.metrics.checkpoint_flushes.inc(cp.flushes - self._seen_flushes)
+        self.metrics.checkpoint_txns.inc(cp.txns - self._seen_txns)
+        self._seen_flushes, self._seen_txns = cp.flushes, cp.txns
+
+    def _release(self, rid: str) -> None:
+        a = self.active.pop(rid, None)
+        if a is not None:
+            self.checkpointer.done(a.journal)
+            self.metrics.in_flight.set(len(self.active))
+
+    def _candidates(self, model: str, failed: list[str]) -> tuple[list[str], bool]:
+        """Workers a request may go to next, and whether any registered worker serves ``model`` at all.
+
+        Routable (health), serving the model, not stalled right now; preferably one this request has not
+        failed on yet, else any but the one it failed on last (a worker that reset one stream may serve
+        the next), else whatever is left.
+        """
+        fleet = self.view.fleet
+        known = False
+        ok = []
+        for wid, rec in fleet.workers.items():
+            if rec.model != model:
+                continue
+            known = True
+            h = fleet.health.get(wid)
+            if h is None or not h.state.is_routable or rec.role == "prefill":
+                continue
+            if self.progress.silent_for(wid) > self.progress.allowed_silence(wid):
+                continue
+            ok.append(wid)
+        fresh = [w for w in ok if w not in failed]
+        if fresh:
+            return fresh, known
+        not_last = [w for w in ok if not failed or w != failed[-1]]
+        return (not_last or ok), known
+
+    def models(self) -> list[str]:
+        models = {rec.model for rec in self.view.fleet.workers.values()}
+        self._seen_models |= models
+        return sorted(models)
+
+    # -- generation -------------------------------------------------------------------------------------
+
+    async def generate(self, j: Journal) -> AsyncIterator[Out | None]:
+        """Attempts until the journal is finished. Yields ``None`` once the first upstream accepted.
+
+        Raises :class:`RouterError` when the request cannot be served (before the first yield: the HTTP
+        status to answer; after: the reason for the in-band error).
+        """
+        failed: list[str] = []
+        opened = False
+        failed_at: float | None = None
+        reason = ""
+        while not j.is_done:
+            if j.attempts > 0:
+                why_not = j.resumable()
+                if why_not is not None:
+                    raise RouterError(502, f"the worker failed mid-stream ({reason}) and this request cannot be "
+                                      f"resumed exactly: {why_not}")
+                if j.attempts > self.config.migration_limit:
+                    raise RouterError(503 if not j.emitted else 502,
+                                      f"gave up after {j.attempts} attempts (migration_limit="
+                                      f"{self.config.migration_limit}); last failure: {reason}",
+                                      retry_after=self.config.retry_after_s)
+            if self.clock.wall() > j.deadline:
+                raise RouterError(504, f"request deadline passed after {j.attempts} attempt(s); last failure: "
+                                  f"{reason}")
+            candidates, known = self._candidates(j.model, failed)
+            if not candidates:
+                if not known and not failed and self.models() and j.model not in self._seen_models:
+                    valid = ", ".join(self.models())
+                    raise RouterError(404, f"The model `{j.model}` does not exist. Valid models: {valid}.",
+                                      param="model")
+                raise RouterError(503, "no healthy worker can take this request now"
+                                  + (f" (last failure: {reason})" if reason else ""),
+                                  retry_after=self.config.retry_after_s)
+            load = {w: p.in_flight for w, p in self.progress.workers.items()}
+            key = None
+            if self.config.affinity_tokens:
+                prompt = j.prompt_ids if j.prompt_ids is not None else j.body.get("prompt") or str(
+                    j.body.get("messages"))
+                key = prefix_key(prompt, self.config.affinity_tokens)
+            worker = self.policy.choose(candidates, load, key)
+            url = self.view.fleet.workers[worker].url
+            path, body = j.upstream_request()
+            prompt_len = len(body["prompt"]) if isinstance(body.get("prompt"), list) else len(
+                orjson.dumps(body.get("prompt") or body.get("messages")))
+            previous = j.worker
+            j.attempts += 1
+            j.worker = worker
+            j.dirty = True
+            if j.attempts > 1:
+                j.migrations += 1
+                trigger = reason.split(":")[0] if reason else "unknown"
+                self.metrics.migrations.labels(trigger).inc()
+                await self.bus.publish("migration", request=j.id, worker=worker, from_worker=previous,
+                                       reason=reason, tokens=len(j.emitted), attempt=j.attempts, router=self.id)
+            active = self.active[j.id]
+            active.worker = worker
+            self.progress.dispatched(worker, j.id, prompt_len)
+            try:
+                async with self.upstream.open(worker, url, path, body) as stream:
+                    active.stream = stream
+                    if not opened:
+                        opened = True
+                        yield None
+                    async for chunk in stream:
+                        if chunk.prompt_token_ids is not None and j.prompt_ids is None:
+                            j.prompt_ids = list(chunk.prompt_token_ids)
+                        if not chunk.token_ids and chunk.finish_reason is None:
+                            continue
+                        self.progress.token(worker, j.id, len(chunk.token_ids))
+                        if failed_at is not None:
+                            self.metrics.stall.observe(self.clock.monotonic() - failed_at)
+                            failed_at = None
+                        tokens, text, finish = j.record(chunk.token_ids, chunk.text, chunk.finish_reason,
+                                                        chunk.stop_reason)
+                        self.metrics.tokens.inc(len(tokens))
+                        yield Out(tokens, text, finish, j.stop_reason, chunk.logprobs)
+                        if finish is not None:
+                            stream.finished = stream.finished or chunk.finish_reason is not None
+                            break
+            except UpstreamError as exc:
+                if exc.is_client_error and not j.emitted:
+                    raise RouterError(exc.status or 400, exc.message, body=exc.body) from None
+                reason = f"{exc.kind}: {exc.message}" if exc.kind != "aborted" else exc.message
+                self.metrics.upstream_errors.labels(exc.kind).inc()
+                log.info("request %s: attempt %d on %s failed (%s) after %d tokens", j.id, j.attempts, worker,
+                         reason, len(j.emitted))
+                failed.append(worker)
+                failed_at = failed_at or self.clock.monotonic()
+            finally:
+                active.stream = None
+                self.progress.finished(worker, j.id)
+
+    # -- HTTP -------------------------------------------------------------------------------------------
+
+    def app(self) -> FastAPI:
+        app = FastAPI(title="fleetward router", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=200 if self._accepting else 503)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/v1/models")
+        async def models() -> JSONResponse:
+            now = int(time.time())
+            data = [{"id": m, "object": "model", "created": now, "owned_by": "fleetward", "root": m, "parent": None}
+                    for m in self.models()]
+            return JSONResponse({"object": "list", "data": data})
+
+        @app.get("/fleetward/v1/progress")
+        async def progress() -> JSONResponse:
+            return JSONResponse({"router": self.id, "ts": self.clock.wall(), **self.progress.view()})
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await self._handle(request, Kind.COMPLETION)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> Response:
+            return await self._handle(request, Kind.CHAT)
+
+        return app
+
+    async def _handle(self, request: Request, kind: Kind) -> Response:
+        endpoint = kind.value
+        if not self._accepting:
+            self.metrics.requests.labels(endpoint, "unavailable").inc()
+            return RouterError(503, "router is starting or shutting down", retry_after=1).response()
+        raw = await request.body()
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            self.metrics.requests.labels(endpoint, "bad_request").inc()
+            return RouterError(400, f"malformed JSON body: {exc}").response()
+        try:
+            validate_body(body, kind)
+        except RequestRefused as exc:
+            self.metrics.requests.labels(endpoint, "bad_request").inc()
+            return RouterError(exc.status, exc.message, param=exc.param).response()
+
+        last_event = request.headers.get("last-event-id")
+        skip = 0
+        if last_event:
+            try:
+                j, skip = await self._resume(last_event, kind)
+            except RouterError as exc:
+                self.metrics.requests.labels(endpoint, "resume_failed").inc()
+                return exc.response()
+        else:
+            j = Journal(id=new_request_id(kind), kind=kind, body=body, created=self.clock.wall(),
+                        deadline=self.clock.wall() + self.config.request_timeout_s)
+            self.active[j.id] = Active(j)
+            if self.config.checkpoints:
+                self.checkpointer.track(j)
+        self.metrics.in_flight.set(len(self.active))
+        if j.body.get("stream"):
+            return await self._stream(j, skip)
+        return await self._complete(j)
+
+    async def _resume(self, last_event: str, kind: Kind) -> tuple[Journal, int]:
+        rid, _, n = last_event.rpartition(":")
+        if not rid or not n.isdigit():
+            raise RouterError(400, f"Last-Event-ID must be <request id>:<token index>, got {last_event!r}")
+        if not self.config.checkpoints:
+            raise RouterError(409, "this router does not checkpoint requests (checkpoints are off)")
+        a = self.active.get(rid)
+        if a is not None:  # the same router still holds it (the client came back before we let go)
+            for t in list(a.tasks):
+                t.cancel()
+            j = a.journal
+            self.active[rid] = Active(j)
+        else:
+            claimed = await self.checkpointer.claim(rid)
+            if claimed is None:
+                raise RouterError(404, f"request {rid} is unknown, finished, or its checkpoint expired")
+            j = claimed
+            self.active[rid] = Active(j)
+            self.orphans.discard(rid)
+        if j.kind is not kind:
+            raise RouterError(400, f"request {rid} is a {j.kind.value} request; resume it on {j.kind.path}")
+        j.deadline = max(j.deadline, self.clock.wall() + 1)
+        return j, int(n)
+
+    async def _stream(self, j: Journal, skip: int) -> Response:
+        agen = self._client_events(j, skip)
+        try:
+            first = await agen.__anext__()
+        except RouterError as exc:
+            self._release(j.id)
+            self.metrics.requests.labels(j.kind.value, f"http_{exc.status}").inc()
+            return exc.response()
+
+        async def body() -> AsyncIterator[bytes]:
+            task = asyncio.current_task()
+            active = self.active.get(j.id)
+            if active is not None and task is not None:
+                active.tasks.add(task)
+            finished = False
+            try:
+                yield first
+                async for chunk in agen:
+                    yield chunk
+                finished = True
+            finally:
+                await agen.aclose()
+                if active is not None and task is not None:
+                    active.tasks.discard(task)
+                if finished or j.is_done:
+                    self._release(j.id)
+                elif active is not None and self.active.get(j.id) is active:
+                    # The client went away mid-stream: the upstream is cancelled (its connection closed);
+                    # the checkpoint stays resumable for detached_grace_s.
+                    active.detached_at = self.clock.monotonic()
+                    self.metrics.requests.labels(j.kind.value, "client_disconnected").inc()
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Request-Id": j.id})
+
+    async def _client_events(self, j: Journal, skip: int) -> AsyncIterator[bytes]:
+        """SSE bytes for the client: replay (on resume), then live tokens, then usage and ``[DONE]``."""
+        started = self.clock.monotonic()
+        first_sent = False
+        n = len(j.emitted)
+        if skip < n:  # replay what the checkpoint has and the client lacks
+            chunk = wire.stream_chunk(j, tokens=j.emitted[skip:], text=j.text_after(skip),
+                                      finish_reason=j.finish_reason, stop_reason=j.stop_reason, first=skip == 0)
+            yield wire.event(chunk, f"{j.id}:{n}")
+            first_sent = True
+        to_skip = max(0, skip - n)  # the client has tokens the checkpoint lacks: regenerate, don't resend
+        gen = self.generate(j)
+        try:
+            async for out in gen:
+                if out is None:
+                    if not first_sent and j.kind is Kind.CHAT:
+                        # vLLM opens a chat stream with the assistant role before any token.
+                        yield wire.event(wire.stream_chunk(j, tokens=[], text="", finish_reason=None,
+                                                           stop_reason=None, first=True), f"{j.id}:{len(j.emitted)}")
+                        first_sent = True
+                    elif not first_sent:
+                        yield b": opened\n\n"
+                    continue
+                tokens, text = out.tokens, out.text
+                if to_skip:
+                    dropped = min(to_skip, len(tokens))
+                    to_skip -= dropped
+                    tokens = tokens[dropped:]
+                    if dropped and not tokens:
+                        text = ""
+                    if not tokens and out.finish_reason is None:
+                        continue
+                if not first_sent or (j.kind is Kind.COMPLETION and len(j.emitted) == len(tokens)):
+                    self.metrics.ttft.observe(self.clock.monotonic() - started)
+                chunk = wire.stream_chunk(j, tokens=tokens, text=text, finish_reason=out.finish_reason,
+                                          stop_reason=out.stop_reason, logprobs=out.logprobs,
+                                          first=not first_sent)
+                first_sent = True
+                yield wire.event(chunk, f"{j.id}:{len(j.emitted)}")
+        except RouterError as exc:
+            if not first_sent:
+                raise
+            self.metrics.requests.labels(j.kind.value, f"failed_{exc.status}").inc()
+            yield wire.event(wire.error_body(exc.status, exc.message), f"{j.id}:{len(j.emitted)}")
+            yield wire.DONE
+            return
+        finally:
+            await gen.aclose()
+        if j.wants_usage and (j.body.get("stream_options") or {}).get("include_usage"):
+            yield wire.event(wire.usage_chunk(j), f"{j.id}:{len(j.emitted)}")
+        self.metrics.requests.labels(j.kind.value, "ok").inc()
+        yield wire.DONE
+
+    async def _complete(self, j: Journal) -> Response:
+        task = asyncio.current_task()
+        active = self.active[j.id]
+        if task is not None:
+            active.tasks.add(task)
+        try:
+            async for _ in self.generate(j):
+                pass
+        except RouterError as exc:
+            self.metrics.requests.labels(j.kind.value, f"http_{exc.status}").inc()
+            return exc.response()
+        finally:
+            if task is not None:
+                active.tasks.discard(task)
+            self._release(j.id)
+        self.metrics.requests.labels(j.kind.value, "ok").inc()
+        return JSONResponse(wire.final_response(j), headers={"X-Request-Id": j.id})

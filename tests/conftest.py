@@ -1,0 +1,309 @@
+"""Shared fixtures: one real etcd and one real Mosquitto per session, and per-test views of them.
+
+Infrastructure (session-scoped, started on first use, stopped at the end of the session):
+
+- ``etcd_endpoint`` (``host:port``) of a real etcd (:class:`LocalEtcd`, data under the session tmp dir);
+- ``broker_endpoint`` (``host:port``) of a real MQTT broker (:class:`LocalBroker`: Mosquitto, or amqtt
+  where Mosquitto is missing);
+- ``session_processes``: the registry of processes that legitimately live for the whole session (the
+  two above register themselves; a conftest that keeps its own long-lived processes registers them too).
+
+Per test (function-scoped):
+
+- ``cluster``: a cluster name unique to the test (``[a-z0-9-]``); ``keys``: its :class:`Keys`;
+- ``store``: an :class:`EtcdStore` on the session etcd, closed after the test; the test's key space
+  ``/fleetward/<cluster>/`` is deleted afterwards;
+- ``bus``: a started :class:`MqttBus` on the session broker for ``cluster``, closed after the test;
+- ``wait_until(predicate, timeout=..., interval=..., message=...)``: await a condition (sync or async
+  predicate) with a deadline; fails the test with ``message`` when the deadline passes. Returns the
+  predicate's truthy value;
+- ``make_etcd(**kw)`` / ``make_broker(**kw)``: private etcd / broker instances for tests that stop or
+  restart them (the shared ones are never restarted); stopped after the test;
+- ``spawn_python(code, *args, ready="READY")``: run ``python -c code args...`` as a
+  :class:`ManagedProcess` and wait until its output holds the ``ready`` line; stopped after the test.
+
+Leftover processes: after each test module, any process started during the module that is still alive
+(a descendant of pytest, or an orphan carrying this session's mark in its environment) and not registered
+in ``session_processes`` is reported as a warning; if it is still alive when the session ends (after every
+fixture was torn down) it is killed and the run fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import os
+import re
+import sys
+import uuid
+import warnings
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import pytest_asyncio
+
+from fleetward.fleet.bus import MqttBus
+from fleetward.fleet.errors import FleetwardError
+from fleetward.fleet.etcd import EtcdStore
+from fleetward.fleet.infra import LocalBroker, LocalEtcd
+from fleetward.fleet.keys import Keys
+from fleetward.fleet.procs import ManagedProcess, is_gone
+
+# -- leftover processes -----------------------------------------------------------------------------------
+
+
+class LeftoverProcessWarning(UserWarning):
+    """A test module left a child process running."""
+
+
+class SessionProcesses:
+    """Pids (with their descendants) that may outlive a test module: session-scoped infrastructure."""
+
+    def __init__(self) -> None:
+        self._roots: set[int] = set()
+
+    def register(self, proc: ManagedProcess | int) -> None:
+        self._roots.add(proc if isinstance(proc, int) else proc.pid)
+
+    def owns(self, proc: psutil.Process) -> bool:
+        try:
+            lineage = [proc.pid, *(p.pid for p in proc.parents())]
+        except psutil.NoSuchProcess:
+            return True
+        return any(pid in self._roots for pid in lineage)
+
+
+_SESSION_PROCESSES = SessionProcesses()
+_SUSPECTS: dict[int, tuple[psutil.Process, str]] = {}
+
+
+# Every process started from this session inherits the mark, so one that was orphaned (reparented to
+# init, no longer a descendant of pytest) is still found.
+_MARK_VAR, _MARK = "FLEETWARD_TEST_SESSION", uuid.uuid4().hex
+os.environ[_MARK_VAR] = _MARK
+
+
+def _marked(p: psutil.Process) -> bool:
+    with contextlib.suppress(psutil.Error, OSError):
+        return p.environ().get(_MARK_VAR) == _MARK
+    return False
+
+
+def _live_children() -> list[psutil.Process]:
+    """Live descendants of pytest, and orphans started from this session."""
+    me = os.getpid()
+    found = {p.pid: p for p in psutil.Process().children(recursive=True)}
+    for p in psutil.process_iter():
+        if p.pid != me and p.pid not in found and _marked(p):
+            found[p.pid] = p
+    return [p for p in found.values() if not is_gone(p)]
+
+
+def _describe(p: psutil.Process) -> str:
+    with contextlib.suppress(psutil.Error):
+        return f"pid {p.pid}: {' '.join(p.cmdline())[:200]}"
+    return f"pid {p.pid}"
+
+
+@pytest.fixture(scope="session")
+def session_processes() -> SessionProcesses:
+    return _SESSION_PROCESSES
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_leftover_processes(request: pytest.FixtureRequest) -> Iterator[None]:
+    before = {p.pid for p in _live_children()}
+    yield
+    leftovers = [p for p in _live_children() if p.pid not in before and not _SESSION_PROCESSES.owns(p)]
+    for p in leftovers:
+        _SUSPECTS[p.pid] = (p, request.module.__name__)
+    if leftovers:
+        warnings.warn(LeftoverProcessWarning(
+            f"{request.module.__name__} left {len(leftovers)} process(es) running (fails the session if "
+            f"still alive at its end): " + "; ".join(_describe(p) for p in leftovers)), stacklevel=1)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    orphans = [(p, module) for p, module in _SUSPECTS.values() if not is_gone(p)]
+    if not orphans:
+        return
+    lines = [f"  {module}: {_describe(p)}" for p, module in orphans]
+    for p, _ in orphans:
+        with contextlib.suppress(psutil.Error):
+            for q in [*p.children(recursive=True), p]:
+                q.kill()
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    message = "child processes outlived the session (killed now):\n" + "\n".join(lines)
+    if reporter is not None:
+        reporter.write("\n")
+        reporter.write_line(message, red=True)
+    else:  # pragma: no cover
+        print(message, file=sys.stderr)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# -- session infrastructure ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def infra_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("infra")
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def local_etcd(infra_dir: Path) -> AsyncIterator[LocalEtcd]:
+    etcd = LocalEtcd(infra_dir / "etcd-data")
+    _SESSION_PROCESSES.register(etcd.start(infra_dir / "logs"))
+    try:
+        await etcd.wait_ready()
+        yield etcd
+    finally:
+        await etcd.stop()
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def local_broker(infra_dir: Path) -> AsyncIterator[LocalBroker]:
+    broker = LocalBroker(infra_dir / "broker")
+    _SESSION_PROCESSES.register(broker.start(infra_dir / "logs"))
+    try:
+        await broker.wait_ready()
+        yield broker
+    finally:
+        await broker.stop()
+
+
+@pytest.fixture(scope="session")
+def etcd_endpoint(local_etcd: LocalEtcd) -> str:
+    return local_etcd.endpoint
+
+
+@pytest.fixture(scope="session")
+def broker_endpoint(local_broker: LocalBroker) -> str:
+    return local_broker.endpoint
+
+
+# -- per-test views ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cluster(request: pytest.FixtureRequest) -> str:
+    name = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")
+    return f"t{uuid.uuid4().hex[:8]}-{name[:40]}".rstrip("-")
+
+
+@pytest.fixture
+def keys(cluster: str) -> Keys:
+    return Keys(cluster)
+
+
+@pytest_asyncio.fixture
+async def store(etcd_endpoint: str, keys: Keys) -> AsyncIterator[EtcdStore]:
+    s = EtcdStore(etcd_endpoint, timeout_s=5.0, attempts=5, retry_budget_s=10.0)
+    try:
+        yield s
+    finally:
+        await s.aclose()
+        async with EtcdStore(etcd_endpoint, attempts=2, retry_budget_s=2.0) as cleanup:
+            with contextlib.suppress(FleetwardError):
+                await cleanup.delete(keys.root, prefix=True)
+
+
+@pytest_asyncio.fixture
+async def bus(broker_endpoint: str, cluster: str) -> AsyncIterator[MqttBus]:
+    b = await MqttBus(broker_endpoint, cluster, connect_attempts=3).start()
+    try:
+        yield b
+    finally:
+        await b.aclose(flush_timeout=1.0)
+
+
+WaitUntil = Callable[..., Awaitable[Any]]
+
+
+async def _wait_until(predicate: Callable[[], Any], *, timeout: float = 10.0, interval: float = 0.02,
+                      message: str | None = None) -> Any:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        result = predicate()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result
+        if loop.time() >= deadline:
+            pytest.fail(f"not within {timeout}s: {message or getattr(predicate, '__name__', predicate)}")
+        await asyncio.sleep(interval)
+
+
+@pytest.fixture
+def wait_until() -> WaitUntil:
+    return _wait_until
+
+
+@pytest_asyncio.fixture
+async def make_etcd(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[LocalEtcd]]]:
+    started: list[LocalEtcd] = []
+
+    async def make(**kw: Any) -> LocalEtcd:
+        n = len(started)
+        etcd = LocalEtcd(kw.pop("data_dir", tmp_path / f"etcd-{n}"), **kw)
+        started.append(etcd)
+        etcd.start(tmp_path / "logs")
+        await etcd.wait_ready()
+        return etcd
+
+    try:
+        yield make
+    finally:
+        for etcd in started:
+            await etcd.stop()
+
+
+@pytest_asyncio.fixture
+async def make_broker(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[LocalBroker]]]:
+    started: list[LocalBroker] = []
+
+    async def make(**kw: Any) -> LocalBroker:
+        n = len(started)
+        broker = LocalBroker(kw.pop("data_dir", tmp_path / f"broker-{n}"), **kw)
+        started.append(broker)
+        broker.start(tmp_path / "logs")
+        await broker.wait_ready()
+        return broker
+
+    try:
+        yield make
+    finally:
+        for broker in started:
+            await broker.stop()
+
+
+@pytest_asyncio.fixture
+async def spawn_python(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[ManagedProcess]]]:
+    started: list[ManagedProcess] = []
+
+    async def spawn(code: str, *args: str, ready: str | None = "READY", timeout: float = 30.0,
+                    name: str | None = None) -> ManagedProcess:
+        name = name or f"py{len(started)}"
+        proc = ManagedProcess(name, [sys.executable, "-c", code, *args], log_path=tmp_path / f"{name}.log",
+                              env={"PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1"},
+                              cwd=tmp_path)
+        started.append(proc)
+        proc.start()
+        if ready is not None:
+            async def has_ready_line() -> bool:
+                return ready in proc.log_tail(200).splitlines()
+
+            await proc.wait_ready(has_ready_line, timeout=timeout, interval=0.02)
+        return proc
+
+    try:
+        yield spawn
+    finally:
+        for proc in started:
+            await proc.stop(grace=2.0)
+

@@ -1,0 +1,87 @@
+"""The node agent: registration bound to its lease, worker.up / worker.down events, exits seen at once."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from fleetward.fleet.bus import Event, MqttBus
+from fleetward.fleet.etcd import EtcdStore
+from fleetward.fleet.keys import Keys
+from fleetward.fleet.procs import ManagedProcess
+from fleetward.fleet.registry import read_fleet
+
+
+async def collect(bus: MqttBus, into: list[Event], subscribed: asyncio.Event) -> None:
+    async for event in bus.subscribe(["worker.up", "worker.down"], subscribed=subscribed):
+        into.append(event)
+
+
+async def test_killing_the_agent_makes_its_workers_vanish_within_the_ttl(
+        etcd_endpoint: str, broker_endpoint: str, cluster: str, store: EtcdStore, keys: Keys, bus: MqttBus,
+        tmp_path: Path, wait_until: Any) -> None:
+    events: list[Event] = []
+    subscribed = asyncio.Event()
+    listener = asyncio.create_task(collect(bus, events, subscribed))
+    await subscribed.wait()
+    agent = ManagedProcess("agent", [sys.executable, "-m", "fleetward.fleet.cli", "supervisor", "--role", "agent",
+                                     "--etcd", etcd_endpoint, "--mqtt", broker_endpoint, "--cluster", cluster,
+                                     "--workers", "2", "--lease-ttl", "3", "--run-dir", str(tmp_path)],
+                           log_path=tmp_path / "agent.log", env={"PYTHONSAFEPATH": "1"}).start()
+    try:
+        async def registered() -> bool:
+            return len((await read_fleet(store, keys)).routable()) == 2
+
+        await wait_until(registered, timeout=60, message="two workers registered and ready")
+        await wait_until(lambda: len([e for e in events if e.kind == "worker.up"]) == 2, timeout=10)
+        worker_pids = [r.pid for r in (await read_fleet(store, keys)).workers.values()]
+        snapshot = await store.get_prefix(keys.workers)
+
+        agent.kill()  # SIGKILL, no cleanup
+        async for ev in store.watch_prefix(keys.workers, start_revision=snapshot.revision + 1):
+            assert ev.kind == "delete"
+            if not (await store.get_prefix(keys.workers)).items:
+                break
+        # Its workers die with it (PR_SET_PDEATHSIG), nothing is orphaned.
+        await wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                                         for p in worker_pids if p), timeout=10)
+    finally:
+        await agent.stop()
+        listener.cancel()
+
+
+async def test_a_worker_exit_is_reported_at_once_and_a_clean_stop_revokes_the_lease(
+        etcd_endpoint: str, broker_endpoint: str, cluster: str, store: EtcdStore, keys: Keys, bus: MqttBus,
+        tmp_path: Path, wait_until: Any) -> None:
+    from fleetward.chaos.harness import TestFleet
+
+    events: list[Event] = []
+    subscribed = asyncio.Event()
+    listener = asyncio.create_task(collect(bus, events, subscribed))
+    await subscribed.wait()
+    fleet = TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster=cluster, run_dir=tmp_path, workers=2,
+                      lease_ttl=30)
+    await fleet.start()
+    try:
+        victim = fleet.worker_ids[0]
+        fleet.kill(victim)
+
+        async def dead() -> bool:
+            h = (await read_fleet(store, keys)).health.get(victim)
+            return h is not None and h.state.value == "dead"
+
+        await wait_until(dead, timeout=5, message="the exit is recorded well before any lease could expire")
+        fleet_now = await read_fleet(store, keys)
+        assert victim not in fleet_now.workers
+        assert "exited with code -9" in fleet_now.health[victim].reason
+        await wait_until(lambda: any(e.kind == "worker.down" and e.worker == victim for e in events), timeout=10)
+    finally:
+        await fleet.agent.aclose()
+    # A clean stop revokes the lease (TTL 30 s): the keys are gone right away.
+    assert (await store.get_prefix(keys.workers)).items == ()
+    await fleet.aclose()
+    listener.cancel()

@@ -1,0 +1,121 @@
+"""The CLI as a user runs it: real processes, real signals, real etcd and broker."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from fleetward.fleet.procs import ManagedProcess, free_port
+
+FLEETWARD = [sys.executable, "-m", "fleetward.fleet.cli"]
+ENV = {"PYTHONSAFEPATH": "1"}
+
+
+def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*FLEETWARD, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **ENV})
+
+
+def ours(run_dir: Path) -> list[psutil.Process]:
+    """Every live process whose command line mentions this run's folder or was started by `up`."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+            if str(run_dir) in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+async def test_up_starts_a_fleet_that_status_shows_and_sigterm_leaves_nothing(tmp_path: Path,
+                                                                             wait_until: Any) -> None:
+    up = ManagedProcess("fleetward up", [*FLEETWARD, "up", "--workers", "3", "--run-dir", str(tmp_path),
+                                         "--cluster", "clitest"],
+                        log_path=tmp_path / "up.log", env=ENV).start()
+    try:
+        def status() -> dict[str, Any] | None:
+            r = run("status", "--json", "--run-dir", str(tmp_path), "--cluster", "clitest")
+            if r.returncode != 0:
+                return None
+            data = json.loads(r.stdout)
+            ready = [w for w in data["workers"] if w["health"] == "ready"]
+            return data if len(ready) == 3 and data["routers"] else None
+
+        data = await wait_until(status, timeout=90, interval=0.5, message="3 ready workers and a router")
+        assert data["cluster"] == "clitest"
+        assert {tuple(sorted(w)) for w in data["workers"]} == {
+            ("health", "id", "model", "node", "reason", "role", "since", "url")}
+        assert all(w["role"] == "aggregated" and w["model"] == "sim-tiny" for w in data["workers"])
+        table = run("status", "--run-dir", str(tmp_path), "--cluster", "clitest")
+        assert table.returncode == 0
+        for w in data["workers"]:
+            assert w["id"] in table.stdout
+        tree = up.tree()
+        assert len(tree) >= 7  # up, etcd, broker, 3 workers, router
+        up.signal(signal.SIGTERM)
+        assert await up.wait_exit() == 0
+        assert "stopped; no process left behind" in up.log_tail()
+        assert [p for p in tree if alive(p)] == []
+        assert ours(tmp_path) == []
+        assert not (tmp_path / "clitest" / "fleet.json").exists()
+    finally:
+        await up.stop()
+
+
+def test_status_without_a_fleet_says_how_to_start_one(tmp_path: Path) -> None:
+    r = run("status", "--run-dir", str(tmp_path))
+    assert r.returncode == 2
+    assert "no running local fleet found" in r.stderr and "fleetward up" in r.stderr
+
+
+def test_status_against_an_unreachable_etcd_gives_up_with_a_clear_message() -> None:
+    port = free_port()
+    r = run("status", "--etcd", f"127.0.0.1:{port}", timeout=60)
+    assert r.returncode == 1
+    assert f"etcd unreachable at 127.0.0.1:{port}" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_an_invalid_config_file_names_file_line_and_field(tmp_path: Path) -> None:
+    conf = tmp_path / "fleet.yaml"
+    conf.write_text("workers: 2\nsim:\n  decode_step_ms: fast\n")
+    r = run("up", "--config", str(conf), "--run-dir", str(tmp_path))
+    assert r.returncode == 2
+    assert f"{conf}:3: sim.decode_step_ms" in r.stderr
+    assert "valid number" in r.stderr
+
+
+def test_a_port_in_use_is_a_clear_error_and_nothing_is_left_running(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = run("up", "--workers", "1", "--etcd-port", str(port), "--run-dir", str(tmp_path))
+    assert r.returncode == 1
+    assert f"port {port} on 127.0.0.1 is already in use" in r.stderr
+    assert ours(tmp_path) == []
+
+
+def test_model_tiny_writes_a_model_folder(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    r = run("model", "tiny", "--out", str(tmp_path / "m"))
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["model_type"] == "llama"

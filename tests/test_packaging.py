@@ -1,0 +1,29 @@
+"""The layout is the architecture: every folder ships, and dependencies point the way DESIGN.md says."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_source_folder_is_a_listed_package() -> None:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapped = {folder: pkg for pkg, folder in config["package-dir"].items()}
+    for init in ROOT.glob("*/__init__.py"):
+        folder = init.parent.name
+        assert folder in mapped, f"{folder}/ is not mapped in [tool.setuptools.package-dir]"
+        assert mapped[folder] in config["packages"], f"{mapped[folder]} is missing from packages: not in the wheel"
+    for pkg in config["packages"]:
+        assert pkg.startswith("fleetward."), "nothing installs a top-level module but fleetward"
+
+
+def test_subpackages_depend_only_the_way_the_design_allows() -> None:
+    lint = shutil.which("lint-imports") or str(Path(sys.executable).parent / "lint-imports")
+    result = subprocess.run([lint, "--config", str(ROOT / "pyproject.toml")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr

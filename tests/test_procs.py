@@ -1,0 +1,196 @@
+"""ManagedProcess: whole-tree stop, stopped processes, prompt exit codes, no orphans after kill -9."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fleetward.fleet.errors import PortInUseError, ProcessError
+from fleetward.fleet.procs import ManagedProcess, ensure_port, free_port, is_gone, port_is_free
+
+# A child that starts a grandchild in a session of its own (so a process-group signal cannot reach it,
+# only the remembered tree), prints the grandchild's pid, then waits for signals.
+PARENT_OF_GRANDCHILD = """
+import signal, subprocess, sys
+ignore_term = sys.argv[1] == "ignore-term"
+if ignore_term:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+grandchild = subprocess.Popen(
+    [sys.executable, "-c",
+     "import signal, sys\\n"
+     "if sys.argv[1] == 'ignore-term': signal.signal(signal.SIGTERM, signal.SIG_IGN)\\n"
+     "print('READY', flush=True)\\n"
+     "while True: signal.pause()", sys.argv[1]],
+    start_new_session=True, stdout=subprocess.PIPE, text=True)
+assert grandchild.stdout.readline().strip() == "READY"
+print(f"GRANDCHILD {grandchild.pid}")
+print("READY")
+while True:
+    signal.pause()
+"""
+
+# A child that starts a grandchild through ManagedProcess (PDEATHSIG), prints its pid, then waits.
+MANAGER = """
+import signal, sys
+from pathlib import Path
+from fleetward.fleet.procs import ManagedProcess
+grandchild = ManagedProcess("grandchild", [sys.executable, "-c", "import signal\\nwhile True: signal.pause()"],
+                            log_path=Path("grandchild.log")).start()
+print(f"GRANDCHILD {grandchild.pid}")
+print("READY")
+while True:
+    signal.pause()
+"""
+
+# A child that leaves a grandchild behind in its own process group when it exits (on SIGUSR1).
+EXITS_LEAVING_A_GRANDCHILD = """
+import signal, subprocess, sys
+grandchild = subprocess.Popen([sys.executable, "-c", "import signal\\nwhile True: signal.pause()"])
+print(f"GRANDCHILD {grandchild.pid}")
+signal.signal(signal.SIGUSR1, lambda *_: sys.exit(0))
+print("READY")
+while True:
+    signal.pause()
+"""
+
+WAIT_FOR_USR1_THEN_EXIT_3 = """
+import signal, sys
+signal.signal(signal.SIGUSR1, lambda *_: sys.exit(3))
+print("READY")
+while True:
+    signal.pause()
+"""
+
+
+def _grandchild_pid(proc: ManagedProcess) -> int:
+    line = next(line for line in proc.log_tail(200).splitlines() if line.startswith("GRANDCHILD "))
+    return int(line.split()[1])
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return is_gone(psutil.Process(pid))
+    except psutil.NoSuchProcess:
+        return True
+
+
+async def test_stop_kills_the_whole_tree_including_a_grandchild_in_another_session(spawn_python) -> None:
+    proc = await spawn_python(PARENT_OF_GRANDCHILD, "plain")
+    grandchild = _grandchild_pid(proc)
+    assert not _gone(grandchild)
+
+    rc = await proc.stop()
+
+    assert rc == -signal.SIGTERM
+    assert _gone(grandchild)
+    assert not proc.is_running
+
+
+async def test_stop_kills_what_ignores_sigterm_after_the_grace(spawn_python) -> None:
+    proc = await spawn_python(PARENT_OF_GRANDCHILD, "ignore-term")
+    grandchild = _grandchild_pid(proc)
+
+    rc = await proc.stop(grace=0.5)
+
+    assert rc == -signal.SIGKILL
+    assert _gone(grandchild)
+
+
+async def test_stop_works_on_a_sigstopped_process(spawn_python, wait_until) -> None:
+    proc = await spawn_python(PARENT_OF_GRANDCHILD, "plain")
+    grandchild = _grandchild_pid(proc)
+    for pid in (proc.pid, grandchild):
+        os.kill(pid, signal.SIGSTOP)
+    await wait_until(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED,
+                     message="child stopped")
+
+    rc = await proc.stop()
+
+    assert rc == -signal.SIGTERM  # it was continued and then acted on SIGTERM, no SIGKILL needed
+    assert _gone(grandchild)
+
+
+async def test_wait_exit_returns_the_exit_code_when_the_process_exits(spawn_python) -> None:
+    proc = await spawn_python(WAIT_FOR_USR1_THEN_EXIT_3)
+    async with asyncio.TaskGroup() as tg:
+        waiter = tg.create_task(proc.wait_exit())
+        proc.signal(signal.SIGUSR1)
+        async with asyncio.timeout(10):
+            assert await waiter == 3
+    assert proc.returncode == 3
+
+
+async def test_stop_after_a_crash_kills_what_the_child_left_in_its_group(spawn_python) -> None:
+    proc = await spawn_python(EXITS_LEAVING_A_GRANDCHILD)
+    grandchild = _grandchild_pid(proc)
+
+    proc.signal(signal.SIGUSR1)
+    async with asyncio.timeout(10):
+        assert await proc.wait_exit() == 0
+    assert not _gone(grandchild)  # orphaned, but still in the child's process group
+
+    await proc.stop()
+
+    assert _gone(grandchild)
+
+
+async def test_wait_exit_reports_death_by_signal_and_an_already_exited_process(spawn_python) -> None:
+    proc = await spawn_python(WAIT_FOR_USR1_THEN_EXIT_3)
+    proc.kill()
+    async with asyncio.timeout(10):
+        assert await proc.wait_exit() == -signal.SIGKILL
+        assert await proc.wait_exit() == -signal.SIGKILL  # again, after it was reaped
+
+
+async def test_kill_9_of_the_parent_kills_its_managed_grandchild(spawn_python, wait_until) -> None:
+    parent = await spawn_python(MANAGER)
+    grandchild = _grandchild_pid(parent)
+    assert not _gone(grandchild)
+
+    os.kill(parent.pid, signal.SIGKILL)  # only the parent: the grandchild must die by PDEATHSIG
+
+    async with asyncio.timeout(10):
+        assert await parent.wait_exit() == -signal.SIGKILL
+    await wait_until(lambda: _gone(grandchild), timeout=10, message="grandchild died with its parent")
+
+
+async def test_wait_ready_fails_fast_with_the_log_tail_when_the_process_exits(tmp_path: Path) -> None:
+    proc = ManagedProcess("crasher", [sys.executable, "-c", "print('boom: bad config'); raise SystemExit(2)"],
+                          log_path=tmp_path / "crasher.log").start()
+
+    async def never() -> bool:
+        return False
+
+    with pytest.raises(ProcessError) as err:
+        await proc.wait_ready(never, timeout=30)
+    assert err.value.exit_code == 2
+    assert "boom: bad config" in str(err.value)
+    assert "crasher" in str(err.value)
+
+
+def test_start_of_a_missing_program_raises_process_error(tmp_path: Path) -> None:
+    proc = ManagedProcess("ghost", [str(tmp_path / "no-such-program")], log_path=tmp_path / "ghost.log")
+    with pytest.raises(ProcessError, match="ghost: cannot start"):
+        proc.start()
+
+
+def test_ensure_port_refuses_a_port_in_use_and_picks_one_for_zero() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        assert not port_is_free("127.0.0.1", busy)
+        with pytest.raises(PortInUseError) as err:
+            ensure_port("127.0.0.1", busy, name="thing")
+    assert err.value.port == busy
+    assert f"port {busy}" in str(err.value) and "in use" in str(err.value)
+    picked = ensure_port("127.0.0.1", 0, name="thing")
+    assert picked > 0 and port_is_free("127.0.0.1", picked)
+    assert free_port() > 0

@@ -1,0 +1,334 @@
+"""The router on real simulated workers, real etcd and a real broker: exact streams through failures."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import pytest_asyncio
+
+from fleetward.chaos.harness import RouterProcess, TestFleet
+from fleetward.fleet.config import RouterConfig, SimConfig
+from fleetward.fleet.simmodel import SimModel
+from fleetward.fleet.tokenizer import encode, render_chat
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SIM = SimConfig(decode_step_ms=4.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=7)
+MODEL = SimModel(seed=SIM.seed)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def fleet(etcd_endpoint: str, broker_endpoint: str,
+                tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TestFleet]:
+    run_dir = tmp_path_factory.mktemp("router-fleet")
+    routing = RouterConfig(stall_floor_s=0.5, checkpoint_interval_ms=50, checkpoint_ttl_s=10, detached_grace_s=10)
+    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="router-tests", run_dir=run_dir,
+                         workers=3, sim=SIM, routing=routing) as f:
+        await f.start_router("r0")
+        yield f
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def healthy(fleet: TestFleet) -> AsyncIterator[TestFleet]:
+    """The fleet with every worker up and no fault switched on, before and after the test."""
+    await restore(fleet)
+    yield fleet
+    await restore(fleet)
+
+
+async def restore(fleet: TestFleet) -> None:
+    for wid in list(fleet.agent.specs):
+        handle = fleet.agent.handles.get(wid)
+        if handle is None or not handle.process.is_running:
+            await fleet.restart(wid)
+        else:
+            await fleet.fault(wid, clear=True)
+    await fleet.wait_workers_routable(len(fleet.agent.specs))
+
+
+def router(fleet: TestFleet) -> RouterProcess:
+    return fleet.routers[0]
+
+
+async def stream_tokens(url: str, body: dict[str, Any], *, path: str = "/v1/completions",
+                        headers: dict[str, str] | None = None,
+                        on_tokens: Any = None) -> tuple[list[int], list[dict[str, Any]], list[str]]:
+    """(token ids, every data object, every SSE id) of one streamed request."""
+    tokens: list[int] = []
+    events: list[dict[str, Any]] = []
+    ids: list[str] = []
+    async with httpx.AsyncClient(timeout=60) as client, client.stream(
+            "POST", url + path, json={**body, "stream": True, "return_token_ids": True}, headers=headers) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("id: "):
+                ids.append(line[4:])
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = orjson.loads(line[6:])
+            events.append(data)
+            for choice in data.get("choices") or []:
+                new = choice.get("token_ids") or []
+                tokens.extend(new)
+                if on_tokens is not None and new:
+                    await on_tokens(len(tokens))
+    return tokens, events, ids
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    return MODEL.continuation(prompt, n)
+
+
+def serving_worker(fleet: TestFleet, prompt: list[int]) -> str:
+    """The worker the router's affinity sends this prompt to (with an idle fleet)."""
+    from fleetward.migration.policy import LeastLoadedAffinity, prefix_key
+
+    return LeastLoadedAffinity().choose(sorted(fleet.agent.handles), {}, prefix_key(prompt))
+
+
+async def test_a_stream_without_faults_equals_the_model(healthy: TestFleet) -> None:
+    prompt = encode("plain run: ")
+    tokens, events, ids = await stream_tokens(router(healthy).url, {"model": "sim-tiny", "prompt": prompt,
+                                                                      "max_tokens": 40})
+    assert tokens == reference(prompt, 40)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert ids[-1].endswith(":40")
+    assert len({e["id"] for e in events}) == 1
+
+
+@pytest.mark.parametrize("fault", ["crash", "hang", "fail_inflight", "reset"])
+async def test_a_stream_resumes_exactly_when_its_worker_fails_mid_way(healthy: TestFleet, fault: str) -> None:
+    prompt = encode(f"migrate through {fault}: ")
+    worker = serving_worker(healthy, prompt)
+    fired = False
+
+    async def on_tokens(n: int) -> None:
+        nonlocal fired
+        if n >= 25 and not fired:
+            fired = True
+            if fault == "crash":
+                healthy.kill(worker)
+            elif fault == "hang":
+                await healthy.fault(worker, hang=True)
+            elif fault == "fail_inflight":
+                await healthy.fault(worker, fail_inflight=True)
+            else:
+                await healthy.fault(worker, reset_inflight=True)
+
+    tokens, events, _ = await stream_tokens(router(healthy).url, {"model": "sim-tiny", "prompt": prompt,
+                                                                    "max_tokens": 120}, on_tokens=on_tokens)
+    assert fired
+    assert tokens == reference(prompt, 120), "no token lost, none duplicated, none changed"
+    finishes = [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]
+    assert finishes == ["length"]
+    assert "error" not in str(events)
+
+
+async def test_a_chat_stream_resumes_through_completions_and_stays_a_chat_stream(healthy: TestFleet) -> None:
+    messages = [{"role": "user", "content": "tell me a long story"}]
+    prompt = encode(render_chat(messages))
+    worker = serving_worker(healthy, prompt)
+
+    async def on_tokens(n: int) -> None:
+        if n == 10:
+            healthy.kill(worker)
+
+    tokens, events, _ = await stream_tokens(router(healthy).url, {"model": "sim-tiny", "messages": messages,
+                                                                    "max_tokens": 60},
+                                            path="/v1/chat/completions", on_tokens=on_tokens)
+    assert tokens == reference(prompt, 60)
+    assert {e["object"] for e in events} == {"chat.completion.chunk"}
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+    assert text.encode() == bytes(t - 3 for t in tokens)
+
+
+async def test_the_openai_client_works_unchanged_through_a_migration(healthy: TestFleet) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.AsyncOpenAI(base_url=router(healthy).url + "/v1", api_key="unused")
+    prompt_text = "openai client says: "
+    worker = serving_worker(healthy, encode(prompt_text))
+    stream = await client.completions.create(model="sim-tiny", prompt=prompt_text, max_tokens=50, stream=True,
+                                             temperature=0)
+    text = ""
+    async for chunk in stream:
+        text += chunk.choices[0].text
+        if len(text) == 15:
+            healthy.kill(worker)
+    assert text.encode() == bytes(t - 3 for t in reference(encode(prompt_text), 50))
+
+    chat = await client.chat.completions.create(model="sim-tiny", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=30, stream=True)
+    content = ""
+    async for chunk in chat:
+        if chunk.choices and chunk.choices[0].delta.content:
+            content += chunk.choices[0].delta.content
+    expected = reference(encode(render_chat([{"role": "user", "content": "hi"}])), 30)
+    assert content.encode() == bytes(t - 3 for t in expected)
+    done = await client.completions.create(model="sim-tiny", prompt="non-stream", max_tokens=8)
+    assert done.usage is not None and done.usage.completion_tokens == 8
+    assert done.choices[0].text.encode() == bytes(t - 3 for t in reference(encode("non-stream"), 8))
+
+
+async def test_a_non_resumable_request_fails_with_a_clear_error_instead_of_diverging(healthy: TestFleet) -> None:
+    prompt = encode("constrained: ")
+    worker = serving_worker(healthy, prompt)
+
+    async def on_tokens(n: int) -> None:
+        if n == 5:
+            healthy.kill(worker)
+
+    _, events, _ = await stream_tokens(router(healthy).url, {"model": "sim-tiny", "prompt": prompt, "max_tokens": 50,
+                                                               "guided_regex": "[a-z ]+"}, on_tokens=on_tokens)
+    error = events[-1].get("error")
+    assert error is not None and "cannot be resumed exactly" in error["message"]
+    assert "guided_regex" in error["message"]
+
+
+async def test_the_migration_limit_is_respected(healthy: TestFleet) -> None:
+    for wid in healthy.worker_ids:
+        await healthy.fault(wid, reset_after_tokens=3)
+    tokens, events, _ = await stream_tokens(router(healthy).url, {"model": "sim-tiny", "prompt": encode("limit"),
+                                                                    "max_tokens": 100})
+    error = events[-1].get("error")
+    assert error is not None and "migration_limit=3" in error["message"]
+    assert tokens == reference(encode("limit"), len(tokens)), "what was delivered is still exact"
+
+
+async def test_bad_requests_get_4xx_with_a_message(healthy: TestFleet) -> None:
+    url = router(healthy).url
+    async with httpx.AsyncClient(timeout=30) as client:
+        r = await client.post(url + "/v1/completions", content=b'{"model": "sim-tiny"',
+                              headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+        r = await client.post(url + "/v1/completions", json={"model": "nope", "prompt": "x"})
+        assert r.status_code == 404 and "sim-tiny" in r.json()["error"]["message"]
+        r = await client.post(url + "/v1/completions", json={"model": "sim-tiny", "prompt": [40] * 5000,
+                                                             "max_tokens": 4})
+        assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+        r = await client.post(url + "/v1/completions", json={"model": "sim-tiny", "prompt": "x", "n": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+async def test_no_healthy_worker_gives_503_with_retry_after(healthy: TestFleet, wait_until: Any) -> None:
+    for wid in healthy.worker_ids:
+        healthy.kill(wid)
+    url = router(healthy).url
+
+    async def refused() -> httpx.Response | None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            r = await client.post(url + "/v1/completions", json={"model": "sim-tiny", "prompt": "x"})
+        # Until the router has seen the deaths in etcd it tries them and fails over: also a 503.
+        return r if r.status_code == 503 and "no healthy worker" in r.text else None
+
+    response = await wait_until(refused, timeout=15)
+    assert response.headers["retry-after"] == "1"
+    assert "no healthy worker" in response.json()["error"]["message"]
+
+
+async def test_client_disconnect_cancels_the_generation_on_the_worker(healthy: TestFleet, wait_until: Any) -> None:
+    prompt = encode("abandoned: ")
+    async with httpx.AsyncClient(timeout=30) as client, client.stream(
+            "POST", router(healthy).url + "/v1/completions",
+            json={"model": "sim-tiny", "prompt": prompt, "max_tokens": 4000, "stream": True}) as r:
+        lines = r.aiter_lines()  # held, so the stream stays open until the block ends
+        while not (await anext(lines)).startswith("data: {"):
+            pass
+        running = {w: (await healthy.state(w))["running"] for w in healthy.worker_ids}
+        assert sorted(running.values()) == [0, 0, 1]
+        worker = max(running, key=running.__getitem__)
+
+    async def idle() -> bool:
+        return (await healthy.state(worker))["running"] == 0
+
+    await wait_until(idle, timeout=15)
+
+
+async def test_checkpoint_writes_follow_the_flush_interval_not_the_token_rate(healthy: TestFleet) -> None:
+    url = router(healthy).url
+
+    async def txns() -> float:
+        async with httpx.AsyncClient() as client:
+            text = (await client.get(url + "/metrics")).text
+        values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                  if line.startswith(("fleetward_router_checkpoint_txns_total", "fleetward_router_tokens_total",
+                                      "fleetward_router_checkpoint_flushes_total"))}
+        return values
+
+    async def run(streams: int) -> tuple[float, float, float]:
+        before = await txns()
+        await asyncio.gather(*(stream_tokens(url, {"model": "sim-tiny", "prompt": encode(f"load {streams} {i}"),
+                                                   "max_tokens": 150}) for i in range(streams)))
+        after = await txns()
+        return tuple(after[k] - before[k] for k in ("fleetward_router_checkpoint_txns_total",
+                                                    "fleetward_router_checkpoint_flushes_total",
+                                                    "fleetward_router_tokens_total"))  # type: ignore[return-value]
+
+    few_txns, few_flushes, few_tokens = await run(2)
+    many_txns, many_flushes, many_tokens = await run(32)
+    assert many_tokens == 16 * few_tokens
+    assert few_txns == few_flushes and many_txns == many_flushes, "one transaction per flush"
+    assert many_txns < 4 * few_txns, "16x the token rate must not mean 16x the etcd writes"
+
+
+async def test_a_restarted_router_is_whole_before_it_serves(healthy: TestFleet) -> None:
+    second = await healthy.start_router("r-restart")
+    try:
+        async with httpx.AsyncClient() as client:
+            status = (await client.get(second.url + "/health")).status_code
+            models = (await client.get(second.url + "/v1/models")).json()
+        assert status == 200
+        assert [m["id"] for m in models["data"]] == ["sim-tiny"]
+        tokens, _, _ = await stream_tokens(second.url, {"model": "sim-tiny", "prompt": encode("new router"),
+                                                        "max_tokens": 10})
+        assert tokens == reference(encode("new router"), 10)
+    finally:
+        await healthy.stop_router(second)
+
+
+async def test_a_client_resumes_on_another_router_with_last_event_id(healthy: TestFleet, wait_until: Any) -> None:
+    first = await healthy.start_router("r-dying")
+    second = await healthy.start_router("r-rescue")
+    prompt = encode("resume me elsewhere: ")
+    body = {"model": "sim-tiny", "prompt": prompt, "max_tokens": 300, "stream": True, "return_token_ids": True}
+    got: list[int] = []
+    last_id = ""
+
+    async def checkpointed(rid: str, n: int) -> bool:
+        kv = await healthy.store.get(healthy.keys.request(rid))
+        return kv is not None and len(orjson.loads(kv.value)["emitted"]) >= n
+
+    try:
+        with pytest.raises(httpx.HTTPError):  # the router dies under the client
+            async with httpx.AsyncClient(timeout=30) as client, client.stream(
+                    "POST", first.url + "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("id: "):
+                        last_id = line[4:]
+                    if line.startswith("data: {"):
+                        got.extend(orjson.loads(line[6:])["choices"][0]["token_ids"])
+                        if len(got) == 40:
+                            rid = last_id.rpartition(":")[0]
+                            await wait_until(lambda: checkpointed(rid, 20), timeout=15)  # noqa: B023
+                            healthy.kill_router(first)
+        assert last_id.endswith(f":{len(got)}") and len(got) >= 40
+        rest, events, ids = await stream_tokens(second.url, body, headers={"Last-Event-ID": last_id})
+        assert got + rest == reference(prompt, 300), "replayed from the checkpoint, regenerated past it, exact"
+        assert ids[-1] == f"{rid}:300"
+        assert {e["id"] for e in events} == {rid}
+    finally:
+        await healthy.stop_router(first)
+        await healthy.stop_router(second)
+
+
+async def test_an_unknown_last_event_id_is_refused_clearly(healthy: TestFleet) -> None:
+    async with httpx.AsyncClient(timeout=30) as client:
+        r = await client.post(router(healthy).url + "/v1/completions",
+                              json={"model": "sim-tiny", "prompt": "x", "stream": True},
+                              headers={"Last-Event-ID": "cmpl-nope:3"})
+    assert r.status_code == 404 and "unknown, finished" in r.json()["error"]["message"]
