@@ -63,7 +63,7 @@ class TestFleet:
     routing: RouterConfig = field(default_factory=RouterConfig)
     admin_token: str = "test-admin-token"
     node: str = "node"
-    lease_ttl: int = 3
+    lease_ttl: int = 10
     store: EtcdStore = field(init=False)
     bus: MqttBus = field(init=False)
     agent: NodeAgent = field(init=False)

@@ -102,9 +102,11 @@ class _ProcessBackend:
     def env(self, spec: WorkerSpec) -> dict[str, str]:
         return {"PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"}
 
+    nice = 0
+
     def launch(self, spec: WorkerSpec, log_dir: Path, env: Mapping[str, str] | None = None) -> WorkerHandle:
         proc = ManagedProcess(f"worker {spec.id}", self.argv(spec), log_path=log_dir / f"worker-{spec.id}.log",
-                              env={**self.env(spec), **(env or {})}, cwd=log_dir)
+                              env={**self.env(spec), **(env or {})}, cwd=log_dir, nice=self.nice)
         proc.start()
         return WorkerHandle(spec, self.name, proc)
 
@@ -142,6 +144,7 @@ class VllmBackend(_ProcessBackend):
         self.config = config
         self.model_path = model_path
         self.start_timeout = config.start_timeout_s
+        self.nice = config.nice
 
     def argv(self, spec: WorkerSpec) -> list[str]:
         c = self.config

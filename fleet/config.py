@@ -88,6 +88,8 @@ class VllmConfig(Frozen):
     kv_cache_space_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts")
     enforce_eager: bool = True
     extra_args: tuple[str, ...] = ()
+    nice: int = Field(0, ge=-20, le=19, description="scheduling niceness of the worker's processes; on a small "
+                      "CPU host, a positive value keeps the control plane responsive next to spinning OMP threads")
     start_timeout_s: float = Field(240.0, gt=0)
 
 

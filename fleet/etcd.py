@@ -538,6 +538,7 @@ class LeaseKeeper:
 
     async def _run(self) -> None:
         interval = max(0.3, self.ttl / 3)
+        last_ok = self._clock.monotonic()
         while True:
             await self._clock.sleep(interval)
             try:
@@ -545,6 +546,11 @@ class LeaseKeeper:
             except (UnavailableError, StoreError) as exc:
                 log.warning("lease %x keepalive failed: %s", self.id, exc)
                 continue
+            now = self._clock.monotonic()
+            if now - last_ok > 2 * interval + 0.5:
+                log.warning("lease %x: %.2fs between successful keepalives (TTL %ds); is the event loop blocked?",
+                            self.id, now - last_ok, self.ttl)
+            last_ok = now
             if remaining <= 0:
                 log.warning("lease %x expired; its keys are gone", self.id)
                 self.lost.set()

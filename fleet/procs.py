@@ -157,8 +157,9 @@ class ManagedProcess:
     """One child process (and its tree) with an ordered, orphan-free life (see the module docstring)."""
 
     def __init__(self, name: str, argv: Sequence[str], *, log_path: Path, env: Mapping[str, str] | None = None,
-                 cwd: Path | None = None) -> None:
+                 cwd: Path | None = None, nice: int = 0) -> None:
         self.name = name
+        self.nice = nice
         self.argv = list(argv)
         self.log_path = log_path
         self.env = dict(env) if env is not None else None
@@ -189,7 +190,9 @@ class ManagedProcess:
                 raise ProcessError(f"{self.name}: cannot start {self.argv[0]}: {exc.strerror}",
                                    name=self.name) from exc
         with contextlib.suppress(psutil.NoSuchProcess):
-            self._known[self.pid] = psutil.Process(self.pid)
+            proc = self._known[self.pid] = psutil.Process(self.pid)
+            if self.nice:
+                proc.nice(self.nice)  # inherited by everything it forks from now on
         log.debug("started %s pid %d: %s", self.name, self.pid, " ".join(self.argv))
         return self
 

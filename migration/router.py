@@ -20,7 +20,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -287,7 +287,36 @@ class Router:
 
         Raises :class:`RouterError` when the request cannot be served (before the first yield: the HTTP
         status to answer; after: the reason for the in-band error).
+
+        Upstream reading runs in its own task and never waits for the client: a slow client must not make
+        a healthy worker look silent (backpressure would stop the reads), and what the worker produced is
+        journaled (and checkpointed) as it arrives.
         """
+        queue: asyncio.Queue[Out | BaseException | type[StopAsyncIteration] | None] = asyncio.Queue()
+
+        async def produce() -> None:
+            try:
+                await self._produce(j, queue.put_nowait)
+                queue.put_nowait(StopAsyncIteration)
+            except RouterError as exc:
+                queue.put_nowait(exc)
+
+        producer = asyncio.create_task(produce(), name=f"upstream-{j.id}")
+        try:
+            while True:
+                item = await queue.get()
+                if item is StopAsyncIteration:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item  # type: ignore[misc]
+        finally:
+            producer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await producer
+
+    async def _produce(self, j: Journal, emit: Callable[[Out | None], None]) -> None:
+        """The attempt loop behind :meth:`generate`: ``emit(None)`` once opened, then every :class:`Out`."""
         failed: list[str] = []
         opened = False
         failed_at: float | None = None
@@ -344,8 +373,14 @@ class Router:
                     active.stream = stream
                     if not opened:
                         opened = True
-                        yield None
+                        emit(None)
+                    chunks = 0
                     async for chunk in stream:
+                        chunks += 1
+                        if not chunks % 16:
+                            # Buffered upstream data never suspends the read: yield, so one fast stream
+                            # cannot starve the others, the stall monitor and the lease keepalives.
+                            await asyncio.sleep(0)
                         if chunk.prompt_token_ids is not None and j.prompt_ids is None:
                             j.prompt_ids = list(chunk.prompt_token_ids)
                         if not chunk.token_ids and chunk.finish_reason is None:
@@ -357,7 +392,7 @@ class Router:
                         tokens, text, finish = j.record(chunk.token_ids, chunk.text, chunk.finish_reason,
                                                         chunk.stop_reason)
                         self.metrics.tokens.inc(len(tokens))
-                        yield Out(tokens, text, finish, j.stop_reason, chunk.logprobs)
+                        emit(Out(tokens, text, finish, j.stop_reason, chunk.logprobs))
                         if finish is not None:
                             stream.finished = stream.finished or chunk.finish_reason is not None
                             break

