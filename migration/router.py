@@ -77,6 +77,7 @@ class Out:
     finish_reason: str | None
     stop_reason: str | int | None
     logprobs: Any = None
+    worker: str = ""
 
 
 @dataclass
@@ -392,7 +393,7 @@ class Router:
                         tokens, text, finish = j.record(chunk.token_ids, chunk.text, chunk.finish_reason,
                                                         chunk.stop_reason)
                         self.metrics.tokens.inc(len(tokens))
-                        emit(Out(tokens, text, finish, j.stop_reason, chunk.logprobs))
+                        emit(Out(tokens, text, finish, j.stop_reason, chunk.logprobs, worker))
                         if finish is not None:
                             stream.finished = stream.finished or chunk.finish_reason is not None
                             break
@@ -476,7 +477,7 @@ class Router:
                 self.checkpointer.track(j)
         self.metrics.in_flight.set(len(self.active))
         if j.body.get("stream"):
-            return await self._stream(j, skip)
+            return await self._stream(j, skip, trace=request.headers.get("x-fleetward-trace") == "1")
         return await self._complete(j)
 
     async def _resume(self, last_event: str, kind: Kind) -> tuple[Journal, int]:
@@ -503,8 +504,8 @@ class Router:
         j.deadline = max(j.deadline, self.clock.wall() + 1)
         return j, int(n)
 
-    async def _stream(self, j: Journal, skip: int) -> Response:
-        agen = self._client_events(j, skip)
+    async def _stream(self, j: Journal, skip: int, *, trace: bool = False) -> Response:
+        agen = self._client_events(j, skip, trace)
         try:
             first = await agen.__anext__()
         except RouterError as exc:
@@ -538,8 +539,12 @@ class Router:
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": j.id})
 
-    async def _client_events(self, j: Journal, skip: int) -> AsyncIterator[bytes]:
-        """SSE bytes for the client: replay (on resume), then live tokens, then usage and ``[DONE]``."""
+    async def _client_events(self, j: Journal, skip: int, trace: bool = False) -> AsyncIterator[bytes]:
+        """SSE bytes for the client: replay (on resume), then live tokens, then usage and ``[DONE]``.
+
+        With ``trace`` (request header ``X-Fleetward-Trace: 1``) every chunk also carries
+        ``"fleetward": {"worker", "attempt"}``: which worker produced it (chaos histories use this).
+        """
         started = self.clock.monotonic()
         first_sent = False
         n = len(j.emitted)
@@ -575,6 +580,8 @@ class Router:
                 chunk = wire.stream_chunk(j, tokens=tokens, text=text, finish_reason=out.finish_reason,
                                           stop_reason=out.stop_reason, logprobs=out.logprobs,
                                           first=not first_sent)
+                if trace:
+                    chunk["fleetward"] = {"worker": out.worker, "attempt": j.attempts}
                 first_sent = True
                 yield wire.event(chunk, f"{j.id}:{len(j.emitted)}")
         except RouterError as exc:

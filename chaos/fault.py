@@ -1,0 +1,126 @@
+"""Faults are objects: inject → verify it took effect → recover → verify recovery.
+
+Every fault in the catalogue implements :class:`Fault`. The experiment runner drives each one through its
+life and journals every step with timestamps. A fault whose :meth:`~Fault.verify` fails ("the fault did
+nothing") fails the run: a chaos run that injected nothing proves nothing.
+
+Faults act on a running fleet through :class:`FaultContext`. It holds the fleet harness (workers,
+routers, etcd, broker), the network proxies components are wired through, the fake GPU health source,
+and the history recorder. Targets are resolved from a selector (:class:`Target`) against the declared
+fleet. A target outside it is refused, which is one of the safety rules.
+
+Families: ``process``, ``gpu``, ``network``, ``kv`` (KV transfer), ``control`` (etcd, broker, routers,
+supervisor leader) and ``load``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict
+
+__all__ = [
+    "CATALOGUE",
+    "FAMILIES",
+    "Fault",
+    "FaultContext",
+    "FaultSpec",
+    "Target",
+    "register",
+]
+
+FAMILIES = ("process", "gpu", "network", "kv", "control", "load")
+Family = Literal["process", "gpu", "network", "kv", "control", "load"]
+
+
+class Target(BaseModel):
+    """Which part of the fleet a fault hits.
+
+    ``kind`` names the component (worker, router, etcd, broker, link, supervisor, gpu); ``ids`` picks
+    by id, or ``pick`` chooses ``count`` of them (``random`` uses the experiment's seed, ``serving`` the
+    ones with the most requests in flight at injection time, ``first`` the lowest ids).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["worker", "router", "etcd", "broker", "link", "supervisor", "gpu", "fleet"] = "worker"
+    ids: tuple[str, ...] = ()
+    pick: Literal["random", "serving", "first", "all"] = "random"
+    count: int = 1
+
+
+class FaultContext(Protocol):
+    """What a fault may touch. The runner provides it; faults never reach around it."""
+
+    @property
+    def fleet(self) -> Any: ...  # the running fleet harness (workers, routers, infrastructure)
+
+    def resolve(self, target: Target) -> list[str]:
+        """Concrete ids for ``target`` within the declared fleet (raises when outside it)."""
+        ...
+
+    def record(self, kind: str, **data: Any) -> None:
+        """Append to the run's history (fault.start / fault.stop are recorded by the runner)."""
+        ...
+
+    def service(self, name: str) -> Any:
+        """An optional collaborator by name: ``proxy:<link>``, ``gpu``, ``etcd-cluster``, ``workload``."""
+        ...
+
+
+class Fault(Protocol):
+    """One injected fault instance (its parameters are fixed at construction)."""
+
+    name: ClassVar[str]
+    family: ClassVar[Family]
+
+    targets: list[str]  # resolved at injection
+
+    async def inject(self, ctx: FaultContext) -> None:
+        """Make the fault happen; return once it was applied (not necessarily observed)."""
+        ...
+
+    async def verify(self, ctx: FaultContext) -> bool:
+        """Whether the fault took effect (e.g. the process is gone, the link drops packets)."""
+        ...
+
+    async def recover(self, ctx: FaultContext) -> None:
+        """Undo what can be undone (resume, reconnect, restart); no-op for faults the system must heal."""
+        ...
+
+    async def verify_recovered(self, ctx: FaultContext) -> bool:
+        """Whether the part the fault hit is back in service (the steady state is checked separately)."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """Name, family, targets and parameters, for the journal and the report."""
+        ...
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """A catalogue entry: how to build the fault from validated parameters."""
+
+    name: str
+    family: Family
+    summary: str
+    params: type[BaseModel]
+    factory: Callable[[BaseModel, Target], Fault]
+    needs_root: bool = False
+    backends: tuple[str, ...] = ("sim", "vllm")
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+CATALOGUE: dict[str, FaultSpec] = {}
+
+
+def register(spec: FaultSpec) -> FaultSpec:
+    """Add ``spec`` to the catalogue (``fleetward chaos faults`` lists it; experiments may name it)."""
+    if spec.name in CATALOGUE:
+        raise ValueError(f"fault {spec.name} registered twice")
+    if spec.family not in FAMILIES:
+        raise ValueError(f"unknown fault family {spec.family}")
+    CATALOGUE[spec.name] = spec
+    return spec

@@ -1,0 +1,86 @@
+"""The history of a chaos run: every operation every client made, every fault, every event.
+
+A run writes ``history.jsonl``, one JSON object per line, appended in the order things happened. Every
+record has ``type``, ``t`` (monotonic seconds since the run started) and ``wall`` (epoch seconds).
+
+========== ==================================================================================================
+type       fields
+========== ==================================================================================================
+invoke     ``req`` (client-side id), ``client``, ``api`` (completion or chat), ``prompt`` (token ids when
+           known), ``params`` (max_tokens, temperature, ...), ``router``
+chunk      ``req``, ``tokens`` (ids in this chunk), ``text``, ``event_id`` (the SSE id, ``<rid>:<n>``),
+           ``worker`` (when the router reports it), ``finish_reason``
+ok         ``req``, ``finish_reason``, ``usage``
+fail       ``req``, ``error`` (message), ``status`` (HTTP status when known), ``stage`` (connect, status,
+           stream). A failed operation has an **unknown** outcome: the checker does not assume the
+           request did or did not take effect.
+fault      ``phase`` (start, verified, recover, recovered, stop, failed), ``fault`` (name), ``family``,
+           ``targets``, ``params``, ``ok`` (for verified/recovered), ``detail``
+event      ``kind`` and the MQTT event's fields (what the reliability layer published: worker.down,
+           health.changed, hang.detected, migration, restart, quarantine, scale, ...)
+note       ``text``: anything the runner wants in the record (phase changes, steady-state probes)
+========== ==================================================================================================
+
+Checkers run afterwards, on the saved file (``fleetward chaos check RUN``), never during the run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+__all__ = ["History", "Record", "read_history"]
+
+
+@dataclass(frozen=True)
+class Record:
+    type: str
+    t: float
+    wall: float
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.data[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.data.get(key, default)
+
+
+class History:
+    """An append-only JSONL recorder with a shared monotonic origin."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: TextIO = path.open("a", encoding="utf-8")
+        self._t0 = time.monotonic()
+        self.records: list[Record] = []
+
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def add(self, type_: str, **data: Any) -> Record:
+        rec = Record(type_, self.now(), time.time(), data)
+        self.records.append(rec)
+        self._file.write(json.dumps({"type": type_, "t": round(rec.t, 6), "wall": rec.wall, **data},
+                                    separators=(",", ":")) + "\n")
+        return rec
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_history(path: Path) -> Iterator[Record]:
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            body = json.loads(line)
+            yield Record(body.pop("type"), body.pop("t"), body.pop("wall"), body)
