@@ -126,17 +126,22 @@ class TestFleet:
         return self.agent.handles[worker]
 
     def url(self, worker: str) -> str:
+        """The registered (advertised) URL: what routers use."""
         return self.handle(worker).url
+
+    def bind_url(self, worker: str) -> str:
+        """The worker process itself, bypassing any proxy in front of it."""
+        return self.handle(worker).bind_url
 
     async def fault(self, worker: str, **switches: Any) -> dict[str, Any]:
         """Set a simulated worker's fault switches (``POST /admin/faults``)."""
-        r = await self._http.post(f"{self.url(worker)}/admin/faults", json=switches,
+        r = await self._http.post(f"{self.bind_url(worker)}/admin/faults", json=switches,
                                   headers={"Authorization": f"Bearer {self.admin_token}"})
         r.raise_for_status()
         return dict(r.json())
 
     async def state(self, worker: str) -> dict[str, Any]:
-        r = await self._http.get(f"{self.url(worker)}/admin/state",
+        r = await self._http.get(f"{self.bind_url(worker)}/admin/state",
                                  headers={"Authorization": f"Bearer {self.admin_token}"})
         r.raise_for_status()
         return dict(r.json())

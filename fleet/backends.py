@@ -44,6 +44,10 @@ class WorkerHandle:
     def url(self) -> str:
         return self.spec.url
 
+    @property
+    def bind_url(self) -> str:
+        return self.spec.bind_url
+
     def engine_processes(self) -> list[psutil.Process]:
         """The processes that run the model (vLLM's EngineCore and its workers; the sim's only process)."""
         tree = self.process.tree()
@@ -113,7 +117,7 @@ class _ProcessBackend:
     async def wait_ready(self, handle: WorkerHandle, *, timeout: float | None = None) -> None:
         async with httpx.AsyncClient(timeout=2.0) as client:
             async def ready() -> bool:
-                return await worker_ready(handle.url, client=client)
+                return await worker_ready(handle.bind_url, client=client)
 
             await handle.process.wait_ready(ready, timeout=timeout or self.start_timeout, interval=0.1)
 

@@ -41,10 +41,17 @@ class WorkerSpec:
     role: Role = "aggregated"
     node: str = "local"
     gpus: tuple[int, ...] = ()
+    advertise_url: str | None = None  # what others use (e.g. a fault proxy in front); default: bind_url
+
+    @property
+    def bind_url(self) -> str:
+        """Where the worker process itself listens."""
+        return f"http://{self.host}:{self.port}"
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """Where routers and the supervisor reach the worker (registered in etcd)."""
+        return self.advertise_url or self.bind_url
 
 
 @dataclass(frozen=True)
