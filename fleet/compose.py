@@ -83,6 +83,8 @@ class LocalFleet:
         self.state = StateFile(self.root / "fleet.json")
         self.router_url = ""
         self.router_process: ManagedProcess | None = None
+        self.controller_url = ""
+        self.controller_process: ManagedProcess | None = None
 
     async def __aenter__(self) -> LocalFleet:
         try:
@@ -143,21 +145,48 @@ class LocalFleet:
         self.bus = await MqttBus(self.mqtt_endpoint, c.cluster).start()
         self.backend = make_backend(c.backend, sim=c.sim, vllm=c.vllm, model_path=self._model_path())
         self.agent = NodeAgent(store=self.store, bus=self.bus, keys=self.keys, backend=self.backend, node=c.node,
-                               log_dir=self.log_dir, lease_ttl=c.lease_ttl_s,
+                               log_dir=self.log_dir, lease_ttl=c.lease_ttl_s, supervisor=c.supervisor,
                                worker_env={"FLEETWARD_ADMIN_TOKEN": self.admin_token.get_secret_value()})
         await self.agent.start()
         self._write_state()
+        if c.controller:
+            await self._start_controller()
         await self.agent.start_workers(specs, progress=lambda w, what: self._progress(w, what))
         if c.router:
             await self._start_router()
         self._write_state()
 
+    def _fleet_yaml(self) -> Path:
+        """This fleet's settings as a file, for the router and controller processes (``--config``)."""
+        c = self.config
+        conf = self.root / "fleet.yaml"
+        conf.write_text(yaml.safe_dump({"cluster": c.cluster, "routing": c.routing.model_dump(mode="json"),
+                                        "supervisor": c.supervisor.model_dump(mode="json")}))
+        return conf
+
+    async def _start_controller(self) -> None:
+        c = self.config
+        port = ensure_port(c.host, c.supervisor.port, name="supervisor controller")
+        argv = [sys.executable, "-m", "fleetward.fleet.cli", "supervisor", "--role", "controller",
+                "--config", str(self._fleet_yaml()), "--etcd", self.etcd_endpoint, "--mqtt", self.mqtt_endpoint,
+                "--cluster", c.cluster, "--host", c.host, "--port", str(port), "--id", f"{c.node}-controller"]
+        self.controller_url = f"http://{c.host}:{port}"
+        self._progress("controller", f"starting the supervisor controller on {self.controller_url}")
+        self.controller_process = ManagedProcess(
+            "controller", argv, log_path=self.log_dir / "controller.log",
+            env={"PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1",
+                 "FLEETWARD_ADMIN_TOKEN": self.admin_token.get_secret_value()}).start()
+
+        async def healthy() -> bool:
+            async with httpx.AsyncClient(timeout=1.0) as client:
+                return (await client.get(f"{self.controller_url}/health")).status_code == 200
+
+        await self.controller_process.wait_ready(healthy, timeout=30)
+
     async def _start_router(self) -> None:
         c = self.config
         port = ensure_port(c.host, c.router_port, name="router")
-        conf = self.root / "router.yaml"
-        conf.write_text(yaml.safe_dump({"cluster": c.cluster, "routing": c.routing.model_dump(mode="json")}))
-        argv = [sys.executable, "-m", "fleetward.fleet.cli", "router", "--config", str(conf),
+        argv = [sys.executable, "-m", "fleetward.fleet.cli", "router", "--config", str(self._fleet_yaml()),
                 "--etcd", self.etcd_endpoint, "--mqtt", self.mqtt_endpoint, "--cluster", c.cluster,
                 "--host", c.host, "--port", str(port), "--id", f"{c.node}-router"]
         self.router_url = f"http://{c.host}:{port}"
@@ -186,6 +215,7 @@ class LocalFleet:
             "logs": str(self.log_dir),
             "admin_token_file": str(token_file),
             "router": self.router_url,
+            "controller": self.controller_url,
             "workers": {wid: h.url for wid, h in (self.agent.handles.items() if self.agent else [])},
         }
         self.state.write()
@@ -194,6 +224,9 @@ class LocalFleet:
         if self.router_process is not None:
             await self.router_process.stop(grace=self.config.routing.drain_timeout_s + 5)
             self.router_process = None
+        if self.controller_process is not None:
+            await self.controller_process.stop(grace=5)
+            self.controller_process = None
         if self.agent is not None:
             try:
                 await self.agent.aclose()

@@ -26,6 +26,7 @@ __all__ = [
     "Frozen",
     "RouterConfig",
     "SimConfig",
+    "SupervisorConfig",
     "VllmConfig",
     "admin_token_from_env",
     "load_fleet_config",
@@ -114,6 +115,33 @@ class RouterConfig(Frozen):
     retry_after_s: int = Field(1, ge=1, description="Retry-After on 503 when no worker is healthy")
 
 
+class SupervisorConfig(Frozen):
+    """The supervisor: node agents' detectors and the leader-elected controller."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535, description="the controller's control API; 0 picks a free port")
+    lease_ttl_s: int = Field(5, ge=2, description="leadership lease: a dead leader is replaced within this")
+    canary_prompt: str = "The fleet keeps serving"
+    canary_max_tokens: int = Field(4, ge=1)
+    canary_timeout_s: float = Field(2.0, gt=0, description="deadline of a routine canary")
+    canary_interval_s: float = Field(15.0, gt=0, description="an idle worker gets a canary this often")
+    golden_quorum: int = Field(2, ge=1, description="workers that must agree before an output is golden")
+    progress_interval_s: float = Field(0.25, gt=0, description="how often routers' stream progress is read")
+    metrics_interval_s: float = Field(10.0, gt=0)
+    metrics_frozen_after_s: float = Field(10.0, gt=0)
+    engine_check_interval_s: float = Field(0.25, gt=0, description="agent: engine process state sampling")
+    engine_no_progress_s: float = Field(5.0, gt=0)
+    gpu_poll_interval_s: float = Field(1.0, gt=0)
+    recover_canaries: int = Field(2, ge=1)
+    suspect_timeout_s: float = Field(30.0, gt=0)
+    restart_budget: int = Field(3, ge=0, description="restarts within the window before a crash loop quarantines")
+    restart_window_s: float = Field(600.0, gt=0)
+    restart_attempts: int = Field(3, ge=1, description="agent: tries to bring a worker back per restart")
+    backoff_initial_s: float = Field(0.5, ge=0)
+    backoff_max_s: float = Field(30.0, ge=0)
+    drain_timeout_s: float = Field(60.0, ge=0)
+
+
 class FleetConfig(Frozen):
     """Everything ``fleetward up`` needs; each field is also a flag (``--workers``, ``--backend``, ...)."""
 
@@ -127,13 +155,15 @@ class FleetConfig(Frozen):
     mqtt: str | None = Field(None, description="attach to this broker (host:port) instead of starting one")
     mqtt_port: int = Field(0, ge=0, le=65535)
     worker_base_port: int = Field(0, ge=0, le=65535, description="first worker port; 0 picks free ones")
-    lease_ttl_s: int = Field(5, ge=2, le=3600)
+    lease_ttl_s: int = Field(10, ge=2, le=3600, description="workers' registration lease (the agent's)")
     node: str = Field(default_factory=lambda: os.uname().nodename)
     router: bool = Field(True, description="start a router in front of the workers")
+    controller: bool = Field(True, description="start a supervisor controller (health verdicts, remediation)")
     router_port: int = Field(0, ge=0, le=65535, description="the router's port; 0 picks a free one")
     sim: SimConfig = SimConfig()
     vllm: VllmConfig = VllmConfig()
     routing: RouterConfig = RouterConfig()
+    supervisor: SupervisorConfig = SupervisorConfig()
 
     @field_validator("etcd", "mqtt")
     @classmethod

@@ -43,6 +43,25 @@ class Keys:
     def request(self, request_id: str) -> str:
         return self.requests + request_id
 
+    @property
+    def signals(self) -> str:
+        return self.root + "signals/"
+
+    def signal(self, worker_id: str, detector: str) -> str:
+        """``signals/<worker>/<detector>``: what a node agent's detector last said about a worker."""
+        return f"{self.signals}{worker_id}/{detector}"
+
+    @property
+    def actions(self) -> str:
+        return self.root + "actions/"
+
+    def actions_of(self, node: str) -> str:
+        return f"{self.actions}{node}/"
+
+    def action(self, node: str, action_id: str) -> str:
+        """``actions/<node>/<id>``: a remediation the supervisor leader asked this node's agent to carry out."""
+        return f"{self.actions}{node}/{action_id}"
+
     def leader(self, role: str) -> str:
         return f"{self.root}leader/{role}/"
 

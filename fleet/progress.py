@@ -35,6 +35,7 @@ class WorkerProgress:
     pending_prefill_tokens: int = 0  # prompt tokens of in-flight streams that have no first token yet
     last_token: float = 0.0  # monotonic time of the last token (or of the first dispatch after idle)
     tokens: int = 0
+    stalls: int = 0  # times the router moved this worker's streams away for silence
     streams: dict[str, int] = field(default_factory=dict)  # stream id -> prompt length while awaiting 1st token
 
 
@@ -126,6 +127,14 @@ class ProgressModel:
     def forget(self, worker: str) -> None:
         self.workers.pop(worker, None)
 
+    def stall_acted_on(self, worker: str) -> None:
+        """The router moved this worker's streams away for silence (kept in :meth:`view` as ``stalls``).
+
+        Once its streams are gone a worker has nothing in flight, so it no longer *looks* silent; this
+        counter keeps the evidence for the supervisor.
+        """
+        self._worker(worker).stalls += 1
+
     # -- verdicts ---------------------------------------------------------------------------------------
 
     def allowed_silence(self, worker: str) -> float:
@@ -167,6 +176,7 @@ class ProgressModel:
                     "silent_for_s": self.silent_for(worker),
                     "allowed_silence_s": self.allowed_silence(worker),
                     "tokens": w.tokens,
+                    "stalls": w.stalls,
                 }
                 for worker, w in self.workers.items()
             },

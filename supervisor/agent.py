@@ -1,11 +1,22 @@
-"""The node agent: one per host. Starts this node's workers, registers them, reports their ups and downs.
+"""The node agent: one per host. It starts this node's workers, registers them, watches them, and carries out
+the supervisor leader's remediations.
 
-- Each ready worker is registered under ``workers/<id>`` bound to the agent's lease: if the agent dies,
-  the keys vanish within the lease TTL; a clean stop revokes the lease, so they vanish at once.
-- The agent watches every worker process (a pidfd per process: an exit is seen immediately) and
-  publishes ``worker.up`` / ``worker.down`` on the event bus.
-- If etcd reports the lease expired (a partition longer than the TTL), the agent takes a new lease and
-  registers its live workers again.
+- **Registration**: each ready worker is registered under ``workers/<id>``, bound to the agent's lease.
+  If the agent dies, the keys vanish within the lease TTL. A clean stop revokes the lease, so they
+  vanish at once. If etcd says the lease expired (a partition longer than the TTL), the agent takes a
+  new lease and registers its live workers again.
+- **Local detectors** (their verdicts go to ``signals/<worker>/<detector>`` for the leader):
+  - *process*: a pidfd per worker, so an exit is seen the moment it happens;
+  - *engine-frozen*: an engine process in the stopped state, or no CPU progress while requests run;
+  - *gpu*: a :class:`~fleetward.supervisor.gpu.GpuHealthSource`, classified by the Xid/ECC policy.
+- **Actions**: the agent watches ``actions/<node>/``. It claims each pending action with a
+  compare-and-swap, so an action is carried out once even if two leaders wrote it. It then restarts
+  the worker, with tenacity's exponential backoff across start attempts and a GPU self-test first
+  when the worker owns GPUs, or stops it, or runs a self-test. It records ``done`` or ``failed``.
+- **Events**: ``worker.up`` and ``worker.down`` go on the bus.
+
+The agent never decides a worker's health. It writes only the initial ``starting`` record of a worker
+it launches, and the leader owns the record from then on.
 """
 
 from __future__ import annotations
@@ -14,17 +25,27 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import psutil
+from tenacity import AsyncRetrying, RetryError, stop_after_attempt, wait_exponential
 
 from fleetward.fleet.backends import WorkerBackend, WorkerHandle
 from fleetward.fleet.bus import EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
-from fleetward.fleet.errors import FleetwardError, StoreUnavailable
-from fleetward.fleet.etcd import LeaseKeeper, StateStore
+from fleetward.fleet.config import SupervisorConfig
+from fleetward.fleet.errors import FleetwardError, StoreError, UnavailableError
+from fleetward.fleet.etcd import Compare, LeaseKeeper, Put, StateStore
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.procs import free_port, port_is_free
 from fleetward.fleet.worker import HealthRecord, HealthState, WorkerRecord, WorkerSpec
+from fleetward.supervisor.detectors import RUNNING, EngineFrozenDetector, EngineSample, parse_prometheus
+from fleetward.supervisor.signals import Severity, Signal
 
 __all__ = ["NodeAgent"]
 
@@ -35,8 +56,9 @@ Progress = Callable[[str, str], None]  # (worker id, what happened)
 
 class NodeAgent:
     def __init__(self, *, store: StateStore, bus: EventBus, keys: Keys, backend: WorkerBackend, node: str,
-                 log_dir: Path, lease_ttl: int = 5, clock: Clock = SYSTEM_CLOCK,
-                 worker_env: Mapping[str, str] | None = None) -> None:
+                 log_dir: Path, lease_ttl: int = 10, clock: Clock = SYSTEM_CLOCK,
+                 worker_env: Mapping[str, str] | None = None, supervisor: SupervisorConfig | None = None,
+                 gpu: Any | None = None) -> None:
         self.store = store
         self.bus = bus
         self.keys = keys
@@ -46,17 +68,34 @@ class NodeAgent:
         self.lease_ttl = lease_ttl
         self.clock = clock
         self.worker_env = dict(worker_env or {})
+        self.config = supervisor or SupervisorConfig()
+        self.gpu = gpu  # a GpuHealthSource, when this node has GPUs (or a fake one)
         self.handles: dict[str, WorkerHandle] = {}
         self.specs: dict[str, WorkerSpec] = {}
         self.failed: dict[str, str] = {}
+        self.engine = EngineFrozenDetector(clock=clock, no_progress_s=self.config.engine_no_progress_s)
         self._lease: LeaseKeeper | None = None
         self._watchers: dict[str, asyncio.Task[None]] = {}
-        self._lease_task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
+        self._running: dict[str, int] = {}
+        self._restarting: set[str] = set()  # workers an action is restarting: their exits are expected
+        self._tree_fds: dict[str, dict[int, int]] = {}  # worker -> pid -> pidfd of its engine processes
+        self._locks: dict[str, asyncio.Lock] = {}  # one restart/stop of a worker at a time
+        self._http = httpx.AsyncClient(timeout=2.0)
+        self.actions_done: list[str] = []  # ids carried out by this agent (tests check nothing ran twice)
+
+    # -- life -------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._lease = await LeaseKeeper(self.store, self.lease_ttl, clock=self.clock).__aenter__()
-        self._lease_task = asyncio.create_task(self._renew_lost_lease(), name="agent-lease")
+        self._lease = await LeaseKeeper(self.store, self.lease_ttl, clock=self.clock).start()
+        self._tasks = [
+            asyncio.create_task(self._renew_lost_lease(), name="agent-lease"),
+            asyncio.create_task(self._follow_actions(), name="agent-actions"),
+            asyncio.create_task(self._monitor_engines(), name="agent-engines"),
+        ]
+        if self.gpu is not None:
+            self._tasks.append(asyncio.create_task(self._monitor_gpus(), name="agent-gpus"))
 
     async def start_workers(self, specs: Sequence[WorkerSpec], *, progress: Progress | None = None) -> None:
         """Launch every worker, then register each as soon as it is ready. Failures are recorded, not raised."""
@@ -66,11 +105,11 @@ class NodeAgent:
         handles = []
         for spec in specs:
             self.specs[spec.id] = spec
-            await self._set_health(spec.id, HealthState.STARTING, "launched", "agent")
+            await self._initial_health(spec.id)
             try:
                 handle = self.backend.launch(spec, self.log_dir, self.worker_env)
             except FleetwardError as exc:
-                await self._record_failure(spec.id, str(exc))
+                await self._start_failed(spec.id, str(exc))
                 note(spec.id, "failed")
                 continue
             self.handles[spec.id] = handle
@@ -83,7 +122,7 @@ class NodeAgent:
             except FleetwardError as exc:
                 await self.backend.stop(handle)
                 self.handles.pop(handle.spec.id, None)
-                await self._record_failure(handle.spec.id, str(exc))
+                await self._start_failed(handle.spec.id, str(exc))
                 note(handle.spec.id, "failed")
                 return
             await self._register(handle)
@@ -93,17 +132,59 @@ class NodeAgent:
             for h in handles:
                 tg.create_task(one(h))
 
-    async def _record_failure(self, worker_id: str, reason: str) -> None:
+    async def aclose(self, *, grace: float = 10.0) -> None:
+        """Stop every worker (ordered), revoke the lease (keys vanish now), publish ``worker.down``."""
+        self._closing = True
+        tasks = [*self._watchers.values(), *self._tasks]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        self._watchers.clear()
+        for wid in list(self._tree_fds):
+            self._forget_tree(wid)
+        handles = list(self.handles.values())
+        await asyncio.gather(*(self.backend.stop(h, grace=grace) for h in handles), return_exceptions=True)
+        if self._lease is not None:
+            await self._lease.aclose()
+            self._lease = None
+        with contextlib.suppress(UnavailableError, StoreError):
+            for worker_id in self.specs:
+                await self.store.delete(self.keys.health_of(worker_id))
+                await self.store.delete(self.keys.signals + worker_id + "/", prefix=True)
+        for h in handles:
+            await self.bus.publish("worker.down", worker=h.spec.id, node=self.node, reason="stopped")
+        self.handles.clear()
+        await self._http.aclose()
+
+    # -- registration and facts -------------------------------------------------------------------------
+
+    async def _initial_health(self, worker_id: str) -> None:
+        """``starting`` for a worker we launch, unless the leader already keeps a record of it."""
+        rec = HealthRecord(HealthState.STARTING, reason="launched", detector="agent", since=self.clock.wall(),
+                           extra={"node": self.node})
+        key = self.keys.health_of(worker_id)
+        await self.store.txn([Compare(key, "create", "==", 0)], [Put(key, rec.to_json())])
+
+    async def _start_failed(self, worker_id: str, reason: str) -> None:
         log.error("worker %s failed to start: %s", worker_id, reason)
         self.failed[worker_id] = reason
         first_line = reason.splitlines()[0] if reason else "failed to start"
-        await self._set_health(worker_id, HealthState.DEAD, first_line, "agent")
+        await self.signal(worker_id, "start", Severity.FATAL, f"failed to start: {first_line}", action="dead")
         await self.bus.publish("worker.down", worker=worker_id, node=self.node, reason=first_line)
+
+    async def signal(self, worker_id: str, detector: str, severity: Severity, reason: str, **extra: Any) -> None:
+        sig = Signal(worker_id, detector, severity, reason, self.clock.wall(), dict(extra))
+        with contextlib.suppress(UnavailableError):
+            await self.store.put(self.keys.signal(worker_id, detector), sig.to_json())
 
     async def _register(self, handle: WorkerHandle) -> None:
         spec = handle.spec
+        self.failed.pop(spec.id, None)
+        await self.signal(spec.id, "process", Severity.OK, f"running (pid {handle.process.pid})")
         await self._put_record(handle)
-        await self._set_health(spec.id, HealthState.READY, "answered /health and /v1/models", "agent")
         await self.bus.publish("worker.up", worker=spec.id, url=spec.url, node=self.node, role=spec.role)
         self._watchers[spec.id] = asyncio.create_task(self._watch_exit(handle), name=f"watch-{spec.id}")
 
@@ -115,79 +196,268 @@ class NodeAgent:
                               pid=handle.process.pid)
         await self.store.put(self.keys.worker(spec.id), record.to_json(), lease=self._lease.id)
 
-    async def _set_health(self, worker_id: str, state: HealthState, reason: str, detector: str) -> None:
-        record = HealthRecord(state, reason=reason, detector=detector, since=self.clock.wall())
-        await self.store.put(self.keys.health_of(worker_id), record.to_json())
-
     async def _watch_exit(self, handle: WorkerHandle) -> None:
         code = await handle.process.wait_exit()
-        if self._closing:
-            return
+        if self.handles.get(handle.spec.id) is handle:
+            self._forget_tree(handle.spec.id)
+        if self._closing or self.handles.get(handle.spec.id) is not handle:
+            return  # we stopped it on purpose
         worker_id = handle.spec.id
         reason = f"process exited with code {code}"
         log.warning("worker %s: %s", worker_id, reason)
         self.handles.pop(worker_id, None)
-        with contextlib.suppress(StoreUnavailable):
+        # The signal first, then the deregistration: the leader learns why before it sees it go.
+        await self.signal(worker_id, "process", Severity.FATAL, reason, exit_code=code)
+        with contextlib.suppress(UnavailableError):
             await self.store.delete(self.keys.worker(worker_id))
-            await self._set_health(worker_id, HealthState.DEAD, reason, "process")
         await self.bus.publish("worker.down", worker=worker_id, node=self.node, reason=reason, exit_code=code)
-
-    async def restart(self, worker_id: str, *, spec: WorkerSpec | None = None) -> WorkerHandle:
-        """Stop the worker's process tree (if any is left), start it again, wait until ready, register it.
-
-        Raises :class:`~fleetward.fleet.errors.ProcessError` when the new process does not become ready.
-        """
-        old = self.handles.pop(worker_id, None)
-        watcher = self._watchers.pop(worker_id, None)
-        if watcher is not None:
-            watcher.cancel()
-        if old is not None:
-            await self.backend.stop(old, grace=5)
-        spec = spec or self.specs.get(worker_id)
-        if spec is None:
-            raise KeyError(f"unknown worker {worker_id}")
-        if not port_is_free(spec.host, spec.port):
-            spec = dataclasses.replace(spec, port=free_port(spec.host))
-        self.specs[worker_id] = spec
-        await self._set_health(worker_id, HealthState.STARTING, "restarting", "agent")
-        handle = self.backend.launch(spec, self.log_dir, self.worker_env)
-        self.handles[worker_id] = handle
-        try:
-            await self.backend.wait_ready(handle)
-        except FleetwardError as exc:
-            await self.backend.stop(handle)
-            self.handles.pop(worker_id, None)
-            await self._record_failure(worker_id, str(exc))
-            raise
-        self.failed.pop(worker_id, None)
-        await self._register(handle)
-        return handle
 
     async def _renew_lost_lease(self) -> None:
         while True:
             assert self._lease is not None
             await self._lease.lost.wait()
             log.warning("agent lease expired; registering %d worker(s) again under a new lease", len(self.handles))
-            self._lease = await LeaseKeeper(self.store, self.lease_ttl, clock=self.clock).__aenter__()
+            self._lease = await LeaseKeeper(self.store, self.lease_ttl, clock=self.clock).start()
             for handle in list(self.handles.values()):
                 await self._put_record(handle)
 
-    async def aclose(self, *, grace: float = 10.0) -> None:
-        """Stop every worker (ordered), revoke the lease (keys vanish now), publish ``worker.down``."""
-        self._closing = True
-        for task in [*self._watchers.values(), *([self._lease_task] if self._lease_task else [])]:
-            task.cancel()
-        for task in [*self._watchers.values(), *([self._lease_task] if self._lease_task else [])]:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        handles = list(self.handles.values())
-        await asyncio.gather(*(self.backend.stop(h, grace=grace) for h in handles), return_exceptions=True)
-        if self._lease is not None:
-            await self._lease.aclose()
-            self._lease = None
-        with contextlib.suppress(StoreUnavailable):
-            for worker_id in [*self.handles, *self.failed]:
-                await self.store.delete(self.keys.health_of(worker_id))
-        for h in handles:
-            await self.bus.publish("worker.down", worker=h.spec.id, node=self.node, reason="stopped")
-        self.handles.clear()
+    # -- local detectors --------------------------------------------------------------------------------
+
+    def _engine_sample(self, handle: WorkerHandle) -> EngineSample:
+        procs = []
+        tree = handle.process.tree()
+        engines = [p for p in tree[1:] if _is_engine(p)] or tree[:1]
+        for p in engines:
+            try:
+                with p.oneshot():
+                    cpu = p.cpu_times()
+                    procs.append((p.pid, p.name(), p.status(), cpu.user + cpu.system))
+            except psutil.Error:
+                continue
+        return EngineSample(tuple(procs), self._running.get(handle.spec.id))
+
+    def _watch_tree_member(self, wid: str, handle: WorkerHandle, pid: int, name: str) -> None:
+        """A pidfd on a process of a worker's tree (e.g. vLLM's EngineCore): its exit is seen at once."""
+        loop = asyncio.get_running_loop()
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return
+        watched = self._tree_fds.setdefault(wid, {})
+
+        def exited() -> None:
+            loop.remove_reader(fd)
+            os.close(fd)
+            watched.pop(pid, None)
+            if self._closing or wid in self._restarting or self.handles.get(wid) is not handle:
+                return
+            if not handle.process.is_running:
+                return  # the whole worker went: the process watcher reports that
+            reason = f"{name} (pid {pid}) exited while the API server (pid {handle.process.pid}) stays up"
+            log.warning("worker %s: %s", wid, reason)
+            task = asyncio.create_task(self.signal(wid, "process", Severity.FATAL, reason, pid=pid))
+            self._tasks.append(task)
+
+        watched[pid] = fd
+        loop.add_reader(fd, exited)
+
+    def _forget_tree(self, wid: str) -> None:
+        loop = asyncio.get_running_loop()
+        for fd in self._tree_fds.pop(wid, {}).values():
+            loop.remove_reader(fd)
+            os.close(fd)
+
+    async def _monitor_engines(self) -> None:
+        ticks = 0
+        while True:
+            await self.clock.sleep(self.config.engine_check_interval_s)
+            ticks += 1
+            if ticks % 8 == 0:
+                await self._read_running()
+            for wid, handle in list(self.handles.items()):
+                if not handle.process.is_running or wid in self._restarting:
+                    continue
+                sample = await asyncio.to_thread(self._engine_sample, handle)
+                watched = self._tree_fds.get(wid, {})
+                for pid, name, _, _ in sample.processes:
+                    if pid != handle.process.pid and pid not in watched:
+                        self._watch_tree_member(wid, handle, pid, name)
+                for sig in self.engine.observe(wid, sample):
+                    if sig.severity is not Severity.OK:
+                        log.warning("worker %s: %s", wid, sig.reason)
+                    await self.signal(wid, sig.detector, sig.severity, sig.reason, **sig.extra)
+
+    async def _read_running(self) -> None:
+        async def one(wid: str, url: str) -> None:
+            try:
+                r = await self._http.get(f"{url}/metrics", timeout=1.0)
+                self._running[wid] = int(parse_prometheus(r.text, (RUNNING,)).get(RUNNING, 0))
+            except (httpx.HTTPError, ValueError):
+                self._running.pop(wid, None)
+
+        await asyncio.gather(*(one(w, h.bind_url) for w, h in list(self.handles.items())))
+
+    async def _monitor_gpus(self) -> None:
+        from fleetward.supervisor.gpu import Action, GpuEventKind, GpuPolicy
+
+        policy = GpuPolicy()
+        while True:
+            await self.clock.sleep(self.config.gpu_poll_interval_s)
+            for event in await asyncio.to_thread(self.gpu.poll):  # NVML calls block briefly
+                action, reason = policy.classify(event)
+                if event.kind is GpuEventKind.THROTTLE_STOPPED:
+                    action = None  # clears the degraded mark below
+                elif action is Action.IGNORE:
+                    continue
+                for wid, spec in self.specs.items():
+                    if event.gpu not in spec.gpus:
+                        continue
+                    if action is Action.DRAIN_AND_QUARANTINE:
+                        await self.signal(wid, "gpu", Severity.FATAL, reason, action="quarantine", gpu=event.gpu)
+                    elif action is Action.RESTART_WORKER:
+                        await self.signal(wid, "gpu", Severity.FATAL, reason, action="restart", gpu=event.gpu)
+                    elif action is Action.DEGRADED:
+                        await self.signal(wid, "gpu", Severity.DEGRADED, reason, gpu=event.gpu)
+                    else:
+                        await self.signal(wid, "gpu", Severity.OK, reason, gpu=event.gpu)
+
+    # -- actions from the leader ------------------------------------------------------------------------
+
+    async def _follow_actions(self) -> None:
+        prefix = self.keys.actions_of(self.node)
+        while True:
+            snap = await self.store.get_prefix(prefix)
+            for kv in snap.items:
+                self._maybe_run(kv.key, kv.value, kv.mod_revision)
+            try:
+                async for ev in self.store.watch_prefix(prefix, start_revision=snap.revision + 1):
+                    if ev.kind == "put":
+                        self._maybe_run(ev.key, ev.value, ev.revision)
+            except StoreError as exc:
+                log.warning("action watch lost (%s); re-reading", exc)
+
+    def _maybe_run(self, key: str, value: bytes, mod_revision: int) -> None:
+        try:
+            body = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            return
+        if body.get("status") != "pending":
+            return
+        task = asyncio.create_task(self._run_action(key, body, mod_revision), name=f"action-{body.get('id')}")
+        self._tasks.append(task)
+        self._tasks = [t for t in self._tasks if not t.done()]
+
+    async def _run_action(self, key: str, body: dict[str, Any], mod_revision: int) -> None:
+        claimed = {**body, "status": "running", "claimed_at": self.clock.wall()}
+        result = await self.store.txn([Compare(key, "mod", "==", mod_revision)], [Put(key, orjson.dumps(claimed))])
+        if not result.succeeded:
+            return  # someone (an earlier run of us) already took it
+        worker, kind = body["worker"], body["kind"]
+        log.info("carrying out %s of %s: %s", kind, worker, body.get("reason", ""))
+        ok, reason = True, ""
+        try:
+            if kind == "restart":
+                await self.restart(worker, delay=float(body.get("delay_s", 0.0)))
+            elif kind == "stop":
+                await self.stop(worker)
+            elif kind == "selftest":
+                ok, reason = await self.selftest(worker)
+            else:
+                ok, reason = False, f"unknown action kind {kind!r}"
+        except FleetwardError as exc:
+            ok, reason = False, str(exc).splitlines()[0]
+        except Exception as exc:  # an action must always end with a status
+            log.exception("action %s failed", body.get("id"))
+            ok, reason = False, f"{type(exc).__name__}: {exc}"
+        self.actions_done.append(body["id"])
+        done = {**claimed, "status": "done" if ok else "failed", "reason_done": reason, "done_at": self.clock.wall()}
+        await self.store.put(key, orjson.dumps(done))
+
+    def _lock(self, worker_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(worker_id, asyncio.Lock())
+
+    async def stop(self, worker_id: str) -> None:
+        async with self._lock(worker_id):
+            await self._stop(worker_id)
+
+    async def _stop(self, worker_id: str) -> None:
+        self._forget_tree(worker_id)
+        handle = self.handles.pop(worker_id, None)
+        if handle is not None:
+            await self.backend.stop(handle, grace=5)
+        with contextlib.suppress(UnavailableError):
+            await self.store.delete(self.keys.worker(worker_id))
+
+    async def selftest(self, worker_id: str) -> tuple[bool, str]:
+        spec = self.specs.get(worker_id)
+        if spec is None or not spec.gpus:
+            return True, "no GPU to test"
+        from fleetward.supervisor.gpu import run_selftest
+
+        for gpu in spec.gpus:
+            result = await asyncio.to_thread(run_selftest, self.gpu, gpu)
+            if not result.passed:
+                return False, f"GPU {gpu}: {result.reason}"
+        return True, f"GPU(s) {list(spec.gpus)} passed the self-test"
+
+    async def restart(self, worker_id: str, *, spec: WorkerSpec | None = None, delay: float = 0.0) -> WorkerHandle:
+        """Stop what is left of the worker, wait ``delay``, start it again (with retries), register it.
+
+        Start attempts follow exponential backoff (``restart_attempts`` tries). A worker with GPUs must
+        pass the self-test first. Raises :class:`ProcessError` when it never becomes ready. Restarts and stops
+        of one worker are serialised: a second one waits for the first and then acts on its result.
+        """
+        async with self._lock(worker_id):
+            return await self._restart(worker_id, spec=spec, delay=delay)
+
+    async def _restart(self, worker_id: str, *, spec: WorkerSpec | None, delay: float) -> WorkerHandle:
+        self._restarting.add(worker_id)
+        try:
+            self._forget_tree(worker_id)
+            old = self.handles.pop(worker_id, None)
+            watcher = self._watchers.pop(worker_id, None)
+            if watcher is not None:
+                watcher.cancel()
+            if old is not None:
+                await self.backend.stop(old, grace=5)
+            spec = spec or self.specs.get(worker_id)
+            if spec is None:
+                raise FleetwardError(f"unknown worker {worker_id} on node {self.node}")
+            if delay > 0:
+                await self.clock.sleep(delay)
+            if spec.gpus:
+                ok, reason = await self.selftest(worker_id)
+                if not ok:
+                    raise FleetwardError(f"self-test failed before restart: {reason}")
+            self.engine.forget(worker_id)
+            try:
+                async for attempt in AsyncRetrying(stop=stop_after_attempt(self.config.restart_attempts),
+                                                   wait=wait_exponential(multiplier=self.config.backoff_initial_s,
+                                                                         max=self.config.backoff_max_s),
+                                                   sleep=self.clock.sleep, reraise=True):
+                    with attempt:
+                        if not port_is_free(spec.host, spec.port):
+                            spec = dataclasses.replace(spec, port=free_port(spec.host))
+                        self.specs[worker_id] = spec
+                        handle = self.backend.launch(spec, self.log_dir, self.worker_env)
+                        self.handles[worker_id] = handle
+                        try:
+                            await self.backend.wait_ready(handle)
+                        except FleetwardError:
+                            self.handles.pop(worker_id, None)
+                            await self.backend.stop(handle, grace=2)
+                            raise
+            except RetryError as exc:  # pragma: no cover - reraise=True gives the last error instead
+                raise FleetwardError(str(exc)) from exc
+            await self._register(handle)
+            return handle
+        finally:
+            self._restarting.discard(worker_id)
+
+
+def _is_engine(p: psutil.Process) -> bool:
+    """vLLM's model-running processes (EngineCore, Worker) in a worker's tree."""
+    try:
+        return p.name().startswith("VLLM::") or "EngineCore" in " ".join(p.cmdline()[:1])
+    except psutil.Error:
+        return False

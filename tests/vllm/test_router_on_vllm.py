@@ -9,6 +9,7 @@ import orjson
 import pytest
 
 from fleetward.chaos.harness import TestFleet
+from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.cgroups import CpuGroup, cgroups_available
 from fleetward.fleet.tokenizer import encode
 from fleetward.migration.policy import LeastLoadedAffinity, prefix_key
@@ -59,7 +60,7 @@ async def test_killing_the_vllm_worker_mid_stream_leaves_the_stream_exact(vllm_f
                                      json={"model": "tiny", "prompt": prompt, "max_tokens": 1800, "temperature": 0,
                                            "ignore_eos": True, "stream": True, "return_token_ids": True}) as r:
                 assert r.status_code == 200, await r.aread()
-                async for line in r.aiter_lines():
+                async for line in sse_lines(r.aiter_bytes()):
                     if line.startswith("data: {"):
                         data = orjson.loads(line[6:])
                         assert "error" not in data, data

@@ -1,0 +1,541 @@
+"""The supervisor controller: one leader per cluster turns signals into health verdicts and actions.
+
+Any number of controllers campaign in an etcd election (``leader/supervisor/``); one leads and the others
+stand by. The leader:
+
+1. reads the key space at revision R: workers, health, signals, pending actions. Its state comes from
+   etcd (``health/<id>`` records carry restart history, pending actions and drains), so a standby that
+   takes over continues where the old leader stopped;
+2. watches ``workers/``, ``signals/`` and ``actions/`` from R+1, polls every router's stream progress,
+   scrapes workers' ``/metrics``, runs canaries, and feeds all of it to the
+   :class:`~fleetward.supervisor.health.HealthMachine`, one event at a time;
+3. carries out the machine's actions with **fenced** writes. Every transaction includes the election's
+   fence, so a deposed leader's writes fail and two controllers never both act. Remediation is written
+   as ``actions/<node>/<id>`` for the node's agent. The ids are deterministic, and a create-only compare
+   makes them idempotent, so nothing is done twice across a failover.
+
+The control API (bearer token) serves operators and the autoscaler:
+
+- ``GET /v1/workers``;
+- ``POST /v1/workers/<id>/drain`` (``{"deadline_s", "then": "stop"|"restart"}``), ``.../undrain``,
+  ``.../restart``;
+- ``POST /v1/workers/<id>/quarantine/clear``;
+- ``GET /health``, ``GET /metrics``.
+
+A standby answers 409 with the leader's address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from fleetward.fleet.bus import EventBus
+from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
+from fleetward.fleet.config import SupervisorConfig
+from fleetward.fleet.errors import FleetwardError, StoreError
+from fleetward.fleet.etcd import Compare, Election, LeaseKeeper, Put, StateStore
+from fleetward.fleet.keys import Keys
+from fleetward.fleet.worker import HealthRecord, HealthState, WorkerRecord
+from fleetward.supervisor.detectors import GoldenBook, MetricsDetector, StreamProgressDetector, parse_prometheus
+from fleetward.supervisor.health import (
+    ActionDone,
+    AgentAction,
+    CanaryDone,
+    Deregistered,
+    DrainRequested,
+    Event,
+    HealthMachine,
+    HealthPolicy,
+    Load,
+    Publish,
+    Quarantine,
+    QuarantineCleared,
+    Registered,
+    RunCanary,
+    SetHealth,
+    SignalSeen,
+    Tick,
+    Undrain,
+)
+from fleetward.supervisor.signals import Signal
+
+__all__ = ["Controller", "LeadershipLost"]
+
+log = logging.getLogger(__name__)
+
+
+class LeadershipLost(FleetwardError):
+    """A fenced write failed: another controller leads now."""
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.leader = Gauge("fleetward_supervisor_is_leader", "1 while this controller leads.", registry=r)
+        self.transitions = Counter("fleetward_supervisor_health_transitions",
+                                   "Health transitions by new state and detector.", ["state", "detector"], registry=r)
+        self.signals = Counter("fleetward_supervisor_signals", "Signals seen by detector and severity.",
+                               ["detector", "severity"], registry=r)
+        self.canaries = Counter("fleetward_supervisor_canaries", "Canaries by result.", ["result"], registry=r)
+        self.actions = Counter("fleetward_supervisor_actions", "Remediations issued to agents.", ["kind"],
+                               registry=r)
+        self.hangs = Counter("fleetward_supervisor_hangs_detected", "Silent hangs confirmed.", registry=r)
+        self.quarantines = Counter("fleetward_supervisor_quarantines", "Quarantines issued.", registry=r)
+        self.workers = Gauge("fleetward_supervisor_workers", "Workers by health state.", ["state"], registry=r)
+        self.canary_latency = Histogram("fleetward_supervisor_canary_seconds", "Canary latency (passed ones).",
+                                        buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5), registry=r)
+
+
+class Controller:
+    def __init__(self, config: SupervisorConfig, *, store: StateStore, bus: EventBus, keys: Keys,
+                 controller_id: str | None = None, url: str = "", admin_token: str = "",
+                 clock: Clock = SYSTEM_CLOCK) -> None:
+        self.config = config
+        self.store = store
+        self.bus = bus
+        self.keys = keys
+        self.id = controller_id or f"controller-{uuid.uuid4().hex[:8]}"
+        self.url = url
+        self.admin_token = admin_token
+        self.clock = clock
+        self.policy = HealthPolicy(recover_canaries=config.recover_canaries, suspect_timeout_s=config.suspect_timeout_s,
+                                   restart_budget=config.restart_budget, restart_window_s=config.restart_window_s,
+                                   backoff_initial_s=config.backoff_initial_s, backoff_max_s=config.backoff_max_s)
+        self.machine: HealthMachine | None = None
+        self.election: Election | None = None
+        self.leading = asyncio.Event()
+        self.metrics = _Metrics()
+        self.workers: dict[str, WorkerRecord] = {}
+        self.routers: dict[str, str] = {}
+        self.progress = StreamProgressDetector(clock=clock)
+        self.metrics_detector = MetricsDetector(clock=clock, frozen_after_s=config.metrics_frozen_after_s)
+        self.golden = GoldenBook(quorum=config.golden_quorum)
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._canaries: dict[str, asyncio.Task[None]] = {}
+        self._last_canary: dict[str, float] = {}
+        self._canary_done: dict[str, float] = {}
+        self._http = httpx.AsyncClient(timeout=config.canary_timeout_s, limits=httpx.Limits(max_connections=256))
+        self.on_action: Callable[[Any], None] | None = None  # tests and benchmarks observe decisions
+
+    # -- election ---------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Campaign, lead until leadership is lost, campaign again; until cancelled."""
+        try:
+            while True:
+                lease = await LeaseKeeper(self.store, self.config.lease_ttl_s, clock=self.clock).start()
+                self.election = Election(self.store, self.keys.leader("supervisor"),
+                                         candidate=json.dumps({"id": self.id, "url": self.url}), lease=lease)
+                try:
+                    await self.election.campaign()
+                    log.info("controller %s leads cluster %s", self.id, self.keys.cluster)
+                    self.leading.set()
+                    self.metrics.leader.set(1)
+                    await self._lead(lease)
+                except (LeadershipLost, StoreError) as exc:
+                    log.warning("controller %s lost leadership: %s", self.id, exc)
+                finally:
+                    self.leading.clear()
+                    self.metrics.leader.set(0)
+                    for t in self._canaries.values():
+                        t.cancel()
+                    self._canaries.clear()
+                    with contextlib.suppress(FleetwardError):
+                        await self.election.resign()
+                    await lease.aclose()
+        finally:
+            await self._http.aclose()
+
+    async def leader(self) -> dict[str, Any] | None:
+        if self.election is None:
+            return None
+        snap = await self.store.get_prefix(self.election.prefix)
+        if not snap.items:
+            return None
+        first = min(snap.items, key=lambda kv: kv.create_revision)
+        return dict(json.loads(first.json()["candidate"]))
+
+    # -- leading ----------------------------------------------------------------------------------------
+
+    async def _lead(self, lease: LeaseKeeper) -> None:
+        self.machine = machine = HealthMachine(self.policy, clock=self.clock)
+        self._events = asyncio.Queue()
+        # The sections the leader needs, all as of one revision R (not the whole cluster prefix:
+        # ``requests/`` can hold tens of MB of checkpoints, more than one gRPC response carries).
+        first = await self.store.get_prefix(self.keys.workers)
+        revision = first.revision
+        items = list(first.items)
+        for prefix in (self.keys.health, self.keys.signals, self.keys.actions, self.keys.routers):
+            items += (await self.store.get_prefix(prefix, revision=revision)).items
+        health: dict[str, HealthRecord] = {}
+        signals: list[Signal] = []
+        actions: list[dict[str, Any]] = []
+        self.workers.clear()
+        self.routers.clear()
+        for kv in items:
+            key = kv.key
+            try:
+                if key.startswith(self.keys.workers):
+                    self.workers[key[len(self.keys.workers):]] = WorkerRecord.from_json(kv.value)
+                elif key.startswith(self.keys.health):
+                    health[key[len(self.keys.health):]] = HealthRecord.from_json(kv.value)
+                elif key.startswith(self.keys.signals):
+                    signals.append(Signal.from_json(kv.value))
+                elif key.startswith(self.keys.actions):
+                    actions.append(orjson.loads(kv.value))
+                elif key.startswith(self.keys.routers):
+                    self.routers[key[len(self.keys.routers):]] = orjson.loads(kv.value).get("url", "")
+            except (ValueError, KeyError) as exc:
+                log.warning("ignoring malformed %s: %s", key, exc)
+        for wid, rec in health.items():
+            machine.load(wid, rec)
+        boot: list[Event] = []
+        for wid, rec in self.workers.items():
+            boot.append(Registered(wid, rec.node, rec.gpus))
+        for wid, ws in machine.workers.items():
+            if wid not in self.workers and ws.state in (HealthState.READY, HealthState.SUSPECT, HealthState.STARTING):
+                boot.append(Deregistered(wid))
+        boot += [SignalSeen(s) for s in signals]
+        boot += [self._action_event(a) for a in actions if a.get("status") in ("done", "failed")]
+        for e in boot:
+            await self._apply(machine.observe(e))
+        # Pending actions the old leader wrote stay as they are: the agent carries them out once.
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._brain(machine))
+            tg.create_task(self._watch(self.keys.workers, revision + 1, self._on_worker))
+            tg.create_task(self._watch(self.keys.signals, revision + 1, self._on_signal))
+            tg.create_task(self._watch(self.keys.actions, revision + 1, self._on_action))
+            tg.create_task(self._watch(self.keys.routers, revision + 1, self._on_router))
+            tg.create_task(self._poll_progress())
+            tg.create_task(self._scrape_metrics())
+            tg.create_task(self._schedule_canaries())
+            tg.create_task(self._tick())
+            tg.create_task(self._lease_watch(lease))
+
+    async def _lease_watch(self, lease: LeaseKeeper) -> None:
+        await lease.lost.wait()
+        raise LeadershipLost("the leadership lease expired")
+
+    async def _brain(self, machine: HealthMachine) -> None:
+        """The one consumer of events: the machine sees them strictly in order."""
+        while True:
+            event = await self._events.get()
+            await self._apply(machine.observe(event))
+            if isinstance(event, Tick):
+                counts: dict[str, int] = {}
+                for st in machine.states().values():
+                    counts[st.value] = counts.get(st.value, 0) + 1
+                for state in HealthState:
+                    self.metrics.workers.labels(state.value).set(counts.get(state.value, 0))
+
+    def submit(self, event: Event) -> None:
+        self._events.put_nowait(event)
+
+    async def _watch(self, prefix: str, start: int, handle: Callable[[str, str, bytes], None]) -> None:
+        async for ev in self.store.watch_prefix(prefix, start_revision=start):
+            try:
+                handle(ev.kind, ev.key[len(prefix):], ev.value)
+            except (ValueError, KeyError) as exc:
+                log.warning("ignoring malformed %s: %s", ev.key, exc)
+
+    def _on_worker(self, kind: str, wid: str, value: bytes) -> None:
+        if kind == "delete":
+            self.workers.pop(wid, None)
+            self.metrics_detector.forget(wid)
+            self.submit(Deregistered(wid))
+            return
+        rec = WorkerRecord.from_json(value)
+        self.workers[wid] = rec
+        self.submit(Registered(wid, rec.node, rec.gpus))
+
+    def _on_signal(self, kind: str, _: str, value: bytes) -> None:
+        if kind == "put":
+            sig = Signal.from_json(value)
+            self.metrics.signals.labels(sig.detector, sig.severity.value).inc()
+            self.submit(SignalSeen(sig))
+
+    def _on_action(self, kind: str, _: str, value: bytes) -> None:
+        if kind != "put":
+            return
+        body = orjson.loads(value)
+        if body.get("status") in ("done", "failed"):
+            self.submit(self._action_event(body))
+
+    def _on_router(self, kind: str, rid: str, value: bytes) -> None:
+        if kind == "delete":
+            self.routers.pop(rid, None)
+            self.progress.router_gone(rid)
+        else:
+            self.routers[rid] = orjson.loads(value).get("url", "")
+
+    @staticmethod
+    def _action_event(body: dict[str, Any]) -> ActionDone:
+        return ActionDone(body["worker"], body["id"], body["kind"], body.get("status") == "done",
+                          body.get("reason_done", ""))
+
+    # -- carrying out the machine's decisions -----------------------------------------------------------
+
+    async def _fenced(self, compare: list[Compare], puts: list[Put]) -> bool:
+        assert self.election is not None
+        result = await self.store.txn([self.election.fence, *compare], puts)
+        if result.succeeded:
+            return True
+        fenced = await self.store.txn([self.election.fence], [])
+        if not fenced.succeeded:
+            raise LeadershipLost("a fenced write failed: another controller leads")
+        return False  # only the other comparisons failed
+
+    async def _apply(self, actions: list[Any]) -> None:
+        for action in actions:
+            if self.on_action is not None:
+                self.on_action(action)
+            match action:
+                case SetHealth():
+                    rec = action.record
+                    await self._fenced([], [Put(self.keys.health_of(action.worker), rec.to_json())])
+                    self.metrics.transitions.labels(rec.state.value, rec.detector or "-").inc()
+                    await self.bus.publish("health.changed", worker=action.worker, state=rec.state.value,
+                                           previous=action.previous.value if action.previous else None,
+                                           reason=rec.reason, detector=rec.detector)
+                    log.info("worker %s: %s -> %s (%s: %s)", action.worker,
+                             action.previous.value if action.previous else "-", rec.state.value, rec.detector,
+                             rec.reason)
+                case RunCanary():
+                    self._start_canary(action.worker, urgent=action.urgent)
+                case AgentAction():
+                    body = {"id": action.action_id, "worker": action.worker, "node": action.node,
+                            "kind": action.kind, "delay_s": action.delay_s, "reason": action.reason,
+                            "status": "pending", "issued_by": self.id, "issued_at": self.clock.wall()}
+                    key = self.keys.action(action.node or "unknown", action.action_id)
+                    created = await self._fenced([Compare(key, "create", "==", 0)], [Put(key, orjson.dumps(body))])
+                    if created:
+                        self.metrics.actions.labels(action.kind).inc()
+                case Quarantine():
+                    gpus = action.gpus or (f"worker-{action.worker}",)
+                    body = orjson.dumps({"worker": action.worker, "reason": action.reason, "since": self.clock.wall()})
+                    await self._fenced([], [Put(self.keys.quarantine_of(action.node, g), body) for g in gpus])
+                    self.metrics.quarantines.inc()
+                case Publish():
+                    if action.kind == "hang.detected":
+                        self.metrics.hangs.inc()
+                    await self.bus.publish(action.kind, **action.data)
+
+    # -- detectors that run here ------------------------------------------------------------------------
+
+    async def _poll_progress(self) -> None:
+        while True:
+            await self.clock.sleep(self.config.progress_interval_s)
+            routers = list(self.routers.items())
+
+            async def one(rid: str, url: str) -> None:
+                try:
+                    r = await self._http.get(f"{url}/fleetward/v1/progress", timeout=1.0)
+                    if r.status_code == 200:
+                        self.progress.observe(rid, r.json())
+                except (httpx.HTTPError, ValueError):
+                    pass  # a router that does not answer ages out of the view
+
+            await asyncio.gather(*(one(rid, url) for rid, url in routers if url))
+            for sig in self.progress.check():
+                self.metrics.signals.labels(sig.detector, sig.severity.value).inc()
+                self.submit(SignalSeen(sig))
+            if self.machine is not None:
+                for wid, ws in self.machine.workers.items():
+                    if ws.state is HealthState.DRAINING:
+                        self.submit(Load(wid, self.progress.in_flight(wid)))
+
+    async def _scrape_metrics(self) -> None:
+        limit = asyncio.Semaphore(32)
+        while True:
+            await self.clock.sleep(self.config.metrics_interval_s)
+
+            async def one(wid: str, url: str) -> None:
+                async with limit:
+                    try:
+                        r = await self._http.get(f"{url}/metrics", timeout=2.0)
+                        r.raise_for_status()
+                        signals = self.metrics_detector.scraped(wid, parse_prometheus(r.text, MetricsDetector.wanted))
+                    except httpx.HTTPError as exc:
+                        signals = self.metrics_detector.failed(wid, f"{type(exc).__name__}: {exc}")
+                for sig in signals:
+                    self.submit(SignalSeen(sig))
+
+            await asyncio.gather(*(one(w, r.url) for w, r in list(self.workers.items())))
+
+    async def _schedule_canaries(self) -> None:
+        """Routine canaries for idle workers (busy ones prove themselves by emitting tokens)."""
+        while True:
+            await self.clock.sleep(1.0)
+            if self.machine is None:
+                continue
+            now = self.clock.monotonic()
+            for wid, ws in self.machine.workers.items():
+                if ws.state is not HealthState.READY or wid not in self.workers or self.progress.in_flight(wid):
+                    continue
+                if now - self._last_canary.get(wid, 0.0) >= self.config.canary_interval_s:
+                    self._start_canary(wid, urgent=False)
+
+    async def _tick(self) -> None:
+        while True:
+            await self.clock.sleep(0.25)
+            self.submit(Tick())
+
+    def _start_canary(self, worker: str, *, urgent: bool) -> None:
+        running = self._canaries.get(worker)
+        if running is not None and not running.done():
+            return
+        self._last_canary[worker] = self.clock.monotonic()
+        self._canaries[worker] = asyncio.create_task(self._canary(worker, urgent), name=f"canary-{worker}")
+
+    async def _canary(self, worker: str, urgent: bool) -> None:
+        previous = self._canary_done.get(worker)
+        if previous is not None:  # back-to-back urgent canaries are spaced, never a storm
+            await self.clock.sleep(max(0.0, previous + 0.2 - self.clock.monotonic()))
+        try:
+            await self._canary_once(worker, urgent)
+        finally:
+            self._canary_done[worker] = self.clock.monotonic()
+
+    async def _canary_once(self, worker: str, urgent: bool) -> None:
+        rec = self.workers.get(worker)
+        if rec is None:
+            return
+        deadline = self.config.canary_timeout_s
+        allowance = self.progress.allowance(worker)
+        if urgent and allowance:
+            deadline = max(0.5, min(deadline, allowance))
+        started = self.clock.monotonic()
+        body = {"model": rec.model, "prompt": self.config.canary_prompt, "max_tokens": self.config.canary_max_tokens,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        ok, reason, wrong = False, "", False
+        try:
+            async with asyncio.timeout(deadline):
+                r = await self._http.post(f"{rec.url}/v1/completions", json=body, timeout=deadline + 1)
+            if r.status_code != 200:
+                reason = f"HTTP {r.status_code}: {r.text[:200]}"
+            else:
+                tokens = r.json()["choices"][0].get("token_ids") or []
+                verdict = self.golden.check(rec.model, tokens)
+                if verdict is False:
+                    wrong = True
+                    reason = (f"wrong tokens: {tokens} where the fleet's golden output is "
+                              f"{list(self.golden.golden[rec.model])}")
+                else:
+                    ok = True
+                    self.metrics.canary_latency.observe(self.clock.monotonic() - started)
+        except TimeoutError:
+            reason = f"no answer within {deadline:.2f}s"
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        self.metrics.canaries.labels("ok" if ok else ("wrong" if wrong else "failed")).inc()
+        self.submit(CanaryDone(worker, ok, reason, wrong_tokens=wrong, silent=self.progress.silent(worker)))
+
+    # -- control API ------------------------------------------------------------------------------------
+
+    def app(self) -> FastAPI:
+        app = FastAPI(title="fleetward supervisor", docs_url=None, redoc_url=None, openapi_url=None)
+
+        def authorised(request: Request) -> bool:
+            return bool(self.admin_token) and request.headers.get("authorization") == f"Bearer {self.admin_token}"
+
+        async def command(request: Request, event: Event) -> Response:
+            if not authorised(request):
+                return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
+            if not self.leading.is_set():
+                return JSONResponse({"error": "not the leader", "leader": await self.leader()}, status_code=409)
+            self.submit(event)
+            return JSONResponse({"accepted": True, "leader": self.id})
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=200)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/v1/workers")
+        async def workers(request: Request) -> Response:
+            if not authorised(request):
+                return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
+            machine = self.machine if self.leading.is_set() else None
+            out = {wid: ws.record().to_json().decode() for wid, ws in (machine.workers.items() if machine else [])}
+            return JSONResponse({"leader": self.leading.is_set(), "id": self.id,
+                                 "workers": {k: json.loads(v) for k, v in out.items()}})
+
+        @app.post("/v1/workers/{worker}/drain")
+        async def drain(worker: str, request: Request) -> Response:
+            try:
+                body = await request.json() if await request.body() else {}
+                then = body.get("then", "stop")
+                deadline = float(body.get("deadline_s", self.config.drain_timeout_s))
+                if then not in ("stop", "restart"):
+                    raise ValueError("then must be stop or restart")
+            except (ValueError, TypeError) as exc:
+                return JSONResponse({"error": f"bad drain request: {exc}"}, status_code=400)
+            return await command(request, DrainRequested(worker, deadline, then))
+
+        @app.post("/v1/workers/{worker}/undrain")
+        async def undrain(worker: str, request: Request) -> Response:
+            return await command(request, Undrain(worker))
+
+        @app.post("/v1/workers/{worker}/restart")
+        async def restart(worker: str, request: Request) -> Response:
+            return await command(request, DrainRequested(worker, 0.0, "restart"))
+
+        @app.post("/v1/workers/{worker}/quarantine/clear")
+        async def clear(worker: str, request: Request) -> Response:
+            return await command(request, QuarantineCleared(worker))
+
+        return app
+
+
+async def serve_controller(config: SupervisorConfig, *, etcd: str, mqtt: str, cluster: str, admin_token: str,
+                           controller_id: str | None = None,
+                           on_ready: Callable[[Controller], None] | None = None) -> None:
+    """Run a controller process: campaign and lead, control API on ``config.port``, until SIGTERM."""
+    import uvicorn
+
+    from fleetward.fleet.bus import MqttBus
+    from fleetward.fleet.etcd import EtcdStore
+    from fleetward.fleet.procs import ensure_port
+
+    port = ensure_port(config.host, config.port, name="supervisor controller")
+    store = EtcdStore(etcd)
+    await store.get(Keys(cluster).root)
+    bus = await MqttBus(mqtt, cluster).start()
+    controller = Controller(config, store=store, bus=bus, keys=Keys(cluster), controller_id=controller_id,
+                            url=f"http://{config.host}:{port}", admin_token=admin_token)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(controller.run(), name="controller")
+        if on_ready is not None:
+            on_ready(controller)
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    app = controller.app()
+    app.router.lifespan_context = lifespan
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=port, loop="none", log_level="warning",
+                                           access_log=False, lifespan="on"))
+    try:
+        await server.serve()
+    finally:
+        await bus.aclose()
+        await store.aclose()

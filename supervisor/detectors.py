@@ -1,0 +1,313 @@
+"""Detectors: each turns one kind of observation into :class:`~fleetward.supervisor.signals.Signal` values.
+
+They are sans-IO: the caller feeds observations with an injected clock, so each one is tested
+without sleeping. Each reports a change only when its verdict about a worker changes: ``ok`` after a
+non-ok signal clears it.
+
+==================  =========  ==================================================================================
+detector            runs in    says
+==================  =========  ==================================================================================
+process             agent      fatal the moment a process of the worker's tree exits (pidfd, no polling)
+engine-frozen       agent      fatal when an engine process is stopped (SIGSTOP/T state); suspect when engine
+                               processes make no CPU progress while requests run
+gpu                 agent      per the Xid/ECC policy table: restart, quarantine, or degraded (throttling)
+stream-progress     controller suspect when a router reports the worker silent past its adaptive allowance
+                               while it has work in flight (the router's ProgressModel: long prompts get longer)
+canary              controller a tiny greedy generation with a deadline; golden outputs catch wrong tokens
+metrics             controller suspect when vLLM counters stop moving while requests run, or scrapes fail
+==================  =========  ==================================================================================
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
+from fleetward.supervisor.signals import Severity, Signal
+
+__all__ = [
+    "EngineFrozenDetector",
+    "EngineSample",
+    "GoldenBook",
+    "MetricsDetector",
+    "StreamProgressDetector",
+    "parse_prometheus",
+]
+
+
+class _Verdicts:
+    """Remembers the last severity per worker so only changes become signals."""
+
+    def __init__(self, name: str, clock: Clock) -> None:
+        self.name = name
+        self.clock = clock
+        self.last: dict[str, Severity] = {}
+
+    def say(self, worker: str, severity: Severity, reason: str, **extra: Any) -> list[Signal]:
+        if self.last.get(worker, Severity.OK) is severity:
+            return []
+        self.last[worker] = severity
+        return [Signal(worker, self.name, severity, reason, self.clock.wall(), dict(extra))]
+
+    def forget(self, worker: str) -> None:
+        self.last.pop(worker, None)
+
+
+# -- stream progress ------------------------------------------------------------------------------------
+
+
+@dataclass
+class WorkerProgressView:
+    in_flight: int = 0
+    silent_for_s: float = 0.0
+    allowed_silence_s: float = 0.0
+    stalled: bool = False
+    routers: int = 0
+
+
+class StreamProgressDetector:
+    """Combines the routers' published views (``GET /fleetward/v1/progress``) into per-worker verdicts.
+
+    A worker is stalled when any router has work in flight on it and has seen no token from it for longer
+    than that router's allowance. Views older than ``stale_after_s`` (a router that stopped answering) are
+    ignored.
+    """
+
+    name = "stream-progress"
+
+    def __init__(self, *, clock: Clock = SYSTEM_CLOCK, stale_after_s: float = 5.0) -> None:
+        self.clock = clock
+        self.stale_after_s = stale_after_s
+        self._views: dict[str, tuple[float, Mapping[str, Any]]] = {}
+        self._verdicts = _Verdicts(self.name, clock)
+        self.workers: dict[str, WorkerProgressView] = {}
+        self._stalls: dict[tuple[str, str], int] = {}  # (router, worker) -> stall count last seen
+
+    def observe(self, router: str, view: Mapping[str, Any]) -> None:
+        self._views[router] = (self.clock.monotonic(), view)
+
+    def router_gone(self, router: str) -> None:
+        self._views.pop(router, None)
+
+    def check(self) -> list[Signal]:
+        now = self.clock.monotonic()
+        merged: dict[str, WorkerProgressView] = collections.defaultdict(WorkerProgressView)
+        moved: dict[str, int] = {}
+        for router, (seen, view) in list(self._views.items()):
+            if now - seen > self.stale_after_s:
+                continue
+            for worker, w in (view.get("workers") or {}).items():
+                stalls = int(w.get("stalls", 0))
+                before = self._stalls.get((router, worker))
+                self._stalls[(router, worker)] = stalls
+                if before is not None and stalls > before:
+                    moved[worker] = moved.get(worker, 0) + stalls - before
+                m = merged[worker]
+                m.routers += 1
+                m.in_flight += int(w.get("in_flight", 0))
+                silent, allowed = float(w.get("silent_for_s", 0.0)), float(w.get("allowed_silence_s", 0.0))
+                if int(w.get("in_flight", 0)) and silent > allowed:
+                    if not m.stalled or silent - allowed > m.silent_for_s - m.allowed_silence_s:
+                        m.silent_for_s, m.allowed_silence_s = silent, allowed
+                    m.stalled = True
+                elif not m.stalled:
+                    m.silent_for_s = max(m.silent_for_s, silent)
+                    m.allowed_silence_s = max(m.allowed_silence_s, allowed)
+        self.workers = dict(merged)
+        out: list[Signal] = []
+        for worker, m in self.workers.items():
+            if worker in moved and not m.stalled:
+                # A router already moved the streams away (so it has nothing in flight there now): the
+                # silence it saw is the evidence. A canary decides.
+                out += self._verdicts.say(worker, Severity.SUSPECT,
+                                          f"a router moved its streams away {moved[worker]} time(s): no token "
+                                          "within the allowed silence")
+            elif m.stalled:
+                out += self._verdicts.say(worker, Severity.SUSPECT,
+                                          f"no token for {m.silent_for_s:.2f}s with {m.in_flight} request(s) in "
+                                          f"flight (allowed {m.allowed_silence_s:.2f}s)",
+                                          silent_for_s=m.silent_for_s, allowed_silence_s=m.allowed_silence_s)
+            else:
+                out += self._verdicts.say(worker, Severity.OK, "tokens flowing")
+        for worker in [w for w in self._verdicts.last if w not in self.workers]:
+            out += self._verdicts.say(worker, Severity.OK, "no work in flight")
+        return out
+
+    def silent(self, worker: str) -> bool | None:
+        """Whether routers see the worker silent with work in flight (None: they have no work on it)."""
+        m = self.workers.get(worker)
+        if m is None or not m.in_flight:
+            return None
+        return m.stalled
+
+    def in_flight(self, worker: str) -> int:
+        m = self.workers.get(worker)
+        return m.in_flight if m else 0
+
+    def allowance(self, worker: str) -> float | None:
+        m = self.workers.get(worker)
+        return m.allowed_silence_s if m and m.allowed_silence_s else None
+
+
+# -- metrics --------------------------------------------------------------------------------------------
+
+
+def parse_prometheus(text: str, names: Iterable[str]) -> dict[str, float]:
+    """Sum of the samples of each wanted metric (labels ignored), from the text exposition format."""
+    wanted = set(names)
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
+        if name_end < 0:
+            continue
+        name = line[:name_end]
+        if name not in wanted:
+            continue
+        try:
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[-1])
+        except ValueError:
+            continue
+    return out
+
+
+RUNNING = "vllm:num_requests_running"
+GENERATED = "vllm:generation_tokens_total"
+
+
+@dataclass
+class _MetricsState:
+    failures: int = 0
+    tokens: float | None = None
+    tokens_since: float = 0.0
+
+
+class MetricsDetector:
+    """vLLM counters that stop moving while requests run; scrapes that fail."""
+
+    name = "metrics"
+    wanted = (RUNNING, GENERATED)
+
+    def __init__(self, *, clock: Clock = SYSTEM_CLOCK, frozen_after_s: float = 10.0, failures: int = 2) -> None:
+        self.clock = clock
+        self.frozen_after_s = frozen_after_s
+        self.failures = failures
+        self._state: dict[str, _MetricsState] = collections.defaultdict(_MetricsState)
+        self._verdicts = _Verdicts(self.name, clock)
+
+    def scraped(self, worker: str, metrics: Mapping[str, float]) -> list[Signal]:
+        st = self._state[worker]
+        st.failures = 0
+        now = self.clock.monotonic()
+        tokens = metrics.get(GENERATED)
+        running = metrics.get(RUNNING, 0.0)
+        if tokens is None:
+            return self._verdicts.say(worker, Severity.OK, "scraped")
+        if st.tokens is None or tokens != st.tokens or running <= 0:
+            st.tokens, st.tokens_since = tokens, now
+            return self._verdicts.say(worker, Severity.OK, "counters moving")
+        if now - st.tokens_since >= self.frozen_after_s:
+            return self._verdicts.say(worker, Severity.SUSPECT,
+                                      f"{GENERATED} frozen for {now - st.tokens_since:.1f}s while {running:.0f} "
+                                      "request(s) run")
+        return []
+
+    def failed(self, worker: str, error: str) -> list[Signal]:
+        st = self._state[worker]
+        st.failures += 1
+        if st.failures >= self.failures:
+            return self._verdicts.say(worker, Severity.SUSPECT, f"/metrics scrape failed {st.failures} times: {error}")
+        return []
+
+    def forget(self, worker: str) -> None:
+        self._state.pop(worker, None)
+        self._verdicts.forget(worker)
+
+
+# -- engine frozen (agent) ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineSample:
+    """One look at a worker's engine processes: (pid, name, status, cpu seconds) each, and its load."""
+
+    processes: tuple[tuple[int, str, str, float], ...]
+    running_requests: int | None = None  # from the worker's own metrics, when known
+
+
+@dataclass
+class _EngineState:
+    cpu: float = -1.0
+    cpu_since: float = 0.0
+
+
+class EngineFrozenDetector:
+    """A stopped engine process is a silent hang; CPU that stops moving while requests run is suspect."""
+
+    name = "engine-frozen"
+
+    def __init__(self, *, clock: Clock = SYSTEM_CLOCK, no_progress_s: float = 5.0) -> None:
+        self.clock = clock
+        self.no_progress_s = no_progress_s
+        self._state: dict[str, _EngineState] = collections.defaultdict(_EngineState)
+        self._verdicts = _Verdicts(self.name, clock)
+
+    def observe(self, worker: str, sample: EngineSample) -> list[Signal]:
+        stopped = [(pid, name) for pid, name, status, _ in sample.processes if status in ("stopped", "tracing-stop")]
+        if stopped:
+            pid, name = stopped[0]
+            return self._verdicts.say(worker, Severity.FATAL, f"engine process {pid} ({name}) is stopped "
+                                      "(SIGSTOP): it answers nothing while /health may still say 200",
+                                      hang=True, pid=pid)
+        now = self.clock.monotonic()
+        st = self._state[worker]
+        cpu = sum(p[3] for p in sample.processes)
+        resumed = self._verdicts.last.get(worker) is Severity.FATAL
+        if cpu != st.cpu or not sample.running_requests or resumed:
+            st.cpu, st.cpu_since = cpu, now
+            return self._verdicts.say(worker, Severity.OK, "engine running")
+        if now - st.cpu_since >= self.no_progress_s:
+            return self._verdicts.say(worker, Severity.SUSPECT,
+                                      f"engine used no CPU for {now - st.cpu_since:.1f}s while "
+                                      f"{sample.running_requests} request(s) run")
+        return []
+
+    def forget(self, worker: str) -> None:
+        self._state.pop(worker, None)
+        self._verdicts.forget(worker)
+
+
+# -- canary golden outputs ------------------------------------------------------------------------------
+
+
+@dataclass
+class GoldenBook:
+    """Known greedy outputs of the canary prompt, per model, to catch workers that emit wrong tokens.
+
+    A golden is either configured, or learned: once ``quorum`` workers of a model agreed on an output,
+    it becomes that model's golden, and a worker that answers differently is wrong. Before that, outputs
+    are only collected, and no verdict is given.
+    """
+
+    quorum: int = 2
+    golden: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    _votes: dict[str, collections.Counter[tuple[int, ...]]] = field(
+        default_factory=lambda: collections.defaultdict(collections.Counter))
+
+    def check(self, model: str, tokens: Iterable[int]) -> bool | None:
+        """True (matches), False (wrong tokens) or None (no golden yet)."""
+        out = tuple(tokens)
+        known = self.golden.get(model)
+        if known is not None:
+            return out == known
+        votes = self._votes[model]
+        votes[out] += 1
+        best, count = votes.most_common(1)[0]
+        if count >= self.quorum:
+            self.golden[model] = best
+            return out == best
+        return None

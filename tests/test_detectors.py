@@ -1,0 +1,134 @@
+"""Detectors, fed observations with a manual clock: each says something only when its verdict changes."""
+
+from __future__ import annotations
+
+from fleetward.fleet.clock import ManualClock
+from fleetward.fleet.progress import ProgressModel
+from fleetward.supervisor.detectors import (
+    EngineFrozenDetector,
+    EngineSample,
+    GoldenBook,
+    MetricsDetector,
+    StreamProgressDetector,
+    parse_prometheus,
+)
+from fleetward.supervisor.signals import Severity
+
+
+def test_stream_progress_follows_the_routers_adaptive_allowance() -> None:
+    clock = ManualClock()
+    router = ProgressModel(clock=clock, floor_s=1.0, prefill_s_per_token=0.001)
+    detector = StreamProgressDetector(clock=clock)
+    router.dispatched("w1", "r1", prompt_tokens=10)
+    router.token("w1", "r1")
+    clock.advance(0.9)
+    detector.observe("router-a", router.view())
+    assert detector.check() == []
+    clock.advance(0.2)  # 1.1 s silent, allowed 1.0
+    detector.observe("router-a", router.view())
+    (sig,) = detector.check()
+    assert (sig.worker, sig.severity) == ("w1", Severity.SUSPECT) and sig.extra["silent_for_s"] > 1.0
+    assert detector.silent("w1") is True
+    router.token("w1", "r1")
+    detector.observe("router-a", router.view())
+    (sig,) = detector.check()
+    assert sig.severity is Severity.OK
+
+
+def test_a_long_prompt_gets_a_longer_allowance_than_a_short_one() -> None:
+    clock = ManualClock()
+    router = ProgressModel(clock=clock, floor_s=1.0, prefill_s_per_token=0.002, first_token_base_s=1.0)
+    detector = StreamProgressDetector(clock=clock)
+    router.dispatched("w1", "long", prompt_tokens=2000)  # allowance 1 + 1 + 2000 * 0.002 = 6 s
+    clock.advance(5.0)
+    detector.observe("r", router.view())
+    assert detector.check() == [], "a legitimate long prefill is not a hang"
+    clock.advance(1.5)
+    detector.observe("r", router.view())
+    assert detector.check()[0].severity is Severity.SUSPECT
+
+
+def test_a_busy_worker_is_not_silent_even_if_one_request_waits() -> None:
+    clock = ManualClock()
+    router = ProgressModel(clock=clock, floor_s=1.0)
+    detector = StreamProgressDetector(clock=clock)
+    router.dispatched("w1", "queued", prompt_tokens=5)
+    router.dispatched("w1", "busy", prompt_tokens=5)
+    for _ in range(30):
+        clock.advance(0.1)
+        router.token("w1", "busy")  # the worker emits for others: the queued one just waits
+    detector.observe("r", router.view())
+    assert detector.check() == [] and detector.silent("w1") is False
+
+
+def test_stale_router_views_age_out() -> None:
+    clock = ManualClock()
+    detector = StreamProgressDetector(clock=clock, stale_after_s=5)
+    detector.observe("r", {"workers": {"w1": {"in_flight": 1, "silent_for_s": 9, "allowed_silence_s": 1}}})
+    assert detector.check()[0].severity is Severity.SUSPECT
+    clock.advance(6)
+    assert detector.check()[0].severity is Severity.OK
+
+
+def test_metrics_counters_that_freeze_while_requests_run_are_suspect() -> None:
+    clock = ManualClock()
+    d = MetricsDetector(clock=clock, frozen_after_s=10)
+    assert d.scraped("w", {"vllm:num_requests_running": 2, "vllm:generation_tokens_total": 100}) == []
+    clock.advance(11)
+    (sig,) = d.scraped("w", {"vllm:num_requests_running": 2, "vllm:generation_tokens_total": 100})
+    assert sig.severity is Severity.SUSPECT and "frozen" in sig.reason
+    (sig,) = d.scraped("w", {"vllm:num_requests_running": 2, "vllm:generation_tokens_total": 150})
+    assert sig.severity is Severity.OK
+    clock.advance(60)
+    assert d.scraped("w", {"vllm:num_requests_running": 0, "vllm:generation_tokens_total": 150}) == [], "idle"
+    assert d.failed("w", "refused") == []
+    assert d.failed("w", "refused")[0].severity is Severity.SUSPECT
+
+
+def test_a_stopped_engine_is_fatal_and_cpu_without_progress_is_suspect() -> None:
+    clock = ManualClock()
+    d = EngineFrozenDetector(clock=clock, no_progress_s=5)
+    running = EngineSample(((10, "VLLM::EngineCore", "running", 1.0),), running_requests=3)
+    assert d.observe("w", running) == []
+    stopped = EngineSample(((10, "VLLM::EngineCore", "stopped", 1.0),), running_requests=3)
+    (sig,) = d.observe("w", stopped)
+    assert sig.severity is Severity.FATAL and sig.extra["hang"] is True and "SIGSTOP" in sig.reason
+    assert d.observe("w", running)[0].severity is Severity.OK
+    clock.advance(6)
+    assert d.observe("w", running)[0].severity is Severity.SUSPECT, "no CPU used for 6 s with 3 running"
+    idle = EngineSample(((10, "VLLM::EngineCore", "sleeping", 1.0),), running_requests=0)
+    assert d.observe("w", idle)[0].severity is Severity.OK
+
+
+def test_golden_outputs_are_learned_by_quorum_and_catch_wrong_tokens() -> None:
+    book = GoldenBook(quorum=2)
+    assert book.check("m", [1, 2, 3]) is None
+    assert book.check("m", [9, 9, 9]) is None, "no quorum yet"
+    assert book.check("m", [1, 2, 3]) is True
+    assert book.check("m", [1, 2, 4]) is False
+    assert book.check("other", [1, 2, 4]) is None
+
+
+def test_prometheus_text_is_summed_across_labels() -> None:
+    text = ('# HELP x\nvllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+            'vllm:num_requests_running{engine="1",model_name="m"} 1.0\nvllm:generation_tokens_total 17.0\n')
+    got = parse_prometheus(text, ["vllm:num_requests_running", "vllm:generation_tokens_total"])
+    assert got == {"vllm:num_requests_running": 3.0, "vllm:generation_tokens_total": 17.0}
+
+
+def test_streams_a_router_moved_away_remain_evidence_after_the_worker_looks_idle() -> None:
+    clock = ManualClock()
+    router = ProgressModel(clock=clock, floor_s=1.0)
+    detector = StreamProgressDetector(clock=clock)
+    router.dispatched("w1", "r1", prompt_tokens=5)
+    router.token("w1", "r1")
+    detector.observe("router-a", router.view())
+    assert detector.check() == []
+    clock.advance(1.2)
+    router.stall_acted_on("w1")  # the router aborted the stream (to migrate it) before we looked
+    router.finished("w1", "r1")
+    detector.observe("router-a", router.view())
+    (sig,) = detector.check()
+    assert sig.severity is Severity.SUSPECT and "moved its streams away" in sig.reason
+    detector.observe("router-a", router.view())
+    assert detector.check()[0].severity is Severity.OK, "one report per stall; a canary decides the rest"

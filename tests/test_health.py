@@ -1,0 +1,217 @@
+"""The health state machine, driven directly with a manual clock: every transition, no sleeping."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from fleetward.fleet.clock import ManualClock
+from fleetward.fleet.worker import HealthState as S
+from fleetward.supervisor.health import (
+    ActionDone,
+    AgentAction,
+    CanaryDone,
+    Deregistered,
+    DrainRequested,
+    HealthMachine,
+    HealthPolicy,
+    Load,
+    Publish,
+    Quarantine,
+    QuarantineCleared,
+    Registered,
+    RunCanary,
+    SetHealth,
+    SignalSeen,
+    Tick,
+)
+from fleetward.supervisor.signals import Severity, Signal
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+def machine(clock: ManualClock) -> HealthMachine:
+    return HealthMachine(HealthPolicy(restart_budget=2, restart_window_s=100, suspect_timeout_s=10), clock=clock)
+
+
+def ready(m: HealthMachine, worker: str = "w", gpus: tuple[int, ...] = ()) -> None:
+    m.observe(Registered(worker, "n1", gpus))
+    m.observe(CanaryDone(worker, ok=True))
+    assert m.workers[worker].state is S.READY
+
+
+def states(actions: list[Any]) -> list[S]:
+    return [a.record.state for a in actions if isinstance(a, SetHealth)]
+
+
+def of(actions: list[Any], kind: type) -> list[Any]:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def sig(detector: str, severity: Severity, worker: str = "w", **extra: Any) -> SignalSeen:
+    return SignalSeen(Signal(worker, detector, severity, f"{detector} says {severity}", 0.0, extra))
+
+
+def test_a_registered_worker_is_ready_only_after_a_canary(machine: HealthMachine) -> None:
+    out = machine.observe(Registered("w", "n1"))
+    assert states(out) == [S.STARTING] and of(out, RunCanary) == [RunCanary("w", urgent=True)]
+    out = machine.observe(CanaryDone("w", ok=True))
+    assert states(out) == [S.READY]
+
+
+def test_a_stall_is_suspect_until_a_canary_confirms_the_hang(machine: HealthMachine) -> None:
+    ready(machine)
+    out = machine.observe(sig("stream-progress", Severity.SUSPECT))
+    assert states(out) == [S.SUSPECT] and of(out, RunCanary)
+    out = machine.observe(CanaryDone("w", ok=False, reason="no answer within 1.00s", silent=True))
+    assert states(out) == [S.UNHEALTHY, S.RESTARTING]
+    hang = [p for p in of(out, Publish) if p.kind == "hang.detected"]
+    assert hang and hang[0].data["detector"] == "stream-progress+canary"
+    (restart,) = of(out, AgentAction)
+    assert (restart.kind, restart.action_id, restart.delay_s) == ("restart", "w.restart.1", 0.0)
+
+
+def test_a_busy_worker_that_still_emits_tokens_is_not_declared_hung(machine: HealthMachine) -> None:
+    ready(machine)
+    machine.observe(sig("stream-progress", Severity.SUSPECT))
+    out = machine.observe(CanaryDone("w", ok=False, reason="queued behind others", silent=False))
+    assert states(out) == [] and of(out, RunCanary), "inconclusive: ask again"
+    machine.observe(sig("stream-progress", Severity.OK))
+    machine.observe(CanaryDone("w", ok=True))
+    out = machine.observe(CanaryDone("w", ok=True))
+    assert states(out) == [S.READY]
+
+
+def test_leaving_suspect_takes_several_good_canaries_and_no_active_suspicion(machine: HealthMachine) -> None:
+    ready(machine)
+    machine.observe(sig("metrics", Severity.SUSPECT))
+    assert states(machine.observe(CanaryDone("w", ok=True))) == []
+    assert states(machine.observe(CanaryDone("w", ok=True))) == [], "metrics still suspect"
+    machine.observe(sig("metrics", Severity.OK))
+    machine.observe(CanaryDone("w", ok=True))
+    assert machine.workers["w"].state is S.READY
+
+
+def test_unresolved_suspicion_becomes_unhealthy_but_a_slow_gpu_is_never_restarted(
+        machine: HealthMachine, clock: ManualClock) -> None:
+    ready(machine, "slow")
+    machine.observe(sig("gpu", Severity.DEGRADED, worker="slow"))
+    clock.advance(1000)
+    assert machine.observe(Tick()) == [] and machine.workers["slow"].state is S.SUSPECT
+    ready(machine)
+    machine.observe(sig("metrics", Severity.SUSPECT))
+    clock.advance(9)
+    assert states(machine.observe(Tick())) == []
+    clock.advance(2)
+    assert states(machine.observe(Tick()))[0] is S.UNHEALTHY
+
+
+def test_a_fatal_signal_restarts_at_once_and_a_crash_loop_quarantines(machine: HealthMachine,
+                                                                     clock: ManualClock) -> None:
+    ready(machine, gpus=(3,))
+    delays = []
+    for n in (1, 2):
+        out = machine.observe(sig("process", Severity.FATAL))
+        assert states(out) == [S.UNHEALTHY, S.RESTARTING]
+        (action,) = of(out, AgentAction)
+        assert action.action_id == f"w.restart.{n}"
+        delays.append(action.delay_s)
+        machine.observe(ActionDone("w", action.action_id, "restart", ok=True))
+        ready(machine, gpus=(3,))
+        clock.advance(1)
+    assert delays[0] == 0 and delays[1] > 0, "exponential backoff after the first restart"
+    out = machine.observe(sig("process", Severity.FATAL))
+    assert states(out) == [S.UNHEALTHY, S.QUARANTINED]
+    (q,) = of(out, Quarantine)
+    assert q.gpus == (3,) and "crash loop" in q.reason
+    assert [p.kind for p in of(out, Publish)] == ["quarantine"]
+    assert [a.kind for a in of(out, AgentAction)] == ["stop"]
+
+
+def test_restarts_outside_the_window_do_not_count(machine: HealthMachine, clock: ManualClock) -> None:
+    ready(machine)
+    for _ in range(4):
+        out = machine.observe(sig("process", Severity.FATAL))
+        assert S.RESTARTING in states(out)
+        (action,) = of(out, AgentAction)
+        machine.observe(ActionDone("w", action.action_id, "restart", ok=True))
+        ready(machine)
+        clock.advance(101)
+
+
+def test_a_gpu_that_must_be_retired_is_quarantined_then_tested_before_it_returns(machine: HealthMachine) -> None:
+    ready(machine, gpus=(0,))
+    out = machine.observe(sig("gpu", Severity.FATAL, action="quarantine"))
+    assert states(out) == [S.QUARANTINED] and of(out, Quarantine)
+    assert machine.observe(Registered("w", "n1", (0,))) == [], "a quarantined worker stays out"
+    out = machine.observe(QuarantineCleared("w"))
+    (selftest,) = of(out, AgentAction)
+    assert selftest.kind == "selftest"
+    out = machine.observe(ActionDone("w", selftest.action_id, "selftest", ok=False, reason="3 wrong entries"))
+    assert states(out) == [S.QUARANTINED] and "self-test failed" in machine.workers["w"].reason
+    out = machine.observe(QuarantineCleared("w"))
+    (selftest,) = of(out, AgentAction)
+    out = machine.observe(ActionDone("w", selftest.action_id, "selftest", ok=True))
+    assert states(out) == [S.RESTARTING] and of(out, AgentAction)[0].kind == "restart"
+
+
+def test_wrong_tokens_make_a_worker_unhealthy_at_once(machine: HealthMachine) -> None:
+    ready(machine)
+    out = machine.observe(CanaryDone("w", ok=False, reason="wrong tokens", wrong_tokens=True))
+    assert states(out) == [S.UNHEALTHY, S.RESTARTING]
+
+
+def test_a_worker_that_never_passes_a_canary_is_unhealthy(machine: HealthMachine) -> None:
+    machine.observe(Registered("w", "n1"))
+    for _ in range(4):
+        assert states(machine.observe(CanaryDone("w", ok=False, reason="500"))) == []
+    assert states(machine.observe(CanaryDone("w", ok=False, reason="500")))[0] is S.UNHEALTHY
+
+
+def test_a_backend_that_fails_to_start_is_dead_with_the_reason(machine: HealthMachine) -> None:
+    out = machine.observe(sig("start", Severity.FATAL, action="dead"))
+    assert states(out) == [S.DEAD]
+    assert not of(out, AgentAction), "restarting would fail the same way"
+
+
+def test_a_drain_waits_for_streams_then_stops(machine: HealthMachine) -> None:
+    ready(machine)
+    machine.observe(Load("w", 3))
+    out = machine.observe(DrainRequested("w", deadline_s=30))
+    assert states(out) == [S.DRAINING] and not of(out, AgentAction)
+    assert machine.observe(Load("w", 1)) == []
+    (stop,) = of(machine.observe(Load("w", 0)), AgentAction)
+    assert stop.kind == "stop"
+    assert states(machine.observe(ActionDone("w", stop.action_id, "stop", ok=True))) == [S.DEAD]
+    assert machine.observe(Deregistered("w")) == []
+
+
+def test_a_drain_past_its_deadline_migrates_what_is_left(machine: HealthMachine, clock: ManualClock) -> None:
+    ready(machine)
+    machine.observe(Load("w", 2))
+    machine.observe(DrainRequested("w", deadline_s=5, then="restart"))
+    clock.advance(6)
+    out = machine.observe(Tick())
+    assert states(out) == [S.UNHEALTHY, S.RESTARTING], "unhealthy first: routers move the streams"
+    assert of(out, AgentAction)[0].kind == "restart"
+
+
+def test_a_new_leader_replays_into_the_same_actions(clock: ManualClock) -> None:
+    """Deterministic action ids: what an old leader wrote and a new one re-derives is the same key."""
+    first = HealthMachine(HealthPolicy(), clock=clock)
+    ready(first)
+    out = first.observe(sig("process", Severity.FATAL))
+    record = of(out, SetHealth)[0].record  # the leader dies after persisting `unhealthy`, before acting
+    second = HealthMachine(HealthPolicy(), clock=clock)
+    second.load("w", record)
+    replay = second.observe(sig("process", Severity.FATAL))
+    assert [a.action_id for a in of(replay, AgentAction)] == [a.action_id for a in of(out, AgentAction)]
+    persisted = of(out, SetHealth)[-1].record  # ...or after persisting `restarting` with the pending action
+    third = HealthMachine(HealthPolicy(), clock=clock)
+    third.load("w", persisted)
+    assert third.observe(sig("process", Severity.FATAL)) == [], "the pending restart is not issued again"

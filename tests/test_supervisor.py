@@ -1,0 +1,329 @@
+"""The supervisor on real simulated workers, real etcd, a real broker and a real router process.
+
+Each failure is detected and remediated, and streams stay exact throughout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import pytest_asyncio
+
+from fleetward.chaos.harness import TestFleet
+from fleetward.chaos.workload import sse_lines
+from fleetward.fleet.backends import SimBackend
+from fleetward.fleet.bus import Event, MqttBus
+from fleetward.fleet.config import RouterConfig, SimConfig, SupervisorConfig
+from fleetward.fleet.procs import ManagedProcess, free_port
+from fleetward.fleet.registry import read_fleet
+from fleetward.fleet.simmodel import SimModel
+from fleetward.fleet.tokenizer import encode
+from fleetward.fleet.worker import WorkerSpec
+from fleetward.supervisor.gpu import FakeGpuSource
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SIM = SimConfig(decode_step_ms=4.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=3)
+MODEL = SimModel(seed=SIM.seed)
+SUPERVISOR = SupervisorConfig(canary_interval_s=5.0, canary_timeout_s=1.0, restart_budget=100,
+                              backoff_initial_s=0.05, backoff_max_s=0.2, lease_ttl_s=2)
+
+
+class Events:
+    """Every event of a cluster, as seen on the broker."""
+
+    def __init__(self, bus: MqttBus) -> None:
+        self.seen: list[Event] = []
+        self.subscribed = asyncio.Event()
+        self.task = asyncio.create_task(self._run(bus))
+
+    async def _run(self, bus: MqttBus) -> None:
+        async for event in bus.subscribe(subscribed=self.subscribed):
+            self.seen.append(event)
+
+    def of(self, kind: str, worker: str | None = None, since: int = 0) -> list[Event]:
+        return [e for e in self.seen[since:] if e.kind == kind and (worker is None or e.worker == worker)]
+
+    def mark(self) -> int:
+        return len(self.seen)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def fleet(etcd_endpoint: str, broker_endpoint: str,
+                tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TestFleet]:
+    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="supervisor-tests",
+                         run_dir=tmp_path_factory.mktemp("supervisor"), workers=3, sim=SIM,
+                         routing=RouterConfig(stall_floor_s=0.5), supervisor=SUPERVISOR,
+                         gpu=FakeGpuSource(count=3), gpus_per_worker=1) as f:
+        f.events = Events(f.bus)  # type: ignore[attr-defined]
+        await f.events.subscribed.wait()  # type: ignore[attr-defined]
+        await f.start_router("r0")
+        yield f
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def healthy(fleet: TestFleet) -> AsyncIterator[TestFleet]:
+    await settle(fleet)
+    yield fleet
+    await settle(fleet)
+
+
+async def settle(fleet: TestFleet) -> None:
+    gpu: FakeGpuSource = fleet.gpu
+    for g in range(3):
+        gpu.clear(g)
+        gpu.pass_selftest(g)
+    for wid, handle in list(fleet.agent.handles.items()):
+        if handle.process.is_running:
+            with contextlib.suppress(httpx.HTTPError):
+                await fleet.fault(wid, clear=True)
+    fleet_state = await read_fleet(fleet.store, fleet.keys)
+    for wid, h in fleet_state.health.items():
+        if h.state.value == "quarantined":
+            await command(fleet, wid, "quarantine/clear")
+    await fleet.wait_healthy(timeout=60)
+
+
+async def command(fleet: TestFleet, worker: str, what: str, body: dict[str, Any] | None = None,
+                  token: str | None = None, controller: int = 0) -> httpx.Response:
+    ctl = fleet.controllers[controller][0]
+    transport = httpx.ASGITransport(app=ctl.app())
+    async with httpx.AsyncClient(transport=transport, base_url="http://controller") as client:
+        return await client.post(f"/v1/workers/{worker}/{what}", json=body or {},
+                                 headers={"Authorization": f"Bearer {token or fleet.admin_token}"})
+
+
+async def state_of(fleet: TestFleet, worker: str) -> str:
+    h = (await read_fleet(fleet.store, fleet.keys)).health.get(worker)
+    return h.state.value if h else "none"
+
+
+async def stream(fleet: TestFleet, prompt: list[int], max_tokens: int, on_tokens: Any = None) -> tuple[list[int], Any]:
+    tokens: list[int] = []
+    error = None
+    async with httpx.AsyncClient(timeout=60) as client, client.stream(
+            "POST", fleet.routers[0].url + "/v1/completions",
+            json={"model": "sim-tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                  "return_token_ids": True}, headers={"X-Fleetward-Trace": "1"}) as r:
+        assert r.status_code == 200
+        async for line in sse_lines(r.aiter_bytes()):
+            if line.startswith("data: {"):
+                data = orjson.loads(line[6:])
+                if "error" in data:
+                    error = data["error"]
+                    continue
+                tokens.extend(data["choices"][0]["token_ids"])
+                if on_tokens is not None:
+                    await on_tokens(len(tokens), data["fleetward"]["worker"])
+    return tokens, error
+
+
+async def test_a_crash_is_detected_at_once_and_the_worker_restarted(healthy: TestFleet, wait_until: Any) -> None:
+    events = healthy.events  # type: ignore[attr-defined]
+    mark = events.mark()
+    victim = healthy.worker_ids[0]
+    healthy.kill(victim)
+    await wait_until(lambda: events.of("restart", victim, mark), timeout=10, message="restart issued")
+    unhealthy = [e for e in events.of("health.changed", victim, mark) if e.data["state"] == "unhealthy"]
+    assert unhealthy[0].data["detector"] == "process" and "exited with code -9" in unhealthy[0].data["reason"]
+    await healthy.wait_healthy()
+    states = [e.data["state"] for e in events.of("health.changed", victim, mark)]
+    assert states[:4] == ["unhealthy", "restarting", "starting", "ready"]
+
+
+@pytest.mark.parametrize("how", ["hang switch", "sigstop"])
+async def test_a_silent_hang_mid_stream_is_detected_migrated_and_restarted(healthy: TestFleet, how: str,
+                                                                          wait_until: Any) -> None:
+    events = healthy.events  # type: ignore[attr-defined]
+    mark = events.mark()
+    prompt = encode(f"hang by {how}: ")
+    hung: list[str] = []
+
+    async def on_tokens(n: int, worker: str) -> None:
+        if n == 30 and not hung:
+            hung.append(worker)
+            if how == "hang switch":
+                await healthy.fault(worker, hang=True)  # /health stays 200, the engine stops
+            else:
+                healthy.handle(worker).process.signal(signal.SIGSTOP)
+
+    tokens, error = await stream(healthy, prompt, 150, on_tokens)
+    assert error is None and tokens == MODEL.continuation(prompt, 150), "the stream moved on, exactly"
+    (victim,) = hung
+    await wait_until(lambda: events.of("hang.detected", victim, mark), timeout=15, message="hang detected")
+    detected = events.of("hang.detected", victim, mark)[0]
+    # The router's stall report or a routine canary (whichever catches the hung engine first) raises the
+    # suspicion and a canary confirms it; a stopped process is seen directly by the node agent.
+    expected = {"stream-progress+canary", "canary"} if how == "hang switch" else {"engine-frozen"}
+    assert detected.data["detector"] in expected
+    await wait_until(lambda: events.of("restart", victim, mark), timeout=10)
+    await healthy.wait_healthy()
+
+
+async def test_a_worker_emitting_wrong_tokens_is_caught_by_golden_canaries(healthy: TestFleet,
+                                                                          wait_until: Any) -> None:
+    events = healthy.events  # type: ignore[attr-defined]
+    mark = events.mark()
+    victim = healthy.worker_ids[1]
+    await healthy.fault(victim, wrong_tokens={"probability": 1.0})
+
+    def caught() -> bool:
+        return any(e.data["state"] == "unhealthy" and "wrong tokens" in e.data["reason"]
+                   for e in events.of("health.changed", victim, mark))
+
+    await wait_until(caught, timeout=20, message="a routine canary notices the wrong tokens")
+    await healthy.wait_healthy()
+
+
+async def test_gpu_faults_follow_the_xid_policy(healthy: TestFleet, wait_until: Any) -> None:
+    events = healthy.events  # type: ignore[attr-defined]
+    gpu: FakeGpuSource = healthy.gpu
+    w0, w1, w2 = healthy.worker_ids
+    mark = events.mark()
+    gpu.inject_xid(0, 13)  # graphics engine exception: restart the worker
+    gpu.inject_xid(1, 79)  # fallen off the bus: retire the GPU
+    gpu.throttle(2, "hw_thermal")  # slow, not broken
+    await wait_until(lambda: events.of("restart", w0, mark), timeout=10)
+    await wait_until(lambda: events.of("quarantine", w1, mark), timeout=10)
+    await wait_until(lambda: any(e.data["state"] == "suspect" for e in events.of("health.changed", w2, mark)),
+                     timeout=10)
+    assert await healthy.store.get(healthy.keys.quarantine_of(healthy.node, 1)) is not None
+    assert w1 not in healthy.agent.handles, "the quarantined worker is stopped"
+    gpu.unthrottle(2)
+    await wait_until(lambda: _is(healthy, w2, "ready"), timeout=15, message="throttling ended")
+    # Clearing the quarantine runs the self-test first: a failing GPU stays out.
+    gpu.clear(1)
+    gpu.fail_selftest(1, reason="wrong matmul")
+    assert (await command(healthy, w1, "quarantine/clear")).status_code == 200
+    await wait_until(lambda: _reason_has(healthy, w1, "self-test failed"), timeout=15)
+    gpu.pass_selftest(1)
+    assert (await command(healthy, w1, "quarantine/clear")).status_code == 200
+    await wait_until(lambda: _is(healthy, w1, "ready"), timeout=30)
+
+
+async def _is(fleet: TestFleet, worker: str, state: str) -> bool:
+    return await state_of(fleet, worker) == state
+
+
+async def _reason_has(fleet: TestFleet, worker: str, text: str) -> bool:
+    h = (await read_fleet(fleet.store, fleet.keys)).health.get(worker)
+    return h is not None and text in h.reason
+
+
+async def test_drain_lets_a_stream_finish_and_routes_nothing_new_there(healthy: TestFleet, wait_until: Any) -> None:
+    prompt = encode("drain around me: ")
+    serving: list[str] = []
+    done = asyncio.Event()
+
+    async def on_tokens(n: int, worker: str) -> None:
+        if n == 5 and not serving:
+            serving.append(worker)
+            r = await command(healthy, worker, "drain", {"deadline_s": 60})
+            assert r.status_code == 200
+            await wait_until(lambda: _is(healthy, worker, "draining"), timeout=5)
+            await stream(healthy, encode("somewhere else"), 5, collect_worker)
+            done.set()
+
+    seen_workers: list[str] = []
+
+    async def collect_worker(n: int, worker: str) -> None:
+        seen_workers.append(worker)
+
+    tokens, error = await stream(healthy, prompt, 200, on_tokens)
+    assert error is None and tokens == MODEL.continuation(prompt, 200), "the drained worker finished the stream"
+    assert done.is_set() and serving[0] not in seen_workers, "no new work on a draining worker"
+    await wait_until(lambda: _is(healthy, serving[0], "dead"), timeout=15, message="stopped once drained")
+    assert serving[0] not in healthy.agent.handles
+    await healthy.restart(serving[0])  # bring it back for the next tests
+
+
+async def test_the_control_api_needs_the_token(healthy: TestFleet) -> None:
+    r = await command(healthy, healthy.worker_ids[0], "drain", token="wrong")
+    assert r.status_code == 401
+
+
+async def test_a_crash_loop_quarantines_the_worker(etcd_endpoint: str, broker_endpoint: str, tmp_path: Path,
+                                                  wait_until: Any) -> None:
+    supervisor = SUPERVISOR.model_copy(update={"restart_budget": 2, "backoff_max_s": 0.1})
+    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="crash-loop", run_dir=tmp_path,
+                         workers=1, sim=SIM, supervisor=supervisor) as fleet:
+        events = Events(fleet.bus)
+        await events.subscribed.wait()
+        (victim,) = fleet.worker_ids
+        for _ in range(3):
+            await fleet.wait_healthy()
+            fleet.kill(victim)
+            await wait_until(lambda: _not_ready(fleet, victim), timeout=5)
+        await wait_until(lambda: events.of("quarantine", victim), timeout=15, message="crash loop quarantined")
+        assert "crash loop" in events.of("quarantine", victim)[0].data["reason"]
+        assert await state_of(fleet, victim) == "quarantined"
+        events.task.cancel()
+
+
+async def _not_ready(fleet: TestFleet, worker: str) -> bool:
+    return not await _is(fleet, worker, "ready")
+
+
+async def test_the_standby_takes_over_when_the_leader_is_killed_mid_action(
+        etcd_endpoint: str, broker_endpoint: str, tmp_path: Path, wait_until: Any) -> None:
+    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="failover", run_dir=tmp_path, workers=2,
+                         sim=SIM, supervisor=SUPERVISOR, controller=False) as fleet:
+        conf = tmp_path / "fleet.yaml"
+        conf.write_text(orjson.dumps({"supervisor": SUPERVISOR.model_dump(mode="json")}).decode())
+        leader = ManagedProcess("leader", [sys.executable, "-m", "fleetward.fleet.cli", "supervisor", "--role",
+                                           "controller", "--etcd", etcd_endpoint, "--mqtt", broker_endpoint,
+                                           "--cluster", "failover", "--id", "leader", "--config", str(conf)],
+                                log_path=tmp_path / "leader.log",
+                                env={"PYTHONSAFEPATH": "1", "FLEETWARD_ADMIN_TOKEN": fleet.admin_token}).start()
+        try:
+            await fleet.wait_healthy(timeout=30)  # the leader process made them ready
+            standby = await fleet.start_controller(wait=False)
+            assert not standby.leading.is_set()
+            victim = fleet.worker_ids[0]
+            snapshot = await fleet.store.get_prefix(fleet.keys.root)
+            fleet.kill(victim)
+            async for ev in fleet.store.watch_prefix(fleet.keys.actions, start_revision=snapshot.revision + 1):
+                if ev.kind == "put" and orjson.loads(ev.value)["status"] == "pending":
+                    leader.kill()  # right after it issued the restart, before the worker is back
+                    break
+            async with asyncio.timeout(20):
+                await standby.leading.wait()
+            await fleet.wait_healthy(timeout=30)
+            restarts = [a for a in fleet.agent.actions_done if a.startswith(f"{victim}.restart")]
+            assert restarts == [f"{victim}.restart.1"], "restarted exactly once"
+            health = (await read_fleet(fleet.store, fleet.keys)).health[victim]
+            assert health.extra["restart_count"] == 1
+        finally:
+            await leader.stop()
+
+
+async def test_a_backend_that_fails_to_start_or_never_gets_ready_is_dead_with_a_reason(
+        etcd_endpoint: str, broker_endpoint: str, tmp_path: Path, wait_until: Any) -> None:
+    class Broken(SimBackend):
+        start_timeout = 3.0
+
+        def argv(self, spec: WorkerSpec) -> list[str]:
+            if spec.id.endswith("exits"):
+                return [sys.executable, "-c", "import sys; print('bad model path'); sys.exit(3)"]
+            return [sys.executable, "-c", "import time; time.sleep(600)"]  # never listens
+
+    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="broken", run_dir=tmp_path, workers=0,
+                         sim=SIM, supervisor=SUPERVISOR) as fleet:
+        fleet.agent.backend = Broken(SIM)
+        specs = [WorkerSpec(id=f"b-{kind}", host="127.0.0.1", port=free_port(), model="sim-tiny", node="node")
+                 for kind in ("exits", "silent")]
+        await fleet.agent.start_workers(specs)
+        await wait_until(lambda: _is(fleet, "b-exits", "dead"), timeout=10)
+        await wait_until(lambda: _is(fleet, "b-silent", "dead"), timeout=10)
+        health = (await read_fleet(fleet.store, fleet.keys)).health
+        assert "exited with code 3" in health["b-exits"].reason
+        assert "not ready after 3s" in health["b-silent"].reason
