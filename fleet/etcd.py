@@ -5,7 +5,8 @@ Contract of :class:`StateStore` (the only thing the rest of fleetward sees):
 - ``get_prefix(prefix, revision=None)`` reads a consistent snapshot and returns its revision, so a reader
   can then ``watch_prefix(prefix, start_revision=snapshot.revision + 1)`` and miss nothing. With
   ``revision`` it is a historical read (:class:`StoreError` if that revision was compacted or is in the
-  future).
+  future). With ``keys_only`` every value is ``b""`` (keys, revisions and leases only: cheap over many
+  large values).
 - ``watch_prefix`` yields every change under the prefix from ``start_revision`` on, in revision order
   (the events of one transaction share a revision and keep their order). It survives connection loss and
   etcd restarts: it re-creates the watch with bounded retries and resumes right after the last event it
@@ -172,7 +173,7 @@ class StateStore(Protocol):
 
     async def get(self, key: str) -> KV | None: ...
 
-    async def get_prefix(self, prefix: str, *, revision: int | None = None) -> Snapshot: ...
+    async def get_prefix(self, prefix: str, *, revision: int | None = None, keys_only: bool = False) -> Snapshot: ...
 
     async def put(self, key: str, value: bytes, *, lease: int = 0) -> int: ...
 
@@ -354,13 +355,14 @@ class EtcdStore:
         snap = await self._range(key.encode(), b"", None, what=f"get {key}")
         return snap.items[0] if snap.items else None
 
-    async def get_prefix(self, prefix: str, *, revision: int | None = None) -> Snapshot:
+    async def get_prefix(self, prefix: str, *, revision: int | None = None, keys_only: bool = False) -> Snapshot:
         key = prefix.encode()
         what = f"get-prefix {prefix}" + (f" at revision {revision}" if revision else "")
-        return await self._range(key, prefix_end(key), revision, what=what)
+        return await self._range(key, prefix_end(key), revision, what=what, keys_only=keys_only)
 
-    async def _range(self, key: bytes, end: bytes, revision: int | None, *, what: str) -> Snapshot:
-        req = rpc.RangeRequest(key=key, range_end=end, revision=revision or 0)
+    async def _range(self, key: bytes, end: bytes, revision: int | None, *, what: str,
+                     keys_only: bool = False) -> Snapshot:
+        req = rpc.RangeRequest(key=key, range_end=end, revision=revision or 0, keys_only=keys_only)
 
         async def call(client: aetcd.Client) -> Snapshot:
             try:

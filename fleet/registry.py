@@ -86,10 +86,18 @@ class FleetSnapshot:
 
 
 async def read_fleet(store: StateStore, keys: Keys, *, revision: int | None = None) -> FleetSnapshot:
-    snap = await store.get_prefix(keys.root, revision=revision)
-    fleet = FleetSnapshot(keys.cluster, revision=snap.revision)
-    for kv in snap.items:
-        fleet.apply(keys, "put", kv.key, kv.value)
+    """Workers, health and routers as of one revision (the current one unless ``revision`` is given).
+
+    Reads the three sections, not the whole cluster prefix: ``requests/`` holds one checkpoint per
+    in-flight request (10,000 of them are some 65 MB), more than one gRPC response may carry.
+    """
+    first = await store.get_prefix(keys.workers, revision=revision)
+    at = revision or first.revision
+    fleet = FleetSnapshot(keys.cluster, revision=at)
+    for snap in (first, await store.get_prefix(keys.health, revision=at),
+                 await store.get_prefix(keys.routers, revision=at)):
+        for kv in snap.items:
+            fleet.apply(keys, "put", kv.key, kv.value)
     return fleet
 
 

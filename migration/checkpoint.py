@@ -55,7 +55,15 @@ class Checkpointer:
         self.enabled = True
 
     async def start(self) -> None:
-        self.lease = await LeaseKeeper(self.store, self.ttl_s, clock=self.clock).__aenter__()
+        self.lease = await LeaseKeeper(self.store, self.ttl_s, clock=self.clock).start()
+
+    async def renew(self) -> None:
+        """After the lease expired (its keys are gone): a new lease, and every live journal written again."""
+        self.lease = await LeaseKeeper(self.store, self.ttl_s, clock=self.clock).start()
+        self._mod = {rid: 0 for rid in self.live}
+        self._deleting.clear()
+        for j in self.live.values():
+            j.dirty = True
 
     def track(self, journal: Journal, *, mod_revision: int = 0) -> None:
         self.live[journal.id] = journal

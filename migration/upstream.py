@@ -79,6 +79,10 @@ def _parse(payload: bytes) -> Chunk | None:
     return Chunk(token_ids, text, c.get("finish_reason"), c.get("stop_reason"), prompt_ids, c.get("logprobs"))
 
 
+def _data_lines(event: bytes) -> list[bytes]:
+    return [line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")]
+
+
 class UpstreamStream:
     """One open stream; iterate for chunks, :meth:`abort` to cut it from another task."""
 
@@ -95,19 +99,39 @@ class UpstreamStream:
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
         got_finish = False
+        done = False
+        buf = b""
         try:
-            async for line in self.response.content:
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
+            # Whatever the socket has, split into SSE events here: one read per network read instead of
+            # a readline per line (aiohttp's line reader dominated the router's per-token cost).
+            async for data in self.response.content.iter_any():
+                buf = buf + data if buf else data
+                if b"\r" in buf:
+                    buf = buf.replace(b"\r\n", b"\n")
+                *events, buf = buf.split(b"\n\n")
+                for event in events:
+                    for payload in _data_lines(event):
+                        if payload == b"[DONE]":
+                            done = True
+                            break
+                        chunk = _parse(payload)
+                        if chunk is None:
+                            continue
+                        if chunk.finish_reason is not None:
+                            got_finish = True
+                        yield chunk
+                    if done:
+                        break
+                if done:
                     break
-                chunk = _parse(payload)
-                if chunk is None:
-                    continue
-                if chunk.finish_reason is not None:
-                    got_finish = True
-                yield chunk
+            if not done and buf.strip():  # a last event without its blank line, then EOF
+                for payload in _data_lines(buf):
+                    if payload == b"[DONE]":
+                        break
+                    chunk = _parse(payload)
+                    if chunk is not None:
+                        got_finish = got_finish or chunk.finish_reason is not None
+                        yield chunk
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
             if self.abort_reason is not None:
                 raise UpstreamError("aborted", self.abort_reason) from exc

@@ -13,7 +13,7 @@ import orjson
 
 from fleetward.migration.journal import Journal, Kind
 
-__all__ = ["DONE", "error_body", "event", "final_response", "stream_chunk", "usage_chunk"]
+__all__ = ["DONE", "StreamEncoder", "error_body", "event", "final_response", "stream_chunk", "usage_chunk"]
 
 DONE = b"data: [DONE]\n\n"
 
@@ -34,27 +34,67 @@ def event(data: dict[str, Any] | bytes, event_id: str | None = None) -> bytes:
     return head + b"data: " + payload + b"\n\n"
 
 
-def stream_chunk(j: Journal, *, tokens: list[int], text: str, finish_reason: str | None,
-                 stop_reason: str | int | None, logprobs: Any = None, first: bool = False) -> dict[str, Any]:
-    created = int(j.created)
+def _choice(j: Journal, tokens: list[int], text: str, finish_reason: str | None, stop_reason: str | int | None,
+            logprobs: Any, first: bool, wants_token_ids: bool) -> dict[str, Any]:
     if j.kind is Kind.COMPLETION:
         choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                                   "stop_reason": stop_reason}
-        if j.wants_token_ids:
+        if wants_token_ids:
             choice["prompt_token_ids"] = j.prompt_ids if first else None
             choice["token_ids"] = tokens
-        return {"id": j.id, "object": "text_completion", "created": created, "model": j.model, "choices": [choice]}
+        return choice
     delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
     choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason
-    if j.wants_token_ids:
+    if wants_token_ids:
         choice["token_ids"] = tokens
-    chunk = {"id": j.id, "object": "chat.completion.chunk", "created": created, "model": j.model,
-             "choices": [choice]}
-    if first and j.wants_token_ids:
+    return choice
+
+
+def _object(j: Journal) -> str:
+    return "text_completion" if j.kind is Kind.COMPLETION else "chat.completion.chunk"
+
+
+def stream_chunk(j: Journal, *, tokens: list[int], text: str, finish_reason: str | None,
+                 stop_reason: str | int | None, logprobs: Any = None, first: bool = False) -> dict[str, Any]:
+    wants = j.wants_token_ids
+    chunk = {"id": j.id, "object": _object(j), "created": int(j.created), "model": j.model,
+             "choices": [_choice(j, tokens, text, finish_reason, stop_reason, logprobs, first, wants)]}
+    if j.kind is Kind.CHAT and first and wants:
         chunk["prompt_token_ids"] = j.prompt_ids
     return chunk
+
+
+class StreamEncoder:
+    """The SSE events of one streamed response, byte for byte ``event(stream_chunk(...), id)``.
+
+    What never changes within a response (id, object, created, model) is encoded once, not per token.
+    ``extra`` keys are appended to the chunk after the standard ones (e.g. the router's trace).
+    """
+
+    def __init__(self, j: Journal) -> None:
+        self.j = j
+        self._wants = j.wants_token_ids
+        self._chat = j.kind is Kind.CHAT
+        head = orjson.dumps({"id": j.id, "object": _object(j), "created": int(j.created), "model": j.model})
+        self._head = head[:-1] + b',"choices":['
+        self._id = b"id: " + j.id.encode() + b":"
+
+    def event(self, n: int, *, tokens: list[int], text: str, finish_reason: str | None,
+              stop_reason: str | int | None, logprobs: Any = None, first: bool = False,
+              extra: dict[str, Any] | None = None) -> bytes:
+        """The event for a chunk after which the client holds ``n`` tokens."""
+        j = self.j
+        parts = [self._id, str(n).encode(), b"\ndata: ", self._head,
+                 orjson.dumps(_choice(j, tokens, text, finish_reason, stop_reason, logprobs, first, self._wants)),
+                 b"]"]
+        if self._chat and first and self._wants:
+            parts += (b',"prompt_token_ids":', orjson.dumps(j.prompt_ids))
+        for key, value in (extra or {}).items():
+            parts += (b"," + orjson.dumps(key) + b":", orjson.dumps(value))
+        parts.append(b"}\n\n")
+        return b"".join(parts)
 
 
 def _usage(j: Journal) -> dict[str, int]:

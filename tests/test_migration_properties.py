@@ -9,6 +9,7 @@ when the clients together have received a given number of tokens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fleetward.chaos.harness import TestFleet
-from fleetward.fleet.config import RouterConfig, SimConfig
+from fleetward.chaos.workload import sse_lines
+from fleetward.fleet.config import RouterConfig, SimConfig, SupervisorConfig
 from fleetward.fleet.simmodel import SimModel
 
 SIM = SimConfig(decode_step_ms=3.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=11)
@@ -55,8 +57,9 @@ class Harness:
     def __init__(self, etcd: str, mqtt: str, run_dir: Any) -> None:
         self.loop = asyncio.new_event_loop()
         routing = RouterConfig(stall_floor_s=0.4, migration_limit=4, checkpoint_interval_ms=50)
+        supervisor = SupervisorConfig(restart_budget=10_000, backoff_initial_s=0.05, backoff_max_s=0.2)
         self.fleet = TestFleet(etcd=etcd, mqtt=mqtt, cluster="migration-props", run_dir=run_dir, workers=WORKERS,
-                               sim=SIM, routing=routing)
+                               sim=SIM, routing=routing, supervisor=supervisor)
         self.run(self.fleet.start())
         self.router = self.run(self.fleet.start_router("props"))
         self.fired: dict[str, int] = {}
@@ -65,13 +68,12 @@ class Harness:
         return self.loop.run_until_complete(coro)
 
     async def restore(self) -> None:
-        for wid in sorted(self.fleet.agent.specs):
-            handle = self.fleet.agent.handles.get(wid)
-            if handle is None or not handle.process.is_running:
-                await self.fleet.restart(wid)
-            else:
-                await self.fleet.fault(wid, clear=True)
-        await self.fleet.wait_workers_routable(WORKERS)
+        """Clear fault switches; the supervisor restarts what the example killed or hung."""
+        for wid, handle in list(self.fleet.agent.handles.items()):
+            if handle.process.is_running:
+                with contextlib.suppress(httpx.HTTPError):
+                    await self.fleet.fault(wid, clear=True)
+        await self.fleet.wait_healthy()
 
     def close(self) -> None:
         self.run(self.fleet.aclose())
@@ -129,7 +131,7 @@ async def one_example(h: Harness, reqs: list[Req], faults: list[Fault]) -> list[
         async with client.stream("POST", h.router.url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 return req, tokens, f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r.aiter_bytes()):
                 if not line.startswith("data: {"):
                     continue
                 data = orjson.loads(line[6:])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,7 +14,8 @@ import pytest
 import pytest_asyncio
 
 from fleetward.chaos.harness import RouterProcess, TestFleet
-from fleetward.fleet.config import RouterConfig, SimConfig
+from fleetward.chaos.workload import sse_lines
+from fleetward.fleet.config import RouterConfig, SimConfig, SupervisorConfig
 from fleetward.fleet.simmodel import SimModel
 from fleetward.fleet.tokenizer import encode, render_chat
 
@@ -20,6 +23,8 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 SIM = SimConfig(decode_step_ms=4.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=7)
 MODEL = SimModel(seed=SIM.seed)
+# Tests kill and hang workers on purpose, many times: the supervisor restarts them at once, never quarantines.
+TEST_SUPERVISOR = SupervisorConfig(restart_budget=1000, backoff_initial_s=0.05, backoff_max_s=0.2)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -28,7 +33,7 @@ async def fleet(etcd_endpoint: str, broker_endpoint: str,
     run_dir = tmp_path_factory.mktemp("router-fleet")
     routing = RouterConfig(stall_floor_s=0.5, checkpoint_interval_ms=50, checkpoint_ttl_s=10, detached_grace_s=10)
     async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="router-tests", run_dir=run_dir,
-                         workers=3, sim=SIM, routing=routing) as f:
+                         workers=3, sim=SIM, routing=routing, supervisor=TEST_SUPERVISOR) as f:
         await f.start_router("r0")
         yield f
 
@@ -42,13 +47,12 @@ async def healthy(fleet: TestFleet) -> AsyncIterator[TestFleet]:
 
 
 async def restore(fleet: TestFleet) -> None:
-    for wid in list(fleet.agent.specs):
-        handle = fleet.agent.handles.get(wid)
-        if handle is None or not handle.process.is_running:
-            await fleet.restart(wid)
-        else:
-            await fleet.fault(wid, clear=True)
-    await fleet.wait_workers_routable(len(fleet.agent.specs))
+    """Clear fault switches; the supervisor restarts what a test killed or hung."""
+    for wid, handle in list(fleet.agent.handles.items()):
+        if handle.process.is_running:
+            with contextlib.suppress(httpx.HTTPError):
+                await fleet.fault(wid, clear=True)
+    await fleet.wait_healthy()
 
 
 def router(fleet: TestFleet) -> RouterProcess:
@@ -58,14 +62,19 @@ def router(fleet: TestFleet) -> RouterProcess:
 async def stream_tokens(url: str, body: dict[str, Any], *, path: str = "/v1/completions",
                         headers: dict[str, str] | None = None,
                         on_tokens: Any = None) -> tuple[list[int], list[dict[str, Any]], list[str]]:
-    """(token ids, every data object, every SSE id) of one streamed request."""
+    """(token ids, every data object, every SSE id) of one streamed request.
+
+    Checks every event's id on the way: ``<rid>:<n>`` must name exactly the tokens the client holds once
+    it has that event (after a Last-Event-ID resume, counting the ones it had: ``first_n``).
+    """
     tokens: list[int] = []
     events: list[dict[str, Any]] = []
     ids: list[str] = []
+    held = int((headers or {}).get("Last-Event-ID", "x:0").rpartition(":")[2])
     async with httpx.AsyncClient(timeout=60) as client, client.stream(
             "POST", url + path, json={**body, "stream": True, "return_token_ids": True}, headers=headers) as r:
         assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
+        async for line in sse_lines(r.aiter_bytes()):
             if line.startswith("id: "):
                 ids.append(line[4:])
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -77,6 +86,8 @@ async def stream_tokens(url: str, body: dict[str, Any], *, path: str = "/v1/comp
                 tokens.extend(new)
                 if on_tokens is not None and new:
                     await on_tokens(len(tokens))
+            if ids and "choices" in data:
+                assert ids[-1].endswith(f":{held + len(tokens)}"), (ids[-1], held + len(tokens))
     return tokens, events, ids
 
 
@@ -236,7 +247,7 @@ async def test_client_disconnect_cancels_the_generation_on_the_worker(healthy: T
     async with httpx.AsyncClient(timeout=30) as client, client.stream(
             "POST", router(healthy).url + "/v1/completions",
             json={"model": "sim-tiny", "prompt": prompt, "max_tokens": 4000, "stream": True}) as r:
-        lines = r.aiter_lines()  # held, so the stream stays open until the block ends
+        lines = sse_lines(r.aiter_bytes())  # held, so the stream stays open until the block ends
         while not (await anext(lines)).startswith("data: {"):
             pass
         running = {w: (await healthy.state(w))["running"] for w in healthy.worker_ids}
@@ -307,7 +318,7 @@ async def test_a_client_resumes_on_another_router_with_last_event_id(healthy: Te
         with pytest.raises(httpx.HTTPError):  # the router dies under the client
             async with httpx.AsyncClient(timeout=30) as client, client.stream(
                     "POST", first.url + "/v1/completions", json=body) as r:
-                async for line in r.aiter_lines():
+                async for line in sse_lines(r.aiter_bytes()):
                     if line.startswith("id: "):
                         last_id = line[4:]
                     if line.startswith("data: {"):
@@ -332,3 +343,35 @@ async def test_an_unknown_last_event_id_is_refused_clearly(healthy: TestFleet) -
                               json={"model": "sim-tiny", "prompt": "x", "stream": True},
                               headers={"Last-Event-ID": "cmpl-nope:3"})
     assert r.status_code == 404 and "unknown, finished" in r.json()["error"]["message"]
+
+
+async def test_event_ids_name_what_a_stalled_client_holds(healthy: TestFleet, wait_until: Any) -> None:
+    """The router reads upstream ahead of a client that stops reading (its socket buffers fill up); the
+    id of every event it then sends must still count that event's tokens, not the journal's."""
+    prompt = encode("stalled reader: ")
+    url = router(healthy).url
+    tokens: list[int] = []
+    ids: list[str] = []
+    small_buffer = httpx.AsyncHTTPTransport(socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)])
+    async with httpx.AsyncClient(timeout=60, transport=small_buffer) as client, client.stream(
+            "POST", url + "/v1/completions",
+            json={"model": "sim-tiny", "prompt": prompt, "max_tokens": 600, "stream": True,
+                  "return_token_ids": True}) as r:
+        lines = sse_lines(r.aiter_bytes())
+        while not (line := await anext(lines)).startswith("data: {"):
+            pass
+
+        async def upstream_done() -> bool:
+            async with httpx.AsyncClient() as probe:
+                view = (await probe.get(url + "/fleetward/v1/progress")).json()
+            return not any(w["in_flight"] for w in view["workers"].values())
+
+        await wait_until(upstream_done, timeout=30, message="the router read the whole stream ahead of us")
+        tokens.extend(orjson.loads(line[6:])["choices"][0]["token_ids"])
+        async for line in lines:
+            if line.startswith("id: "):
+                ids.append(line[4:])
+            elif line.startswith("data: {"):
+                tokens.extend(orjson.loads(line[6:])["choices"][0]["token_ids"])
+                assert ids[-1].endswith(f":{len(tokens)}"), (ids[-1], len(tokens))
+    assert tokens == reference(prompt, 600)

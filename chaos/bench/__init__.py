@@ -1,0 +1,126 @@
+"""Benchmarks of the router (``fleetward bench router|migration|restart|checkpoints``).
+
+Each benchmark starts what it measures (etcd, an MQTT broker, simulated workers, routers, client
+processes), measures its baseline in the same run, interleaved with the candidate, prints ratios, writes
+its raw results as JSON and its plots as PNG into ``--out``, and stops everything it started. Results and
+how to read them: docs/benchmarks.md. Benchmarks are not tests: nothing here asserts a number.
+
+Needs the ``bench`` extra (matplotlib for plots, vllm-router for the comparison):
+``pip install 'fleetward[bench]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fleetward bench", description="Benchmarks of the router; results and "
+                                "plots go to --out (see docs/benchmarks.md).")
+    sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--out", type=Path, default=None,
+                        help="folder for <name>.json and plots (default .fleetward/bench/<name>-<time>)")
+        sp.add_argument("--etcd", help="use this etcd (host:port) instead of starting one")
+        sp.add_argument("--mqtt", help="use this MQTT broker (host:port) instead of starting one")
+        sp.add_argument("--no-plots", dest="plots", action="store_false", help="JSON only (no matplotlib needed)")
+        sp.add_argument("--quick", action="store_true", help="tiny sizes: checks that the benchmark runs")
+
+    r = sub.add_parser("router", help="added latency per token and throughput: direct vs fleetward vs vllm-router")
+    common(r)
+    r.add_argument("--streams", type=_ints, default=(1, 64, 256), help="concurrencies (default 1,64,256)")
+    r.add_argument("--targets", type=_names, default=("direct", "fleetward", "vllm-router"))
+    r.add_argument("--rounds", type=int, default=3, help="interleaved rounds per concurrency (default 3)")
+    r.add_argument("--duration", type=float, default=8.0, help="measured seconds per run (default 8)")
+    r.add_argument("--warmup", type=float, default=2.0, help="seconds before measuring (default 2)")
+    r.add_argument("--max-tokens", dest="max_tokens", type=int, default=128)
+    r.add_argument("--client-procs", dest="client_procs", type=int, default=1,
+                   help="client processes sharing the streams (default 1)")
+
+    m = sub.add_parser("migration", help="client-visible stall when a worker is killed (or hangs) under load")
+    common(m)
+    m.add_argument("--streams", type=int, default=48, help="concurrent long streams (default 48)")
+    m.add_argument("--kills", type=int, default=3, help="SIGKILL trials (default 3)")
+    m.add_argument("--hangs", type=int, default=2, help="silent-hang trials (default 2)")
+    m.add_argument("--max-tokens", dest="max_tokens", type=int, default=300)
+    m.add_argument("--prompt-len", dest="prompt_len", type=int, default=256)
+
+    s = sub.add_parser("restart", help="router restart to full state with many workers and checkpoints in etcd")
+    common(s)
+    s.add_argument("--workers", type=int, default=1000, help="registered workers (default 1000)")
+    s.add_argument("--checkpoints", type=int, default=10000, help="request checkpoints (default 10000)")
+    s.add_argument("--repeats", type=int, default=3, help="restarts measured per case (default 3)")
+
+    c = sub.add_parser("checkpoints", help="throughput and etcd writes with checkpoints on vs off")
+    common(c)
+    c.add_argument("--streams", type=_ints, default=(64, 256))
+    c.add_argument("--rounds", type=int, default=3)
+    c.add_argument("--duration", type=float, default=8.0)
+    c.add_argument("--warmup", type=float, default=2.0)
+    c.add_argument("--max-tokens", dest="max_tokens", type=int, default=256)
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    """``fleetward bench ...`` (called lazily by the CLI)."""
+    args = _parser().parse_args(list(argv))
+    out: Path = args.out or Path(".fleetward") / "bench" / f"{args.bench}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if args.bench == "router":
+        from fleetward.chaos.bench._router import RouterBench, run_router_bench
+
+        cfg = RouterBench(out=out, streams=(1, 4) if args.quick else args.streams,
+                          targets=args.targets, rounds=1 if args.quick else args.rounds,
+                          warmup_s=0.5 if args.quick else args.warmup, duration_s=1.0 if args.quick else args.duration,
+                          max_tokens=16 if args.quick else args.max_tokens, client_procs=args.client_procs,
+                          plots=args.plots, etcd=args.etcd, mqtt=args.mqtt)
+        res = asyncio.run(run_router_bench(cfg))
+    elif args.bench == "migration":
+        from fleetward.chaos.bench._migration import MigrationBench, run_migration_bench
+
+        mcfg = MigrationBench(out=out, streams=6 if args.quick else args.streams, kills=1 if args.quick else args.kills,
+                              hangs=1 if args.quick else args.hangs, max_tokens=120 if args.quick else args.max_tokens,
+                              prompt_len=32 if args.quick else args.prompt_len,
+                              fault_after_s=0.8 if args.quick else 2.5, plots=args.plots, etcd=args.etcd,
+                              mqtt=args.mqtt)
+        res = asyncio.run(run_migration_bench(mcfg))
+    elif args.bench == "restart":
+        from fleetward.chaos.bench._restart import RestartBench, run_restart_bench
+
+        rcfg = RestartBench(out=out, workers=20 if args.quick else args.workers,
+                            checkpoints=100 if args.quick else args.checkpoints,
+                            repeats=1 if args.quick else args.repeats, plots=args.plots, etcd=args.etcd,
+                            mqtt=args.mqtt)
+        res = asyncio.run(run_restart_bench(rcfg))
+    else:
+        from fleetward.chaos.bench._checkpoints import CheckpointBench, run_checkpoint_bench
+
+        ccfg = CheckpointBench(out=out, streams=(4,) if args.quick else args.streams,
+                               rounds=1 if args.quick else args.rounds,
+                               warmup_s=0.5 if args.quick else args.warmup,
+                               duration_s=1.5 if args.quick else args.duration,
+                               max_tokens=40 if args.quick else args.max_tokens, plots=args.plots, etcd=args.etcd,
+                               mqtt=args.mqtt)
+        res = asyncio.run(run_checkpoint_bench(ccfg))
+    print(f"results: {res.json_path}")
+    return 0

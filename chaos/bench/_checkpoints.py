@@ -1,0 +1,178 @@
+"""``fleetward bench checkpoints``: what checkpointing every stream to etcd costs.
+
+Two fleetward routers on the same two simulated workers, one with checkpoints (the default) and one
+started with ``--no-checkpoints`` (``RouterConfig.checkpoints=False``); the same closed-loop streaming
+load goes to one, then the other, in rotating order, ``rounds`` times per concurrency. Reported: tokens/s
+with checkpoints ÷ without (same round), the router's etcd transactions per second
+(``fleetward_router_checkpoint_txns_total``), and what etcd itself saw per second (its ``/metrics``:
+bytes received from clients, puts, transactions, WAL fsyncs), next to CPU per component.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fleetward.chaos.bench._common import (
+    Infra,
+    Results,
+    client_load,
+    console,
+    fmt,
+    progress,
+    ratio,
+    require_extras,
+    scrape,
+    summarize,
+    table,
+)
+from fleetward.chaos.bench._router import SIM, wait_idle
+from fleetward.chaos.harness import TestFleet
+from fleetward.fleet.config import RouterConfig
+
+__all__ = ["CheckpointBench", "run_checkpoint_bench"]
+
+CASES = ("on", "off")
+# etcd's own counters (summed over label sets): what reached it, whatever the client thinks it sent.
+_ETCD = {
+    "etcd_grpc_bytes": "etcd_network_client_grpc_received_bytes_total",
+    "etcd_puts": "etcd_mvcc_put_total",
+    "etcd_txns": "etcd_mvcc_txn_total",
+    "etcd_fsyncs": "etcd_disk_wal_fsync_duration_seconds_count",
+}
+
+
+@dataclass(frozen=True)
+class CheckpointBench:
+    out: Path
+    streams: tuple[int, ...] = (64, 256)
+    rounds: int = 3
+    warmup_s: float = 2.0
+    duration_s: float = 8.0
+    max_tokens: int = 256
+    prompt_len: int = 32
+    plots: bool = True
+    etcd: str | None = None
+    mqtt: str | None = None
+
+
+def _sum(metrics: dict[str, float], name: str) -> float:
+    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
+
+
+async def run_checkpoint_bench(cfg: CheckpointBench) -> Results:
+    require_extras(plots=cfg.plots)
+    res = Results("checkpoints", cfg.out, {"config": {**cfg.__dict__, "out": str(cfg.out)}, "sim": SIM.model_dump(),
+                                           "routing": RouterConfig().model_dump(), "runs": []})
+    run_dir = cfg.out / "run-checkpoints"
+    async with Infra(run_dir, cfg.etcd, cfg.mqtt).up() as infra:
+        assert infra.etcd and infra.mqtt
+        etcd_metrics = f"http://{infra.etcd}/metrics"
+        console.print("starting 2 simulated workers and two routers (checkpoints on, off)…")
+        async with TestFleet(etcd=infra.etcd, mqtt=infra.mqtt, cluster=f"bench-cp-{uuid.uuid4().hex[:6]}",
+                             run_dir=run_dir, workers=2, sim=SIM, routing=RouterConfig()) as fleet:
+            await fleet.wait_workers_routable(2)
+            routers = {"on": await fleet.start_router("bench-cp-on"),
+                       "off": await fleet.start_router("bench-cp-off", checkpoints=False)}
+            body = {"model": SIM.model_name, "max_tokens": cfg.max_tokens, "ignore_eos": True,
+                    "return_token_ids": True, "temperature": 0}
+            base_pids = {"workers": [fleet.handle(w).process.pid for w in fleet.worker_ids]}
+            if infra.etcd_pid:
+                base_pids["etcd"] = [infra.etcd_pid]
+            with progress() as bar:
+                task = bar.add_task("checkpoint bench", total=len(cfg.streams) * cfg.rounds * 2)
+                for c in cfg.streams:
+                    for rnd in range(cfg.rounds):
+                        for case in CASES if rnd % 2 == 0 else tuple(reversed(CASES)):
+                            bar.update(task, description=f"{c} streams, round {rnd + 1}/{cfg.rounds}: "
+                                                         f"checkpoints {case}")
+                            router = routers[case]
+                            await wait_idle(fleet)
+                            r0, e0 = await scrape(router.url + "/metrics"), await scrape(etcd_metrics)
+                            spec = {"urls": [router.url], "body": body, "prompt_len": cfg.prompt_len, "streams": c,
+                                    "warmup_s": cfg.warmup_s, "duration_s": cfg.duration_s, "seed": rnd,
+                                    "cpu_pids": {**base_pids, "router": [router.process.pid]}}
+                            # Counters are read around the whole run: divide by the run, not the window.
+                            t0 = time.monotonic()
+                            r = await client_load(spec)
+                            elapsed = time.monotonic() - t0
+                            r1, e1 = await scrape(router.url + "/metrics"), await scrape(etcd_metrics)
+                            run: dict[str, Any] = {
+                                "streams": c, "round": rnd, "case": case, "tokens_per_s": r["tokens"] / r["window_s"],
+                                "requests_failed": r["requests_failed"], "itl": summarize(r["gaps_us"]),
+                                "cpu_cores": r["cpu_cores"], "run_s": elapsed,
+                                "router_txns_per_s": (_sum(r1, "fleetward_router_checkpoint_txns_total")
+                                                      - _sum(r0, "fleetward_router_checkpoint_txns_total")) / elapsed,
+                            }
+                            for key, name in _ETCD.items():
+                                run[f"{key}_per_s"] = (_sum(e1, name) - _sum(e0, name)) / elapsed
+                            res.data["runs"].append(run)
+                            bar.advance(task)
+    _summarize(res, cfg)
+    res.write()
+    if cfg.plots:
+        _plot(res, cfg)
+    return res
+
+
+def _med(values: list[float | None]) -> float | None:
+    vs = [v for v in values if v is not None]
+    return statistics.median(vs) if vs else None
+
+
+def _summarize(res: Results, cfg: CheckpointBench) -> None:
+    runs = res.data["runs"]
+    summary: dict[str, Any] = {}
+    rows = []
+    for c in cfg.streams:
+        per: dict[str, Any] = {}
+        for case in CASES:
+            mine = [r for r in runs if r["streams"] == c and r["case"] == case]
+            keys = ["tokens_per_s", "router_txns_per_s", *[f"{k}_per_s" for k in _ETCD]]
+            per[case] = {k: _med([r[k] for r in mine]) for k in keys}
+            per[case]["itl_p99_ms"] = _med([r["itl"]["p99_ms"] for r in mine])
+            for comp in ("router", "etcd", "workers", "client"):
+                per[case][f"cpu_{comp}"] = _med([r["cpu_cores"].get(comp) for r in mine])
+        ratios = []
+        for rnd in range(cfg.rounds):
+            on = next((r for r in runs if r["streams"] == c and r["round"] == rnd and r["case"] == "on"), None)
+            off = next((r for r in runs if r["streams"] == c and r["round"] == rnd and r["case"] == "off"), None)
+            if on and off:
+                ratios.append(ratio(on["tokens_per_s"], off["tokens_per_s"]))
+        per["throughput_ratio_on_vs_off"] = _med(ratios)
+        per["throughput_loss_pct"] = None if per["throughput_ratio_on_vs_off"] is None else \
+            100 * (1 - per["throughput_ratio_on_vs_off"])
+        summary[str(c)] = per
+        for case in CASES:
+            s = per[case]
+            rows.append([str(c), case, fmt(s["tokens_per_s"], ".0f"),
+                         fmt(per["throughput_ratio_on_vs_off"], ".3f") if case == "on" else "1",
+                         fmt(s["router_txns_per_s"], ".1f"), fmt(s["etcd_txns_per_s"], ".1f"),
+                         fmt((s["etcd_grpc_bytes_per_s"] or 0) / 1e6, ".2f"), fmt(s["etcd_puts_per_s"], ".0f"),
+                         fmt(s["etcd_fsyncs_per_s"], ".1f"), fmt(s["itl_p99_ms"], ".1f"), fmt(s["cpu_router"], ".2f"),
+                         fmt(s["cpu_etcd"], ".2f")])
+    res.data["summary"] = summary
+    table(f"bench checkpoints: medians of {cfg.rounds} interleaved round(s); ratio = on ÷ off in the same round",
+          ["streams", "checkpoints", "tok/s", "x tok/s", "router txn/s", "etcd txn/s", "etcd MB/s in", "etcd put/s",
+           "fsync/s", "p99 ITL ms", "cpu router", "cpu etcd"], rows)
+
+
+def _plot(res: Results, cfg: CheckpointBench) -> None:
+    from fleetward.chaos.bench import _plots
+
+    s = res.data["summary"]
+    groups = [f"{c} streams" for c in cfg.streams]
+    _plots.grouped_bars(res.plot_path("throughput"), title="Tokens/s with checkpoints on vs off (median of rounds)",
+                        groups=groups, series={f"checkpoints {case}": [s[str(c)][case]["tokens_per_s"]
+                                                                       for c in cfg.streams] for case in CASES},
+                        ylabel="tokens/s", fmt="{:.0f}")
+    _plots.grouped_bars(res.plot_path("etcd"), title="etcd load with checkpoints on vs off",
+                        groups=[f"{g}: {m}" for g in groups for m in ("txn/s", "MB/s")],
+                        series={f"checkpoints {case}": [v for c in cfg.streams for v in
+                                                        (s[str(c)][case]["etcd_txns_per_s"],
+                                                         (s[str(c)][case]["etcd_grpc_bytes_per_s"] or 0) / 1e6)]
+                                for case in CASES}, ylabel="per second", fmt="{:.1f}")

@@ -1,0 +1,103 @@
+"""Every ``fleetward bench`` command runs end to end with tiny sizes and writes results of the right shape.
+
+Benchmarks are not tests: nothing here looks at a number, only at what the results hold. Without the
+``bench`` extra the commands run without plots (``--no-plots``) and without vllm-router.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+HAS_PLOTS = importlib.util.find_spec("matplotlib") is not None
+HAS_VLLM_ROUTER = importlib.util.find_spec("vllm_router") is not None
+
+
+def bench(name: str, out: Path, etcd: str, mqtt: str, *extra: str) -> dict[str, Any]:
+    argv = [sys.executable, "-m", "fleetward.fleet.cli", "bench", name, "--quick", "--out", str(out),
+            "--etcd", etcd, "--mqtt", mqtt, *extra]
+    if not HAS_PLOTS:
+        argv.append("--no-plots")
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=240,
+                            env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"results: {out / (name + '.json')}" in result.stdout
+    data: dict[str, Any] = json.loads((out / f"{name}.json").read_text())
+    assert data["benchmark"] == name
+    assert {"cpu", "cores", "memory_gib", "date"} <= set(data["machine"])
+    if HAS_PLOTS:
+        assert list(out.glob(f"{name}-*.png")), "no plot written"
+    return data
+
+
+def is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def test_bench_router_compares_targets_against_direct(tmp_path: Path, etcd_endpoint: str,
+                                                      broker_endpoint: str) -> None:
+    targets = ["direct", "fleetward", *(["vllm-router"] if HAS_VLLM_ROUTER else [])]
+    data = bench("router", tmp_path, etcd_endpoint, broker_endpoint, "--targets", ",".join(targets))
+    streams = data["config"]["streams"]
+    assert {(r["streams"], r["target"]) for r in data["runs"]} == {(c, t) for c in streams for t in targets}
+    for run in data["runs"]:
+        assert is_number(run["tokens_per_s"])
+        assert {"p50_ms", "p99_ms"} <= set(run["itl"])
+        assert "client" in run["cpu_cores"]
+    for c in streams:
+        for t in targets:
+            assert is_number(data["summary"][str(c)][t]["throughput_ratio"])
+            assert "itl_p99_ratio" in data["summary"][str(c)][t]
+
+
+def test_bench_migration_reports_stalls_for_kill_and_hang(tmp_path: Path, etcd_endpoint: str,
+                                                          broker_endpoint: str) -> None:
+    data = bench("migration", tmp_path, etcd_endpoint, broker_endpoint)
+    assert [t["kind"] for t in data["trials"]] == ["kill", "hang"]
+    for trial in data["trials"]:
+        assert {"victim", "moved", "router_stall", "unaffected_max_gaps_s"} <= set(trial)
+    for kind in ("kill", "hang"):
+        s = data["summary"][kind]
+        assert {"client_stall", "reprefill_own", "reprefill_batch", "router_stall_metric"} <= set(s)
+        assert {"p50_ms", "p99_ms", "max_ms"} <= set(s["client_stall"])
+
+
+def test_bench_restart_measures_empty_and_full_clusters(tmp_path: Path, etcd_endpoint: str,
+                                                        broker_endpoint: str) -> None:
+    data = bench("restart", tmp_path, etcd_endpoint, broker_endpoint)
+    assert {(r["case"], r["mode"]) for r in data["runs"]} == {
+        (c, m) for c in ("empty", "full") for m in ("process", "in-process")}
+    assert all(r["ok"] for r in data["runs"])
+    loaded = data["summary"]["state_loaded"]
+    assert (loaded["workers"], loaded["orphaned_checkpoints"]) == (data["config"]["workers"],
+                                                                   data["config"]["checkpoints"])
+    assert is_number(data["summary"]["process/full"]["median_s"])
+
+
+def test_bench_checkpoints_compares_on_and_off(tmp_path: Path, etcd_endpoint: str, broker_endpoint: str) -> None:
+    data = bench("checkpoints", tmp_path, etcd_endpoint, broker_endpoint)
+    assert {r["case"] for r in data["runs"]} == {"on", "off"}
+    for c in data["config"]["streams"]:
+        s = data["summary"][str(c)]
+        assert is_number(s["throughput_ratio_on_vs_off"])
+        for case in ("on", "off"):
+            assert {"tokens_per_s", "router_txns_per_s", "etcd_txns_per_s", "etcd_grpc_bytes_per_s"} <= set(s[case])
+
+
+def test_bench_without_the_extra_names_what_to_install(tmp_path: Path) -> None:
+    code = ("import sys, importlib.util as u; find = u.find_spec\n"
+            "u.find_spec = lambda name, *a: None if name == 'matplotlib' else find(name, *a)\n"
+            "from fleetward.fleet.cli import main; sys.exit(main(sys.argv[1:]))")
+    result = subprocess.run([sys.executable, "-c", code, "bench", "restart", "--quick", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert result.returncode == 1
+    assert "pip install 'fleetward[bench]'" in result.stderr
