@@ -6,19 +6,32 @@ record has ``type``, ``t`` (monotonic seconds since the run started) and ``wall`
 ========== ==================================================================================================
 type       fields
 ========== ==================================================================================================
-invoke     ``req`` (client-side id), ``client``, ``api`` (completion or chat), ``prompt`` (token ids when
-           known), ``params`` (max_tokens, temperature, ...), ``router``
-chunk      ``req``, ``tokens`` (ids in this chunk), ``text``, ``event_id`` (the SSE id, ``<rid>:<n>``),
-           ``worker`` (when the router reports it), ``finish_reason``
-ok         ``req``, ``finish_reason``, ``usage``
-fail       ``req``, ``error`` (message), ``status`` (HTTP status when known), ``stage`` (connect, status,
-           stream). A failed operation has an **unknown** outcome: the checker does not assume the
-           request did or did not take effect.
-fault      ``phase`` (start, verified, recover, recovered, stop, failed), ``fault`` (name), ``family``,
-           ``targets``, ``params``, ``ok`` (for verified/recovered), ``detail``
-event      ``kind`` and the MQTT event's fields (what the reliability layer published: worker.down,
-           health.changed, hang.detected, migration, restart, quarantine, scale, ...)
-note       ``text``: anything the runner wants in the record (phase changes, steady-state probes)
+invoke     ``req`` (client-side id), ``client`` (who sent it: ``workload``, ``probe``, a load fault such as
+           ``load.burst``), ``api`` (completion or chat), ``prompt`` (the token ids the engine sees; chat: the
+           rendered template), ``params`` (max_tokens, temperature, ignore_eos), ``router``, ``t_sched``
+           (the planned arrival, seconds into the workload: open loop), ``retry_of`` (retries)
+chunk      ``req``, ``tokens`` (ids in this chunk), ``text``, ``event_id`` (the SSE id, ``<rid>:<n>``), ``rid``
+           and ``n`` (its parts: the router's request id and its count of tokens so far), ``worker`` and
+           ``attempt`` (from the router's trace header), ``finish_reason``
+resume     ``req``, ``router`` (where the client reconnected), ``last_event_id``, ``after`` (the fail stage
+           that broke the stream)
+ok         ``req``, ``finish_reason``, ``usage``, ``tokens`` (how many were received)
+fail       ``req``, ``error`` (message), ``status`` (HTTP status when known), ``stage``: ``connect``, ``status``,
+           ``error_event`` (in-band error), ``transport`` (the connection broke), ``protocol`` (an event that
+           is not JSON), ``eof`` (the body ended without ``[DONE]`` or an error: a silent truncation),
+           ``timeout``, ``cancelled`` (the client disconnected on purpose), ``abandoned`` (still open when
+           the workload's drain ended), ``aborted`` (the run stopped); ``tokens``. A failed operation has
+           an **unknown** outcome: the checker does not assume the request did or did not take effect.
+fault      ``phase`` (start, verified, recover, recovered, stop, failed, refused), ``activity`` (the method
+           entry's name), ``fault`` (catalogue name), ``family``, ``target`` (the selector), ``targets`` (the
+           resolved ids), ``params``, ``ok`` (for verified/recovered), ``detail``. The fault is *in effect*
+           from ``start`` to ``recover``.
+event      ``kind``, ``id``, ``ts`` (the publisher's wall clock) and the MQTT event's fields (what the
+           reliability layer published: worker.down, health.changed, hang.detected, migration, restart,
+           quarantine, scale, fault.start, fault.stop, ...)
+phase      ``name`` (steady-state-before, method, steady-state-after, rollbacks), ``state`` (start, end)
+probe      a steady-state probe: ``name``, ``probe``, ``when`` (before, after), ``value``, ``ok``, ``error``
+note       ``text``: anything the runner wants in the record (client cap reached, rollbacks)
 ========== ==================================================================================================
 
 Checkers run afterwards, on the saved file (``fleetward chaos check RUN``), never during the run.

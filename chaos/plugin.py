@@ -1,13 +1,225 @@
 """fleetward's pytest plugin (entry point ``pytest11``): thin and lazy.
 
-It imports nothing heavy at load time; fixtures for fleets, the fault proxy, the fake GPU source and
-etcd arrive with the chaos module.
+Loading it imports nothing but pytest; fleets, proxies and experiments are imported when a test asks.
+
+Fixtures
+    ``fleetward_etcd`` / ``fleetward_mqtt`` (session): ``host:port`` of an etcd and an MQTT broker started
+    for the session (override either in a conftest to use your own).
+    ``fleetward_fleet``: a factory of :class:`~fleetward.chaos.harness.TestFleet` on them, each used as
+    ``async with fleetward_fleet(workers=2) as fleet:`` (a unique cluster and run folder per fleet).
+    ``fleetward_proxy``: a factory of :class:`fleetward.chaos.proxy.Proxy` (``async with
+    fleetward_proxy("name", ("127.0.0.1", port), http=True) as proxy:``).
+    ``fleetward_gpu``: a factory of the fake GPU health source (skips while there is none).
+    ``fleetward_experiment``: ``result = await fleetward_experiment("exp.yaml", **options)`` runs an
+    experiment on the session's etcd and broker with its run folder under ``tmp_path``; see
+    :func:`fleetward.chaos.runner.run_experiment`.
+
+Experiment files as tests
+    Files matching the ini option ``fleetward_chaos_files`` (default ``chaos_*.yaml``) are collected, one
+    test each, marked ``fleetward_chaos``. A test fails when the run does not complete, the hypothesis
+    deviates or a checker fails; its run folder is named in the failure. A bad file is a collection error
+    naming file, line and field. ``--fleetward-etcd`` / ``--fleetward-mqtt`` run them on existing
+    infrastructure instead of a private etcd and broker per experiment; ``--fleetward-chaos-out DIR``
+    keeps their run folders there.
+
+Markers
+    ``fleetward_chaos`` (a chaos scenario), ``root`` (needs root: skipped with a reason otherwise;
+    experiments with a root-only fault get it automatically).
 """
 
 from __future__ import annotations
 
+import asyncio
+import fnmatch
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
 import pytest
+
+__all__ = ["ExperimentFailed", "ExperimentFile", "ExperimentItem"]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini("fleetward_chaos_files", "glob of experiment files collected as tests", default="chaos_*.yaml")
+    group = parser.getgroup("fleetward", "fleetward chaos experiments")
+    group.addoption("--fleetward-etcd", dest="fleetward_etcd", default=None,
+                    help="run collected experiments on this etcd (host:port) instead of a private one each")
+    group.addoption("--fleetward-mqtt", dest="fleetward_mqtt", default=None,
+                    help="... and on this MQTT broker")
+    group.addoption("--fleetward-chaos-out", dest="fleetward_chaos_out", default=None,
+                    help="keep the run folders of collected experiments under this folder")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "fleetward_chaos: a fleetward chaos scenario")
+    config.addinivalue_line("markers", "root: needs root (skipped with a reason otherwise)")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("root") is not None and os.geteuid() != 0:
+        pytest.skip("needs root (this test run is not root)")
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    if file_path.suffix in (".yaml", ".yml") and fnmatch.fnmatch(file_path.name,
+                                                                  parent.config.getini("fleetward_chaos_files")):
+        return ExperimentFile.from_parent(parent, path=file_path)
+    return None
+
+
+# -- experiment files as tests ------------------------------------------------------------------------------
+
+
+class ExperimentFailed(Exception):
+    def __init__(self, result: Any) -> None:
+        super().__init__("; ".join(result.failures()))
+        self.result = result
+
+
+class ExperimentFile(pytest.File):
+    def collect(self) -> Iterator[pytest.Item]:
+        from fleetward.chaos.experiment import fault_catalogue
+        from fleetward.chaos.runner import experiment_of
+        from fleetward.fleet.errors import ConfigError
+
+        try:
+            exp, base = experiment_of(self.path)
+        except ConfigError as exc:
+            raise self.CollectError(str(exc)) from None
+        catalogue, _ = fault_catalogue()
+        item = ExperimentItem.from_parent(self, name=self.path.stem, experiment=exp, base=base)
+        item.add_marker("fleetward_chaos")
+        if any(catalogue[a.fault].needs_root for a in exp.method):
+            item.add_marker("root")
+        yield item
+
+
+class ExperimentItem(pytest.Item):
+    def __init__(self, *, experiment: Any, base: Path | None, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.experiment = experiment
+        self.base = base
+
+    def runtest(self) -> None:
+        from fleetward.chaos.runner import run_experiment
+
+        opt = self.config.getoption
+        root = opt("fleetward_chaos_out")
+        if root:
+            out = Path(root) / f"{self.path.stem}-{uuid.uuid4().hex[:6]}"
+        else:
+            out = self.config._tmp_path_factory.mktemp(f"chaos-{self.path.stem}"[:30]) / "run"  # type: ignore[attr-defined]
+        result = asyncio.run(run_experiment(self.experiment, out=out, base=self.base, etcd=opt("fleetward_etcd"),
+                                            mqtt=opt("fleetward_mqtt")))
+        self.user_properties.append(("run_dir", str(result.run_dir)))
+        if not result.ok:
+            raise ExperimentFailed(result)
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
+        if isinstance(excinfo.value, ExperimentFailed):
+            result = excinfo.value.result
+            return "\n".join([f"experiment {self.experiment.title!r} did not pass:",
+                              *(f"  {line}" for line in result.failures()),
+                              f"run folder: {result.run_dir} (report.html)"])
+        return str(super().repr_failure(excinfo))
+
+    def reportinfo(self) -> tuple[Path, int | None, str]:
+        return self.path, None, f"chaos experiment: {self.experiment.title}"
+
+
+# -- fixtures -----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def fleetward_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``host:port`` of an etcd for the session."""
+    from fleetward.fleet.infra import LocalEtcd
+
+    root = tmp_path_factory.mktemp("fleetward-etcd")
+    etcd = LocalEtcd(root / "data")
+    etcd.start(root / "logs")
+    try:
+        asyncio.run(etcd.wait_ready())
+        yield etcd.endpoint
+    finally:
+        asyncio.run(etcd.stop())
+
+
+@pytest.fixture(scope="session")
+def fleetward_mqtt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``host:port`` of an MQTT broker for the session."""
+    from fleetward.fleet.infra import LocalBroker
+
+    root = tmp_path_factory.mktemp("fleetward-mqtt")
+    broker = LocalBroker(root / "data")
+    broker.start(root / "logs")
+    try:
+        asyncio.run(broker.wait_ready())
+        yield broker.endpoint
+    finally:
+        asyncio.run(broker.stop())
+
+
+@pytest.fixture
+def fleetward_fleet(fleetward_etcd: str, fleetward_mqtt: str, tmp_path: Path) -> Callable[..., Any]:
+    """A factory of test fleets: ``async with fleetward_fleet(workers=2, sim=...) as fleet:``."""
+    from fleetward.chaos.harness import TestFleet
+
+    count = 0
+
+    def make(**kw: Any) -> TestFleet:
+        nonlocal count
+        count += 1
+        kw.setdefault("etcd", fleetward_etcd)
+        kw.setdefault("mqtt", fleetward_mqtt)
+        kw.setdefault("cluster", f"fw-{uuid.uuid4().hex[:8]}")
+        kw.setdefault("run_dir", tmp_path / f"fleet-{count}")
+        return TestFleet(**kw)
+
+    return make
+
+
+@pytest.fixture
+def fleetward_proxy() -> Callable[..., Any]:
+    """A factory of fault proxies (``fleetward.chaos.proxy.Proxy``), each an async context manager."""
+    try:
+        from fleetward.chaos import proxy
+    except ImportError as exc:
+        pytest.skip(f"the fault proxy is not available: {exc}")
+
+    def make(name: str, upstreams: Any, **kw: Any) -> Any:
+        return proxy.Proxy(name, upstreams, **kw)
+
+    return make
+
+
+@pytest.fixture
+def fleetward_gpu() -> Callable[..., Any]:
+    """A factory of fake GPU health sources (fault-injectable), for node agents under test."""
+    try:
+        from fleetward.supervisor.gpu import FakeGpuSource
+    except ImportError as exc:
+        pytest.skip(f"the fake GPU health source is not available: {exc}")
+    return FakeGpuSource  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def fleetward_experiment(fleetward_etcd: str, fleetward_mqtt: str, tmp_path: Path) -> Callable[..., Any]:
+    """``result = await fleetward_experiment(path_or_model, **options)``: a run on the session's etcd and
+    broker, its folder under ``tmp_path``."""
+    from fleetward.chaos.runner import run_experiment
+
+    count = 0
+
+    async def run(experiment: Any, **options: Any) -> Any:
+        nonlocal count
+        count += 1
+        options.setdefault("out", tmp_path / f"run-{count}")
+        options.setdefault("etcd", fleetward_etcd)
+        options.setdefault("mqtt", fleetward_mqtt)
+        return await run_experiment(experiment, **options)
+
+    return run

@@ -5,6 +5,8 @@
     fleetward events [KIND ...]                                           follow the event bus
     fleetward model tiny --out DIR [--seed N]                             write the tiny local model
     fleetward supervisor --role agent ...                                 one node's agent (multi-host)
+    fleetward bench router|migration|restart|checkpoints ...             benchmarks (docs/benchmarks.md)
+    fleetward chaos run|check|faults|validate ...                        chaos experiments (docs/chaos.md)
 
 Errors fleetward raises on purpose (:class:`FleetwardError`) print as one clear line and exit 2 (bad
 input) or 1 (anything else); a traceback means a bug.
@@ -27,6 +29,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fleetward.fleet.config import FleetConfig, RouterConfig, load_fleet_config, validation_error
@@ -111,8 +114,32 @@ def _parser() -> argparse.ArgumentParser:
                     help="do not checkpoint to etcd (only to measure what checkpoints cost)")
 
     sup = sub.add_parser("supervisor", help="run supervisor parts alone (for multi-host fleets)")
-    sup.add_argument("--role", choices=["agent"], required=True)
+    sup.add_argument("--role", choices=["agent", "controller"], required=True,
+                     help="agent: start and watch this node's workers; controller: campaign to lead health decisions")
+    sup.add_argument("--id", dest="controller_id", help="controller id (default: random)")
+    sup.add_argument("--port", dest="supervisor_port", type=int, help="controller: control API port")
     _add_fleet_flags(sup)
+
+    for verb, what in (("drain", "stop routing new work to a worker, let its streams finish or migrate, then stop "
+                                 "it"), ("undrain", "cancel a drain"), ("restart", "restart a worker now"),
+                       ("unquarantine", "clear a worker's quarantine (a self-test runs first)")):
+        op = sub.add_parser(verb, help=what)
+        op.add_argument("worker")
+        op.add_argument("--cluster", default=None)
+        op.add_argument("--etcd", help="etcd host:port (default: the local fleet's)")
+        op.add_argument("--run-dir", dest="run_dir", type=Path, default=None)
+        if verb == "drain":
+            op.add_argument("--deadline", type=float, default=None, help="seconds before remaining streams migrate")
+            op.add_argument("--then", choices=["stop", "restart"], default="stop")
+
+    # Parsed by fleetward.chaos.bench itself, imported only when asked for.
+    bench = sub.add_parser("bench", add_help=False, help="benchmarks: router, migration, restart, checkpoints "
+                           "(needs the bench extra)")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+
+    # Parsed by fleetward.chaos.cli itself, imported only when asked for.
+    chaos = sub.add_parser("chaos", add_help=False, help="chaos experiments: run, check, faults, validate")
+    chaos.add_argument("chaos_args", nargs=argparse.REMAINDER)
     return p
 
 
@@ -341,6 +368,69 @@ def _cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def _admin_token(run_dir: Path | None, cluster: str | None) -> str:
+    from fleetward.fleet.config import admin_token_from_env
+
+    if os.environ.get("FLEETWARD_ADMIN_TOKEN"):
+        return admin_token_from_env().get_secret_value()
+    path = _state_file(run_dir, cluster).with_name("admin-token")
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        raise ConfigError(f"no admin token: set FLEETWARD_ADMIN_TOKEN or run next to a local fleet ({path})",
+                          field="FLEETWARD_ADMIN_TOKEN") from None
+
+
+async def _cmd_operate(args: argparse.Namespace) -> int:
+    """drain / undrain / restart / unquarantine: through the supervisor leader's control API."""
+    import httpx
+
+    from fleetward.fleet.etcd import EtcdStore
+    from fleetward.fleet.keys import Keys
+
+    endpoint, cluster = _local_endpoint(args, "etcd")
+    token = _admin_token(args.run_dir, args.cluster)
+    async with EtcdStore(endpoint, attempts=3, retry_budget_s=5.0) as store:
+        snap = await store.get_prefix(Keys(cluster).leader("supervisor"))
+    if not snap.items:
+        raise FleetwardError("no supervisor controller leads this cluster (is `fleetward up` running?)")
+    leader = json.loads(min(snap.items, key=lambda kv: kv.create_revision).json()["candidate"])
+    path = {"drain": "drain", "undrain": "undrain", "restart": "restart", "unquarantine": "quarantine/clear"}
+    body: dict[str, Any] = {}
+    if args.command == "drain":
+        body = {"then": args.then, **({"deadline_s": args.deadline} if args.deadline is not None else {})}
+    async with httpx.AsyncClient(timeout=10) as client:
+        r = await client.post(f"{leader['url']}/v1/workers/{args.worker}/{path[args.command]}", json=body,
+                              headers={"Authorization": f"Bearer {token}"})
+    if r.status_code != 200:
+        raise FleetwardError(f"{args.command} {args.worker}: {r.status_code} {r.text}")
+    out.print(f"{args.command} {args.worker}: accepted by {leader['id']}; watch it with `fleetward status`")
+    return 0
+
+
+def _cmd_controller(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from fleetward.supervisor.controller import serve_controller
+
+    config = _fleet_config(args)
+    if not config.etcd or not config.mqtt:
+        raise ConfigError("supervisor --role controller needs --etcd and --mqtt (the cluster's etcd and broker)",
+                          field="etcd" if not config.etcd else "mqtt")
+    sup = config.supervisor
+    if args.supervisor_port is not None:
+        sup = sup.model_copy(update={"port": args.supervisor_port})
+    token = _admin_token(args.run_dir, args.cluster)
+
+    def ready(controller: Any) -> None:
+        print(f"READY {controller.id} {controller.url}", flush=True)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve_controller(sup, etcd=config.etcd, mqtt=config.mqtt, cluster=config.cluster,
+                                    admin_token=token, controller_id=args.controller_id, on_ready=ready))
+    return 0
+
+
 async def _cmd_agent(args: argparse.Namespace) -> int:
     """One node's agent against an existing etcd and broker (no embedded infrastructure)."""
     from fleetward.fleet.compose import LocalFleet
@@ -349,6 +439,7 @@ async def _cmd_agent(args: argparse.Namespace) -> int:
     if not config.etcd or not config.mqtt:
         raise ConfigError("supervisor --role agent needs --etcd and --mqtt (the cluster's etcd and broker)",
                           field="etcd" if not config.etcd else "mqtt")
+    config = config.model_copy(update={"router": False, "controller": False})
     stop = asyncio.Event()
     _install_signal_handlers(stop)
     async with LocalFleet(config, progress=lambda w, what: log.info("%s %s", w, what)):
@@ -358,7 +449,10 @@ async def _cmd_agent(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command not in ("bench", "chaos"):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -373,12 +467,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "router":
             return _cmd_router(args)
         if args.command == "supervisor":
+            if args.role == "controller":
+                return _cmd_controller(args)
             return asyncio.run(_cmd_agent(args))
+        if args.command in ("drain", "undrain", "restart", "unquarantine"):
+            return asyncio.run(_cmd_operate(args))
+        if args.command == "bench":
+            from fleetward.chaos.bench import main as bench_main
+
+            return bench_main([*rest, *args.bench_args])
+        if args.command == "chaos":
+            from fleetward.chaos.cli import main as chaos_main
+
+            return chaos_main([*rest, *args.chaos_args])
     except ConfigError as exc:
-        err.print(f"[red]error:[/] {exc}")
+        err.print(f"[red]error:[/] {escape(str(exc))}")
         return 2
     except FleetwardError as exc:
-        err.print(f"[red]error:[/] {exc}")
+        err.print(f"[red]error:[/] {escape(str(exc))}")
         return 1
     except KeyboardInterrupt:
         return 130

@@ -1,0 +1,969 @@
+"""Checkers: pure functions of a run's history (and a fault-free reference), run after the run.
+
+Each checker returns a :class:`Verdict`: ``pass``, ``fail`` or ``unknown`` (the history cannot tell, e.g.
+the engine samples, or no supervisor ran), a one-line summary, details (which requests, where) and
+metrics. A run's verdict combines them: fail > unknown > pass.
+
+=================== =====================================================================================
+checker             what it checks
+=================== =====================================================================================
+stream_exactness    every request's delivered tokens against its fault-free reference: exact, an exact
+                    prefix (the request failed honestly: an error, or the client disconnected), or one of
+                    lost / duplicated / reordered / truncated / corrupted, each located in time, on a
+                    worker and attempt, relative to the faults in effect and to migrations. ``unknown``
+                    for requests without a reference (sampling engines).
+sse_ids             every SSE id ``<rid>:<n>`` counts exactly the tokens the client holds after that
+                    event, the point a ``Last-Event-ID`` resume starts from (works without a reference)
+availability        success share and TTFT/ITL percentiles per fault window against the fault-free
+                    baseline, with limits
+recovery            per fault: time from its recovery until token throughput is back to a share of the
+                    baseline
+detection           per worker fault of the process/gpu/kv families: time from injection to the first
+                    detection event about the target; ``unknown`` when no supervisor ran
+migration_limit     no request used more attempts than the router's migration limit allows
+quiet_baseline      no detections (or migrations) while no fault was in effect
+fault_verification  every fault verified that it took effect and that it was recovered
+=================== =====================================================================================
+
+Time is the run clock of the history (``t``). A fault is *in effect* from its ``start`` record until its
+``recover`` record (the moment the runner began undoing it).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, Field
+
+from fleetward.chaos.history import Record
+from fleetward.fleet.config import Frozen
+from fleetward.fleet.simmodel import SimModel
+
+__all__ = [
+    "CHECKERS",
+    "CheckContext",
+    "Checker",
+    "FaultWindow",
+    "ModelReference",
+    "NoReference",
+    "RecordedReference",
+    "Reference",
+    "RequestView",
+    "RunView",
+    "Verdict",
+    "align",
+    "combine",
+    "reference_key",
+    "run_checkers",
+]
+
+log = logging.getLogger(__name__)
+
+Status = Literal["pass", "unknown", "fail"]
+_RANK = {"pass": 0, "unknown": 1, "fail": 2}
+ANOMALIES = ("lost", "duplicated", "reordered", "truncated", "corrupted")
+
+
+def combine(statuses: Iterable[Status]) -> Status:
+    """fail > unknown > pass (pass when there is nothing to combine)."""
+    return max(statuses, key=_RANK.__getitem__, default="pass")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    checker: str
+    status: Status
+    summary: str
+    details: tuple[dict[str, Any], ...] = ()
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"checker": self.checker, "status": self.status, "summary": self.summary,
+                "details": list(self.details), "metrics": self.metrics}
+
+
+# -- views of the history -----------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestView:
+    req: str
+    invoke: Record
+    chunks: list[Record] = field(default_factory=list)
+    end: Record | None = None
+    resumes: list[Record] = field(default_factory=list)
+    _starts: list[int] = field(default_factory=list)  # index of each chunk's first token
+
+    @property
+    def source(self) -> str:
+        return str(self.invoke.get("client", "workload"))
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return dict(self.invoke.get("params") or {})
+
+    @property
+    def prompt(self) -> list[int] | None:
+        prompt = self.invoke.get("prompt")
+        return list(prompt) if isinstance(prompt, list) else None
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for c in self.chunks for t in c.get("tokens") or ()]
+
+    @property
+    def outcome(self) -> str:
+        """``ok``, a fail stage, or ``open`` (the history ended first)."""
+        if self.end is None:
+            return "open"
+        return "ok" if self.end.type == "ok" else str(self.end.get("stage", "fail"))
+
+    @property
+    def t_start(self) -> float:
+        return self.invoke.t
+
+    @property
+    def t_end(self) -> float:
+        if self.end is not None:
+            return self.end.t
+        return self.chunks[-1].t if self.chunks else self.invoke.t
+
+    @property
+    def ttft(self) -> float | None:
+        first = next((c for c in self.chunks if c.get("tokens")), None)
+        return None if first is None else first.t - self.invoke.t
+
+    def itls(self) -> list[float]:
+        out: list[float] = []
+        prev: float | None = None
+        for c in self.chunks:
+            n = len(c.get("tokens") or ())
+            if not n:
+                continue
+            if prev is not None:
+                out.extend([(c.t - prev) / n] * n)
+            prev = c.t
+        return out
+
+    def chunk_for(self, index: int) -> Record | None:
+        """The chunk that delivered token ``index`` (the last chunk for an index past the end)."""
+        if not self._starts or len(self._starts) != len(self.chunks):
+            self._starts, n = [], 0
+            for c in self.chunks:
+                self._starts.append(n)
+                n += len(c.get("tokens") or ())
+        if not self.chunks:
+            return None
+        i = bisect.bisect_right(self._starts, index) - 1
+        return self.chunks[max(0, i)]
+
+    def attempts(self) -> list[int]:
+        return [int(c["attempt"]) for c in self.chunks if c.get("attempt") is not None]
+
+
+@dataclass
+class FaultWindow:
+    activity: str
+    fault: str
+    family: str
+    targets: list[str]
+    target_kind: str | None
+    start: float
+    recover: float | None = None
+    stop: float | None = None
+    verified: bool | None = None
+    recovered: bool | None = None
+    error: str | None = None
+    refused: str | None = None
+
+    @property
+    def end(self) -> float:
+        """When the fault stopped being in effect (the runner began to recover it)."""
+        for t in (self.recover, self.stop):
+            if t is not None:
+                return t
+        return self.start
+
+    def contains(self, t: float, settle: float = 0.0) -> bool:
+        return self.start <= t <= self.end + settle
+
+
+@dataclass
+class RunView:
+    """The history grouped for checking: requests, fault windows, events, the method's span."""
+
+    records: list[Record]
+    requests: dict[str, RequestView]
+    faults: list[FaultWindow]
+    events: list[tuple[float, Record]]  # (time published, on the run clock; the record)
+    method: tuple[float, float] | None
+
+    @classmethod
+    def of(cls, records: Iterable[Record]) -> RunView:
+        recs = list(records)
+        requests: dict[str, RequestView] = {}
+        faults: dict[str, FaultWindow] = {}
+        events: list[tuple[float, Record]] = []
+        method_start = method_end = None
+        for r in recs:
+            if r.type == "invoke":
+                requests[r["req"]] = RequestView(r["req"], r)
+            elif r.type in ("chunk", "ok", "fail", "resume"):
+                view = requests.get(r.get("req"))
+                if view is None:
+                    continue
+                if r.type == "chunk":
+                    view.chunks.append(r)
+                elif r.type == "resume":
+                    view.resumes.append(r)
+                else:
+                    view.end = r
+            elif r.type == "fault":
+                _fold_fault(faults, r)
+            elif r.type == "event":
+                ts = r.get("ts")
+                t = r.t - (r.wall - float(ts)) if isinstance(ts, (int, float)) else r.t
+                events.append((min(t, r.t), r))
+            elif r.type == "phase" and r.get("name") == "method":
+                if r.get("state") == "start":
+                    method_start = r.t
+                elif r.get("state") == "end":
+                    method_end = r.t
+        if method_start is not None and method_end is None:
+            method_end = max((r.t for r in recs), default=method_start)
+        method = (method_start, method_end) if method_start is not None and method_end is not None else None
+        events.sort(key=lambda e: e[0])
+        return cls(recs, requests, sorted(faults.values(), key=lambda w: w.start), events, method)
+
+    def workload_requests(self) -> list[RequestView]:
+        return [r for r in self.requests.values() if r.source != "probe"]
+
+    def faults_of(self, r: RequestView, settle: float) -> list[FaultWindow]:
+        """The faults in effect (or within ``settle`` seconds after) at any time ``r`` was open."""
+        return [w for w in self.faults if not w.refused and r.t_start <= w.end + settle and r.t_end >= w.start]
+
+    def fault_free(self, settle: float) -> list[tuple[float, float]]:
+        """Spans of the method with no fault in effect (nor within ``settle`` seconds after one)."""
+        if self.method is None:
+            return []
+        spans = [(self.method[0], self.method[1])]
+        for w in self.faults:
+            if w.refused:
+                continue
+            cut_a, cut_b = w.start, w.end + settle
+            nxt = []
+            for a, b in spans:
+                if cut_b <= a or cut_a >= b:
+                    nxt.append((a, b))
+                    continue
+                if a < cut_a:
+                    nxt.append((a, cut_a))
+                if cut_b < b:
+                    nxt.append((cut_b, b))
+            spans = nxt
+        return spans
+
+
+def _fold_fault(faults: dict[str, FaultWindow], r: Record) -> None:
+    name = str(r.get("activity") or r.get("fault"))
+    phase = r.get("phase")
+    w = faults.get(name)
+    if w is None:
+        target = r.get("target") or {}
+        w = FaultWindow(name, str(r.get("fault")), str(r.get("family")), list(r.get("targets") or []),
+                        target.get("kind") if isinstance(target, dict) else None, r.t)
+        faults[name] = w
+    if r.get("targets"):
+        w.targets = list(r["targets"])
+    if phase == "start":
+        w.start = r.t
+    elif phase == "verified":
+        w.verified = bool(r.get("ok"))
+    elif phase == "recover":
+        w.recover = r.t
+    elif phase == "recovered":
+        w.recovered = bool(r.get("ok"))
+    elif phase == "stop":
+        w.stop = r.t
+    elif phase == "failed":
+        w.error = str(r.get("detail") or r.get("error") or "failed")
+    elif phase == "refused":
+        w.refused = str(r.get("detail") or "refused")
+
+
+# -- references ---------------------------------------------------------------------------------------------
+
+
+def reference_key(prompt: Sequence[int], max_tokens: int, ignore_eos: bool) -> str:
+    body = json.dumps([list(prompt), int(max_tokens), bool(ignore_eos)], separators=(",", ":"))
+    return hashlib.sha256(body.encode()).hexdigest()[:32]
+
+
+class Reference(Protocol):
+    """The fault-free continuation of a request, where one is known."""
+
+    kind: str
+
+    def expected(self, r: RequestView) -> list[int] | None:
+        """The tokens a fault-free run delivers for ``r``; ``None`` when not known (see :meth:`why`)."""
+        ...
+
+    def why(self, r: RequestView) -> str: ...
+
+    def follows(self, prefix: Sequence[int], rest: Sequence[int]) -> bool:
+        """Whether ``rest`` is what the engine generates after ``prefix`` (False when it cannot tell)."""
+        ...
+
+
+@dataclass
+class ModelReference:
+    """The simulated worker's model: any continuation is a pure function of the prefix."""
+
+    seed: int = 0
+    eos_probability: float = 0.0
+    kind: str = "model"
+    _cache: dict[str, list[int]] = field(default_factory=dict)
+
+    def expected(self, r: RequestView) -> list[int] | None:
+        prompt, p = r.prompt, r.params
+        if prompt is None or "max_tokens" not in p:
+            return None
+        key = reference_key(prompt, p["max_tokens"], bool(p.get("ignore_eos")))
+        if key not in self._cache:
+            model = SimModel(self.seed, self.eos_probability)
+            self._cache[key] = model.continuation(prompt, int(p["max_tokens"]), ignore_eos=bool(p.get("ignore_eos")))
+        return self._cache[key]
+
+    def why(self, r: RequestView) -> str:
+        return "the invoke record lacks the prompt or max_tokens"
+
+    def follows(self, prefix: Sequence[int], rest: Sequence[int]) -> bool:
+        model = SimModel(self.seed, self.eos_probability)
+        return model.continuation(prefix, len(rest), ignore_eos=True) == list(rest)
+
+
+@dataclass
+class RecordedReference:
+    """Tokens from a fault-free run of the same requests (greedy decoding only)."""
+
+    entries: Mapping[str, list[int]]
+    kind: str = "recorded"
+
+    def expected(self, r: RequestView) -> list[int] | None:
+        prompt, p = r.prompt, r.params
+        if prompt is None or float(p.get("temperature", 1.0)) != 0.0:
+            return None
+        return self.entries.get(reference_key(prompt, int(p.get("max_tokens", 16)), bool(p.get("ignore_eos"))))
+
+    def why(self, r: RequestView) -> str:
+        if float(r.params.get("temperature", 1.0)) != 0.0:
+            return "the request samples (temperature > 0): its continuation is not determined"
+        return "the fault-free reference run has no answer for this request"
+
+    def follows(self, prefix: Sequence[int], rest: Sequence[int]) -> bool:
+        return False
+
+
+@dataclass
+class NoReference:
+    reason: str
+    kind: str = "none"
+
+    def expected(self, r: RequestView) -> list[int] | None:
+        return None
+
+    def why(self, r: RequestView) -> str:
+        return self.reason
+
+    def follows(self, prefix: Sequence[int], rest: Sequence[int]) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class CheckContext:
+    reference: Reference
+    migration_limit: int | None = None
+    supervisor: bool | None = None  # None: infer from the history (detection events seen)
+
+
+# -- alignment ----------------------------------------------------------------------------------------------
+
+_RESYNC = 8  # tokens that must agree after a hypothesis for it to be believed
+_MAX_SPAN = 1024  # longest loss / corruption looked for
+_MAX_DUP = 64  # longest duplicated run looked for
+_DUP_LOOKBACK = 512  # how far back a duplicated run may come from
+_MAX_REORDER = 8
+
+
+@dataclass(frozen=True)
+class Anomaly:
+    kind: str  # lost | duplicated | reordered | truncated | corrupted
+    index: int  # position in the delivered stream
+    ref_index: int  # position in the reference
+    count: int  # tokens involved
+    note: str = ""
+
+
+def _agrees(d: Sequence[int], a: int, r: Sequence[int], b: int, *, need_tokens: bool = False) -> bool:
+    n = min(_RESYNC, len(d) - a)
+    if n <= 0:
+        return not need_tokens
+    return len(r) - b >= n and list(d[a:a + n]) == list(r[b:b + n])
+
+
+def _occurs(seg: Sequence[int], hay: Sequence[int]) -> bool:
+    m, seg = len(seg), list(seg)
+    lo = max(0, len(hay) - _DUP_LOOKBACK)
+    return any(list(hay[k:k + m]) == seg for k in range(len(hay) - m, lo - 1, -1))
+
+
+def align(delivered: Sequence[int], expected: Sequence[int]) -> tuple[list[Anomaly], int, int]:
+    """Walk the delivered stream against the reference and name each divergence.
+
+    At a divergence the smallest explanation after which the streams agree again (for 8 tokens, or to
+    the end) wins; for each size, reordered, then duplicated, then lost, then corrupted. A divergence
+    nothing explains is ``corrupted`` to the end. Returns the anomalies and how much of each stream was
+    consumed (what is left of the reference is a missing tail: the caller decides truncated or honest).
+    """
+    d, r = delivered, expected
+    i = j = 0
+    out: list[Anomaly] = []
+    while i < len(d) and j < len(r):
+        if d[i] == r[j]:
+            i += 1
+            j += 1
+            continue
+        found: tuple[str, int, int] | None = None
+        for m in range(1, _MAX_SPAN + 1):
+            if i + m > len(d) and j + m > len(r):
+                break
+            if (2 <= m <= _MAX_REORDER and i + m <= len(d) and j + m <= len(r)
+                    and sorted(d[i:i + m]) == sorted(r[j:j + m]) and _agrees(d, i + m, r, j + m)):
+                found = ("reordered", m, m)
+            elif (m <= _MAX_DUP and i + m <= len(d) and _agrees(d, i + m, r, j)
+                  and _occurs(d[i:i + m], r[:j])):
+                found = ("duplicated", m, 0)
+            elif j + m <= len(r) and _agrees(d, i, r, j + m, need_tokens=True):
+                found = ("lost", 0, m)
+            elif i + m <= len(d) and j + m <= len(r) and _agrees(d, i + m, r, j + m):
+                found = ("corrupted", m, m)
+            if found:
+                break
+        if found is None:
+            out.append(Anomaly("corrupted", i, j, len(d) - i, "diverged for good"))
+            return out, len(d), j
+        kind, di, dj = found
+        to_end = kind == "corrupted" and di > 1 and i + di == len(d)
+        out.append(Anomaly(kind, i, j, max(di, dj), "diverged for good" if to_end else ""))
+        i += di
+        j += dj
+    if i < len(d):  # more than the reference holds
+        kind = "duplicated" if _occurs(d[i:], list(r)) else "corrupted"
+        out.append(Anomaly(kind, i, j, len(d) - i, "beyond the end of the reference"))
+        i = len(d)
+    return out, i, j
+
+
+# -- checker plumbing ---------------------------------------------------------------------------------------
+
+CheckFn = Callable[[RunView, CheckContext, Any], Verdict]
+
+
+@dataclass(frozen=True)
+class Checker:
+    name: str
+    summary: str
+    params: type[BaseModel]
+    fn: CheckFn
+
+
+CHECKERS: dict[str, Checker] = {}
+
+
+def _checker(name: str, summary: str, params: type[BaseModel]) -> Callable[[CheckFn], CheckFn]:
+    def deco(fn: CheckFn) -> CheckFn:
+        CHECKERS[name] = Checker(name, summary, params, fn)
+        return fn
+
+    return deco
+
+
+def run_checkers(view: RunView, ctx: CheckContext,
+                 specs: Sequence[tuple[str, Mapping[str, Any]]] | None = None) -> list[Verdict]:
+    """Run ``specs`` (name, params) — every checker with defaults when ``None``."""
+    chosen = specs if specs is not None else [(name, {}) for name in CHECKERS]
+    out = []
+    for name, params in chosen:
+        checker = CHECKERS[name]
+        try:
+            out.append(checker.fn(view, ctx, checker.params.model_validate(dict(params))))
+        except Exception as exc:  # a broken checker cannot vouch for the run, nor hide the other verdicts
+            log.exception("checker %s failed", name)
+            out.append(Verdict(name, "unknown", f"the checker itself failed: {type(exc).__name__}: {exc}"))
+    return out
+
+
+def _quantile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def _r(x: float | None, nd: int = 3) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+# -- stream exactness ---------------------------------------------------------------------------------------
+
+
+class ExactnessParams(Frozen):
+    settle_s: float = Field(1.0, ge=0, description="an anomaly this long after a fault is still put down to it")
+    max_details: int = Field(200, ge=1)
+
+
+def _migrations_by_rid(view: RunView) -> dict[str, list[Record]]:
+    out: dict[str, list[Record]] = {}
+    for _, ev in view.events:
+        if ev.get("kind") == "migration" and ev.get("request"):
+            out.setdefault(str(ev["request"]), []).append(ev)
+    return out
+
+
+def _locate(view: RunView, r: RequestView, index: int, migrations: Mapping[str, list[Record]],
+            settle: float) -> dict[str, Any]:
+    chunk = r.chunk_for(index)
+    t = chunk.t if chunk is not None else r.t_end
+    where: dict[str, Any] = {"t": round(t, 3), "worker": chunk.get("worker") if chunk else None,
+                             "attempt": chunk.get("attempt") if chunk else None}
+    where["faults"] = [w.activity for w in view.faults if not w.refused and w.contains(t, settle)]
+    # A migration boundary within a chunk of the anomaly: the worker or attempt changed.
+    boundary = None
+    n = 0
+    prev: Record | None = None
+    for c in r.chunks:
+        k = len(c.get("tokens") or ())
+        if prev is not None and (c.get("attempt"), c.get("worker")) != (prev.get("attempt"), prev.get("worker")):
+            if abs(n - index) <= max(1, k):
+                boundary = {"from": prev.get("worker"), "to": c.get("worker"), "at_token": n,
+                            "attempt": c.get("attempt")}
+        n += k
+        prev = c
+    rid = next((c.get("rid") for c in r.chunks if c.get("rid")), None)
+    for ev in migrations.get(str(rid), []) if rid else []:
+        if abs(int(ev.get("tokens", -10)) - index) <= 1:
+            boundary = {"from": ev.get("from_worker"), "to": ev.get("worker"), "at_token": ev.get("tokens"),
+                        "attempt": ev.get("attempt"), "reason": ev.get("reason")}
+    where["migration"] = boundary
+    return where
+
+
+def _describe(req: str, a: Anomaly, where: Mapping[str, Any]) -> str:
+    what = f"{a.kind} {a.count} token{'s' if a.count != 1 else ''}" if a.kind != "truncated" else \
+        f"truncated: {a.count} token{'s' if a.count != 1 else ''} missing at the end"
+    s = f"{req}: {what} at token {a.index} (t={where['t']} s"
+    if where.get("worker"):
+        s += f", worker {where['worker']}, attempt {where.get('attempt')}"
+    s += ")"
+    if where.get("faults"):
+        s += f" during {', '.join(where['faults'])}"
+    m = where.get("migration")
+    if m:
+        s += f", at the migration {m.get('from')} -> {m.get('to')} (token {m.get('at_token')})"
+    if a.note:
+        s += f"; {a.note}"
+    return s
+
+
+@_checker("stream_exactness", "every stream equals its fault-free reference (or is an exact prefix of it when "
+          "the request failed honestly)", ExactnessParams)
+def check_stream_exactness(view: RunView, ctx: CheckContext, params: ExactnessParams) -> Verdict:
+    migrations = _migrations_by_rid(view)
+    classes: dict[str, int] = {}
+    details: list[dict[str, Any]] = []
+    unknown_why: dict[str, str] = {}
+    for r in view.requests.values():
+        anomalies: list[Anomaly] = []
+        expected = ctx.reference.expected(r)
+        outcome = r.outcome
+        cls = "exact"
+        if expected is None:
+            cls = "unknown"
+            unknown_why.setdefault(ctx.reference.why(r), r.req)
+        else:
+            delivered = r.tokens
+            found, _, used = align(delivered, expected)
+            if used < len(expected) and not any(a.note == "diverged for good" for a in found):
+                if outcome in ("ok", "eof"):
+                    found.append(Anomaly("truncated", len(delivered), used, len(expected) - used,
+                                         "the stream ended as if complete" if outcome == "ok" else
+                                         "the stream ended without [DONE] and without an error"))
+                else:
+                    cls = "exact_prefix"
+            for a in found:
+                if a.kind == "corrupted" and a.note == "diverged for good" and ctx.reference.follows(
+                        (r.prompt or []) + delivered[:a.index + 1], delivered[a.index + 1:]):
+                    anomalies.append(Anomaly("corrupted", a.index, a.ref_index, 1,
+                                             f"what follows is the model's continuation of the wrong token "
+                                             f"({a.count - 1} more)"))
+                else:
+                    anomalies.append(a)
+        if anomalies:
+            cls = anomalies[0].kind
+            for a in anomalies:
+                classes[a.kind] = classes.get(a.kind, 0) + 1
+                if len(details) < params.max_details:
+                    where = _locate(view, r, a.index, migrations, params.settle_s)
+                    details.append({"request": r.req, "kind": a.kind, "index": a.index, "count": a.count,
+                                    **where, "outcome": outcome, "text": _describe(r.req, a, where)})
+        classes[f"requests_{cls}"] = classes.get(f"requests_{cls}", 0) + 1
+    n = len(view.requests)
+    bad = sum(v for k, v in classes.items() if k in ANOMALIES)
+    metrics = {"requests": n, **classes, "reference": ctx.reference.kind}
+    if bad:
+        kinds = ", ".join(f"{classes[k]} {k}" for k in ANOMALIES if classes.get(k))
+        return Verdict("stream_exactness", "fail", f"{kinds} in {n} requests", tuple(details), metrics)
+    if unknown_why:
+        reasons = "; ".join(f"{why} (e.g. {req})" for why, req in unknown_why.items())
+        return Verdict("stream_exactness", "unknown", f"{classes.get('requests_unknown', 0)} of {n} requests "
+                       f"cannot be checked: {reasons}", tuple(details), metrics)
+    prefix = classes.get("requests_exact_prefix", 0)
+    return Verdict("stream_exactness", "pass", f"{n} requests exact" + (
+        f" ({prefix} failed or were cancelled, with an exact prefix delivered)" if prefix else ""), (), metrics)
+
+
+# -- resume points -----------------------------------------------------------------------------------------
+
+
+class SseIdParams(Frozen):
+    max_details: int = Field(100, ge=1)
+
+
+@_checker("sse_ids", "every SSE id <rid>:<n> counts exactly the tokens the client holds after that event (what "
+          "a Last-Event-ID resume starts from)", SseIdParams)
+def check_sse_ids(view: RunView, ctx: CheckContext, params: SseIdParams) -> Verdict:
+    details: list[dict[str, Any]] = []
+    events = ahead = behind = 0
+    for r in view.requests.values():
+        have = 0
+        wrong: list[tuple[int, int, Record]] = []
+        for c in r.chunks:
+            have += len(c.get("tokens") or ())
+            n = c.get("n")
+            if isinstance(n, int):
+                events += 1
+                if n != have:
+                    wrong.append((n, have, c))
+        if not wrong:
+            continue
+        n, have, c = wrong[0]
+        ahead += sum(1 for n_, h, _ in wrong if n_ > h)
+        behind += sum(1 for n_, h, _ in wrong if n_ < h)
+        if len(details) < params.max_details:
+            risk = "skips" if n > have else "repeats"
+            details.append({"request": r.req, "events": len(wrong), "t": round(c.t, 3), "worker": c.get("worker"),
+                            "text": f"{r.req}: event {c.get('event_id')} counts {n} tokens, the client had {have} "
+                                    f"(a resume from it {risk} {abs(n - have)}); {len(wrong)} such event(s)"})
+    metrics = {"events": events, "ahead": ahead, "behind": behind, "requests": len(details)}
+    if details:
+        return Verdict("sse_ids", "fail", f"{ahead + behind} of {events} events carry a wrong count ({ahead} ahead: a "
+                       f"resume would lose tokens; {behind} behind: it would repeat them) in {len(details)} "
+                       "request(s)", tuple(details), metrics)
+    if not events:
+        return Verdict("sse_ids", "unknown", "no SSE ids in the history", (), metrics)
+    return Verdict("sse_ids", "pass", f"{events} events, every count right", (), metrics)
+
+
+# -- availability and latency -------------------------------------------------------------------------------
+
+
+class AvailabilityParams(Frozen):
+    baseline_min_success: float = Field(1.0, ge=0, le=1)
+    fault_min_success: float = Field(1.0, ge=0, le=1, description="least success share of requests that "
+                                     "overlap a fault window")
+    max_ttft_p99_s: float | None = Field(None, gt=0)
+    max_itl_p99_s: float | None = Field(None, gt=0)
+    settle_s: float = Field(1.0, ge=0, description="requests this long after a fault still count towards it")
+
+
+def _window_stats(reqs: Sequence[RequestView]) -> dict[str, Any]:
+    counted = [r for r in reqs if r.outcome != "cancelled"]
+    ok = sum(1 for r in counted if r.outcome == "ok")
+    ttfts = [x for x in (r.ttft for r in counted) if x is not None]
+    itls = [x for r in counted for x in r.itls()]
+    return {"requests": len(counted), "ok": ok, "success": _r(ok / len(counted), 4) if counted else None,
+            "cancelled": len(reqs) - len(counted),
+            "ttft_p50_s": _r(_quantile(ttfts, 0.5)), "ttft_p99_s": _r(_quantile(ttfts, 0.99)),
+            "itl_p50_s": _r(_quantile(itls, 0.5), 4), "itl_p99_s": _r(_quantile(itls, 0.99), 4),
+            "failed": [r.req for r in counted if r.outcome != "ok"][:20]}
+
+
+@_checker("availability", "success share and latency per fault window against the fault-free baseline",
+          AvailabilityParams)
+def check_availability(view: RunView, ctx: CheckContext, params: AvailabilityParams) -> Verdict:
+    per: dict[str, list[RequestView]] = {}
+    baseline = []
+    for r in view.workload_requests():
+        hits = view.faults_of(r, params.settle_s)
+        for w in hits:
+            per.setdefault(w.activity, []).append(r)
+        if not hits:
+            baseline.append(r)
+    stats = {"baseline": _window_stats(baseline)}
+    for w in (w for w in view.faults if not w.refused):
+        stats[w.activity] = _window_stats(per.get(w.activity, []))
+    problems, unknowns = [], []
+    for name, s in stats.items():
+        limit = params.baseline_min_success if name == "baseline" else params.fault_min_success
+        if not s["requests"]:
+            unknowns.append(f"no requests in {'the baseline' if name == 'baseline' else name}")
+            continue
+        if s["success"] < limit:
+            problems.append({"window": name, "problem": f"success {s['success']:.2%} < {limit:.2%}",
+                             "failed": s["failed"]})
+        for key, lim in (("ttft_p99_s", params.max_ttft_p99_s), ("itl_p99_s", params.max_itl_p99_s)):
+            if lim is not None and s[key] is not None and s[key] > lim:
+                problems.append({"window": name, "problem": f"{key} {s[key]} > {lim}"})
+    if problems:
+        text = "; ".join(f"{p['window']}: {p['problem']}" for p in problems)
+        return Verdict("availability", "fail", text, tuple(problems), stats)
+    if unknowns:
+        return Verdict("availability", "unknown", "; ".join(unknowns), (), stats)
+    return Verdict("availability", "pass", f"every window within limits: baseline success "
+                   f"{stats['baseline']['success']:.2%} over {stats['baseline']['requests']} requests, "
+                   f"{len(stats) - 1} fault window(s)", (), stats)
+
+
+# -- recovery -----------------------------------------------------------------------------------------------
+
+
+class RecoveryParams(Frozen):
+    window_s: float = Field(1.0, gt=0, description="throughput is measured over windows this long")
+    steady_share: float = Field(0.5, gt=0, le=2, description="throughput counts as back at this share of the "
+                                "baseline")
+    max_recovery_s: float | None = Field(None, gt=0)
+    step_s: float = Field(0.05, gt=0)
+
+
+def token_times(view: RunView) -> tuple[list[float], list[int]]:
+    """(time, tokens) of every workload chunk, in time order (prefix sums make windows cheap)."""
+    pts = sorted((c.t, len(c.get("tokens") or ())) for r in view.workload_requests() for c in r.chunks)
+    return [t for t, _ in pts], [n for _, n in pts]
+
+
+class _Tokens:
+    def __init__(self, view: RunView) -> None:
+        self.t, counts = token_times(view)
+        self.acc = [0]
+        for n in counts:
+            self.acc.append(self.acc[-1] + n)
+
+    def between(self, a: float, b: float) -> int:
+        return self.acc[bisect.bisect_left(self.t, b)] - self.acc[bisect.bisect_left(self.t, a)]
+
+
+@_checker("recovery", "after each fault, token throughput comes back to a share of the baseline", RecoveryParams)
+def check_recovery(view: RunView, ctx: CheckContext, params: RecoveryParams) -> Verdict:
+    windows = [w for w in view.faults if not w.refused and w.error is None]
+    if not windows:
+        return Verdict("recovery", "pass", "no faults to recover from")
+    if view.method is None:
+        return Verdict("recovery", "unknown", "the history has no method span")
+    tok = _Tokens(view)
+    m0, m1 = view.method
+    first = min(w.start for w in windows)
+    spans = [(m0 + params.window_s, first)] if first - m0 >= 3 * params.window_s else []
+    spans = spans or [(a, b) for a, b in view.fault_free(params.window_s) if b - a >= 2 * params.window_s]
+    if not spans:
+        return Verdict("recovery", "unknown", "no fault-free span long enough to measure the baseline throughput")
+    base = sum(tok.between(a, b) for a, b in spans) / sum(b - a for a, b in spans)
+    if base <= 0:
+        return Verdict("recovery", "unknown", "no tokens flowed in the baseline")
+    need = params.steady_share * base * params.window_s
+    times: dict[str, float | None] = {}
+    problems, unknowns = [], []
+    for w in windows:
+        t = w.end
+        found = None
+        while t + params.window_s <= m1 + 1e-9:
+            if tok.between(t, t + params.window_s) >= need:
+                found = t - w.end
+                break
+            t += params.step_s
+        times[w.activity] = _r(found)
+        if found is None:
+            if m1 - w.end < 2 * params.window_s:
+                unknowns.append(f"{w.activity}: the workload ended {m1 - w.end:.2f} s after the fault, too soon to "
+                                "see recovery")
+            else:
+                problems.append({"fault": w.activity, "problem": f"throughput never came back to "
+                                 f"{params.steady_share:.0%} of the baseline ({base:.1f} tokens/s)"})
+        elif params.max_recovery_s is not None and found > params.max_recovery_s:
+            problems.append({"fault": w.activity, "problem": f"recovered after {found:.2f} s > "
+                             f"{params.max_recovery_s} s"})
+    metrics = {"baseline_tokens_per_s": round(base, 2), "recovery_s": times}
+    if problems:
+        return Verdict("recovery", "fail", "; ".join(f"{p['fault']}: {p['problem']}" for p in problems),
+                       tuple(problems), metrics)
+    if unknowns:
+        return Verdict("recovery", "unknown", "; ".join(unknowns), (), metrics)
+    text = ", ".join(f"{k} {v:.2f} s" for k, v in times.items() if v is not None)
+    return Verdict("recovery", "pass", f"recovered: {text}", (), metrics)
+
+
+# -- detection ----------------------------------------------------------------------------------------------
+
+DETECTIONS = ("hang.detected", "health.changed", "worker.down", "quarantine")
+
+
+class DetectionParams(Frozen):
+    kinds: tuple[str, ...] = DETECTIONS
+    families: tuple[str, ...] = ("process", "gpu", "kv")
+    max_latency_s: float | None = Field(None, gt=0)
+
+
+def _is_detection(ev: Record, kinds: Sequence[str]) -> bool:
+    kind = ev.get("kind")
+    if kind not in kinds:
+        return False
+    return not (kind == "health.changed" and ev.get("state") in ("ready", "starting"))
+
+
+def _supervised(view: RunView, ctx: CheckContext) -> bool:
+    if ctx.supervisor is not None:
+        return ctx.supervisor
+    return any(ev.get("kind") in ("hang.detected", "health.changed") for _, ev in view.events)
+
+
+@_checker("detection", "each worker fault is detected (fault start -> the supervisor's first event about the "
+          "target)", DetectionParams)
+def check_detection(view: RunView, ctx: CheckContext, params: DetectionParams) -> Verdict:
+    windows = [w for w in view.faults if not w.refused and w.error is None and w.family in params.families
+               and w.target_kind in (None, "worker") and w.targets]
+    if not windows:
+        return Verdict("detection", "pass", "no worker fault to detect")
+    supervised = _supervised(view, ctx)
+    latencies: dict[str, float | None] = {}
+    problems, missing = [], []
+    for w in windows:
+        hits = [(t, ev) for t, ev in view.events if t >= w.start - 0.05 and ev.get("worker") in w.targets
+                and _is_detection(ev, params.kinds)]
+        if not hits:
+            latencies[w.activity] = None
+            missing.append(w)
+            continue
+        t, ev = hits[0]
+        latencies[w.activity] = round(max(0.0, t - w.start), 3)
+        if params.max_latency_s is not None and t - w.start > params.max_latency_s:
+            problems.append({"fault": w.activity, "problem": f"detected after {t - w.start:.2f} s > "
+                             f"{params.max_latency_s} s", "event": ev.get("kind")})
+    metrics = {"latency_s": latencies, "supervisor": supervised}
+    if missing and supervised:
+        problems += [{"fault": w.activity, "problem": f"no detection event about {', '.join(w.targets)}"}
+                     for w in missing]
+    if problems:
+        return Verdict("detection", "fail", "; ".join(f"{p['fault']}: {p['problem']}" for p in problems),
+                       tuple(problems), metrics)
+    if missing:
+        return Verdict("detection", "unknown", f"no supervisor ran, so {', '.join(w.activity for w in missing)} "
+                       "could not be detected", (), metrics)
+    return Verdict("detection", "pass", ", ".join(f"{k} in {v:.2f} s" for k, v in latencies.items()
+                                                   if v is not None), (), metrics)
+
+
+# -- migration limit ----------------------------------------------------------------------------------------
+
+
+class MigrationLimitParams(Frozen):
+    limit: int | None = Field(None, ge=0, description="default: the fleet's routing.migration_limit")
+
+
+@_checker("migration_limit", "no request used more attempts than the migration limit allows", MigrationLimitParams)
+def check_migration_limit(view: RunView, ctx: CheckContext, params: MigrationLimitParams) -> Verdict:
+    limit = params.limit if params.limit is not None else ctx.migration_limit
+    if limit is None:
+        return Verdict("migration_limit", "unknown", "the migration limit is not known")
+    by_rid: dict[str, int] = {}
+    for _, ev in view.events:
+        if ev.get("kind") == "migration" and ev.get("request"):
+            by_rid[str(ev["request"])] = max(by_rid.get(str(ev["request"]), 0), int(ev.get("attempt") or 0))
+    worst: list[dict[str, Any]] = []
+    most = 0
+    for r in view.requests.values():
+        attempts = r.attempts()
+        rid = next((c.get("rid") for c in r.chunks if c.get("rid")), None)
+        n = max([*attempts, by_rid.get(str(rid), 0) if rid else 0, 1 if attempts else 0])
+        most = max(most, n)
+        if n > limit + 1:
+            worst.append({"request": r.req, "attempts": n, "allowed": limit + 1})
+    metrics = {"limit": limit, "max_attempts": most,
+               "migrated_requests": sum(1 for r in view.requests.values() if len(set(r.attempts())) > 1)}
+    if worst:
+        return Verdict("migration_limit", "fail", f"{len(worst)} request(s) used more than {limit + 1} attempts",
+                       tuple(worst), metrics)
+    return Verdict("migration_limit", "pass", f"at most {most} attempt(s) per request (limit {limit + 1})", (),
+                   metrics)
+
+
+# -- no detections in a fault-free baseline -----------------------------------------------------------------
+
+
+class QuietParams(Frozen):
+    kinds: tuple[str, ...] = (*DETECTIONS, "restart", "migration")
+    settle_s: float = Field(2.0, ge=0, description="after a fault, the fleet may still be settling this long")
+
+
+@_checker("quiet_baseline", "no detections or migrations while no fault is in effect", QuietParams)
+def check_quiet_baseline(view: RunView, ctx: CheckContext, params: QuietParams) -> Verdict:
+    if view.method is None:
+        return Verdict("quiet_baseline", "unknown", "the history has no method span")
+    spans = view.fault_free(params.settle_s)
+    noisy = []
+    for t, ev in view.events:
+        if _is_detection(ev, params.kinds) and any(a <= t <= b for a, b in spans):
+            noisy.append({"t": round(t, 3), "kind": ev.get("kind"), "worker": ev.get("worker"),
+                          "request": ev.get("request"), "reason": ev.get("reason")})
+    total = round(sum(b - a for a, b in spans), 3)
+    metrics = {"fault_free_s": total, "events": len(noisy)}
+    if noisy:
+        kinds = sorted({str(n["kind"]) for n in noisy})
+        return Verdict("quiet_baseline", "fail", f"{len(noisy)} detection(s) with no fault in effect "
+                       f"({', '.join(kinds)})", tuple(noisy[:100]), metrics)
+    return Verdict("quiet_baseline", "pass", f"no detection in {total:.1f} s without faults", (), metrics)
+
+
+# -- fault verification -------------------------------------------------------------------------------------
+
+
+class NoParams(Frozen):
+    pass
+
+
+@_checker("fault_verification", "every fault took effect and was recovered", NoParams)
+def check_fault_verification(view: RunView, ctx: CheckContext, params: NoParams) -> Verdict:
+    if not view.faults:
+        return Verdict("fault_verification", "pass", "no faults in this run")
+    problems = []
+    for w in view.faults:
+        if w.refused:
+            problems.append({"fault": w.activity, "problem": f"refused: {w.refused}"})
+        elif w.error:
+            problems.append({"fault": w.activity, "problem": f"failed: {w.error}"})
+        elif not w.verified:
+            problems.append({"fault": w.activity, "problem": "did not take effect (verify failed)" if w.verified
+                             is False else "was never verified"})
+        elif not w.recovered:
+            problems.append({"fault": w.activity, "problem": "was not recovered (verify_recovered failed)"
+                             if w.recovered is False else "never finished recovering"})
+    if problems:
+        return Verdict("fault_verification", "fail", "; ".join(f"{p['fault']} {p['problem']}" for p in problems),
+                       tuple(problems), {"faults": len(view.faults)})
+    return Verdict("fault_verification", "pass", f"{len(view.faults)} fault(s) took effect and were recovered", (),
+                   {"faults": len(view.faults)})

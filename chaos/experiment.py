@@ -1,0 +1,685 @@
+"""Experiment files: Chaos-Toolkit-shaped YAML plus a fleet, a workload, a timed fault schedule and checkers.
+
+An experiment is validated in two passes, both reported with file, line and field
+(``experiment.yaml:14: method[0].target.ids: node-w7 is not in the declared fleet ...``):
+
+1. the shape, by the pydantic models below (``extra="forbid"``: a misspelt key is an error);
+2. the meaning: fault names against the catalogue (the error lists it), each fault's ``params`` against its
+   :class:`~fleetward.chaos.fault.FaultSpec` params model, targets against the declared fleet, the
+   safety limit (``safety.max_fault_share`` of a component kind faulted at once), ``after:`` references,
+   checker names and parameters, prompt + output lengths against the model's context, trace files.
+
+The format (a commented example is in ``docs/chaos.md``)::
+
+    title, description, tags, seed
+    fleet:       backend, workers, routers, etcd members, proxies, sim/vllm/routing/supervisor settings
+    workload:    duration_s, arrival (poisson | constant | trace), isl, osl, api, temperature, ...
+    steady-state-hypothesis: {title, probes: [{name, probe, args, tolerance}]}
+    method:      [{name, fault, at | after (+ delay), duration, target, params}]
+    rollbacks:   [{action, args}]
+    checkers:    [name | {name, params}]
+    safety:      {max_fault_share, per_kind}
+    reference:   auto | model | run | none
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import importlib
+import logging
+import os
+import pkgutil
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from fleetward.chaos.fault import CATALOGUE, FaultSpec, Target
+from fleetward.fleet.config import (
+    Frozen,
+    RouterConfig,
+    SimConfig,
+    SupervisorConfig,
+    VllmConfig,
+    parse_yaml,
+    validation_error,
+)
+from fleetward.fleet.errors import ConfigError
+
+__all__ = [
+    "Activity",
+    "Arrival",
+    "CheckerSpec",
+    "Experiment",
+    "FleetSpec",
+    "Hypothesis",
+    "Lengths",
+    "Probe",
+    "ProxySpec",
+    "Range",
+    "Rollback",
+    "Safety",
+    "WorkloadSpec",
+    "counts_toward_share",
+    "declared_ids",
+    "fault_catalogue",
+    "load_experiment",
+    "match_ids",
+    "resolve_trace",
+    "target_kinds",
+    "validate_experiment",
+]
+
+log = logging.getLogger(__name__)
+
+Loc = tuple[str | int, ...]
+TargetKind = Literal["worker", "router", "etcd", "broker", "link", "supervisor", "gpu", "fleet"]
+_TARGET_KINDS = frozenset(get_args(Target.model_fields["kind"].annotation))
+
+# -- the shape ----------------------------------------------------------------------------------------------
+
+
+class Lengths(Frozen):
+    """A token-length distribution: ``64`` (fixed), ``{dist: uniform, min, max}``, ``{dist: lognormal,
+    median, sigma, min, max}``. Samples are drawn from the experiment's seed, so a run is repeatable."""
+
+    dist: Literal["fixed", "uniform", "lognormal"] = "fixed"
+    value: int | None = Field(None, ge=1, description="fixed: the length")
+    min: int = Field(1, ge=1, description="uniform / lognormal: the least length")
+    max: int | None = Field(None, ge=1, description="uniform / lognormal: the greatest length")
+    median: float | None = Field(None, gt=0, description="lognormal: the median")
+    sigma: float = Field(0.5, gt=0, le=4, description="lognormal: the spread (of the log)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        if isinstance(data, int) and not isinstance(data, bool):
+            return {"dist": "fixed", "value": data}
+        return data
+
+    @model_validator(mode="after")
+    def _complete(self) -> Lengths:
+        if self.dist == "fixed" and self.value is None:
+            raise ValueError("a fixed length needs `value` (or write the number alone)")
+        if self.dist == "uniform" and self.max is None:
+            raise ValueError("a uniform length needs `min` and `max`")
+        if self.dist == "lognormal" and (self.median is None or self.max is None):
+            raise ValueError("a lognormal length needs `median` and `max` (and optionally `sigma`, `min`)")
+        if self.max is not None and self.max < self.min:
+            raise ValueError(f"max ({self.max}) is below min ({self.min})")
+        return self
+
+    @property
+    def upper(self) -> int:
+        """The greatest length this distribution yields."""
+        return self.value if self.dist == "fixed" and self.value is not None else int(self.max or self.min)
+
+
+class Arrival(Frozen):
+    """When requests arrive (open loop: an arrival never waits for an earlier request to finish)."""
+
+    kind: Literal["poisson", "constant", "trace"] = "poisson"
+    rate: float | None = Field(None, gt=0, le=10_000, description="poisson / constant: requests per second")
+    file: str | None = Field(None, description="trace: a CSV of arrivals with input and output lengths")
+    start_s: float = Field(0.0, ge=0, description="trace: where in the trace to start")
+    time_scale: float = Field(1.0, gt=0, description="trace: factor on the gaps between arrivals (0.5 = twice "
+                              "the rate)")
+    token_scale: float = Field(1.0, gt=0, description="trace: factor on input and output lengths")
+    max_input_tokens: int = Field(1024, ge=1, description="trace: longer prompts are cut to this")
+    max_output_tokens: int = Field(256, ge=1, description="trace: longer outputs are cut to this")
+
+    @model_validator(mode="after")
+    def _complete(self) -> Arrival:
+        if self.kind in ("poisson", "constant") and self.rate is None:
+            raise ValueError(f"{self.kind} arrivals need `rate` (requests per second)")
+        if self.kind == "trace" and not self.file:
+            raise ValueError("trace arrivals need `file`")
+        return self
+
+
+class WorkloadSpec(Frozen):
+    """The client load that runs during the method, and how clients behave."""
+
+    duration_s: float = Field(10.0, gt=0, le=24 * 3600)
+    arrival: Arrival = Arrival(rate=5.0)
+    isl: Lengths = Lengths(value=32)
+    osl: Lengths = Lengths(value=32)
+    api: Literal["completion", "chat"] = "completion"
+    temperature: float = Field(0.0, ge=0, le=2, description="0: greedy (a deterministic engine's streams are "
+                               "then checkable token for token)")
+    ignore_eos: bool = Field(True, description="generate exactly the output length asked for")
+    timeout_s: float = Field(60.0, gt=0, description="a request's deadline on the client")
+    max_in_flight: int = Field(512, ge=1, description="the client's cap; arrivals beyond it are shed and noted")
+    drain_s: float = Field(30.0, ge=0, description="after duration_s, how long open requests may finish")
+    resume: bool = Field(False, description="a client refused by a router tries the next one, and one whose stream "
+                         "breaks resumes on the next router with Last-Event-ID, as DESIGN.md's clients do")
+    max_resumes: int = Field(3, ge=0)
+
+
+class ProxySpec(Frozen):
+    """Fault proxies the fleet is wired through (links for the ``network`` family and some ``control``
+    faults). Link names: ``router->worker:<worker>``, ``client->router:<router>``, ``agent->etcd``,
+    ``agent->broker``, ``<router>->etcd``, ``<router>->broker``."""
+
+    workers: bool = Field(False, description="a proxy in front of each worker (router->worker:<id>)")
+    clients: bool = Field(False, description="a proxy in front of each router (client->router:<id>); clients "
+                          "connect through it")
+    control: bool = Field(False, description="the node agent and the routers reach etcd and the broker through "
+                          "proxies")
+
+
+class FleetSpec(Frozen):
+    """The fleet the experiment brings up (or expects, with ``--attach``)."""
+
+    backend: Literal["sim", "vllm"] = "sim"
+    workers: int = Field(3, ge=1, le=64)
+    routers: int = Field(1, ge=1, le=8)
+    node: str = Field("node", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="worker ids are "
+                      "<node>-w<i>")
+    cluster: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
+                                description="default: chaos-<random> (or the attached fleet's)")
+    etcd_members: Literal[1, 3] = Field(1, description="3: a local 3-member etcd cluster (control faults)")
+    lease_ttl_s: int = Field(10, ge=2, le=3600)
+    proxies: ProxySpec = ProxySpec()
+    model: str | None = Field(None, description="vllm: model folder (default: the tiny local model)")
+    sim: SimConfig = SimConfig()
+    vllm: VllmConfig = VllmConfig()
+    routing: RouterConfig = RouterConfig()
+    supervisor: SupervisorConfig = SupervisorConfig()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.sim.max_model_len if self.backend == "sim" else self.vllm.max_model_len
+
+
+class Range(Frozen):
+    min: float | None = None
+    max: float | None = None
+
+    def holds(self, value: float) -> bool:
+        return (self.min is None or value >= self.min) and (self.max is None or value <= self.max)
+
+
+Tolerance = bool | float | Range
+
+
+class Probe(Frozen):
+    """A steady-state probe: a built-in measurement and the tolerance its value must meet.
+
+    Probes: ``workers_routable`` (how many workers etcd says take work), ``routers_healthy`` (routers
+    answering ``/health`` 200), ``requests`` (share of ``count`` probe requests that complete, and exactly
+    where the engine is deterministic). A tolerance is a value (``true``, ``3``) or ``{min, max}``. With
+    ``within_s`` the probe is repeated until its tolerance holds (a restarted worker takes a while).
+    """
+
+    name: str
+    probe: Literal["workers_routable", "routers_healthy", "requests"]
+    args: dict[str, Any] = Field(default_factory=dict)
+    tolerance: Tolerance
+    within_s: float = Field(0.0, ge=0, le=3600, description="probe again until the tolerance holds, for up to "
+                            "this long (0: once)")
+
+    def accepts(self, value: Any) -> bool:
+        t = self.tolerance
+        if isinstance(t, Range):
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and t.holds(float(value))
+        if isinstance(t, bool):
+            return value is t
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and float(value) == t
+
+
+class RequestsProbeArgs(Frozen):
+    count: int = Field(4, ge=1, le=256)
+    max_tokens: int = Field(16, ge=1)
+    prompt_tokens: int = Field(16, ge=1)
+    timeout_s: float = Field(30.0, gt=0)
+
+
+class NoArgs(Frozen):
+    pass
+
+
+PROBE_ARGS: dict[str, type[Frozen]] = {"workers_routable": NoArgs, "routers_healthy": NoArgs,
+                                       "requests": RequestsProbeArgs}
+
+
+class Hypothesis(Frozen):
+    title: str = "the fleet serves"
+    probes: tuple[Probe, ...] = ()
+
+
+class Activity(Frozen):
+    """One scheduled fault: inject at ``at`` seconds into the method (or ``delay`` seconds after the
+    activity named by ``after`` has stopped), hold ``duration`` seconds, then recover."""
+
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.#:-]{0,62}$")
+    fault: str
+    at: float | None = Field(None, ge=0)
+    after: str | None = None
+    delay: float = Field(0.0, ge=0)
+    duration: float = Field(0.0, ge=0)
+    target: Target | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+    verify_timeout_s: float | None = Field(None, gt=0, description="how long verify() and verify_recovered() may "
+                                           "take; default: the fault's own timeouts plus 5 s, else 30 s")
+
+    @model_validator(mode="after")
+    def _when(self) -> Activity:
+        if (self.at is None) == (self.after is None):
+            raise ValueError("give exactly one of `at` (seconds into the method) and `after` (an activity name)")
+        if self.at is not None and self.delay:
+            raise ValueError("`delay` goes with `after`; with `at`, put the time in `at`")
+        return self
+
+
+class Rollback(Frozen):
+    """Run after the method whatever happened: ``restore_fleet`` (restart dead workers and routers, clear
+    simulated workers' fault switches, wait until every worker is routable), or one of its parts."""
+
+    name: str | None = None
+    action: Literal["restore_fleet", "restart_dead", "clear_sim_faults", "wait_routable"]
+    args: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("args")
+    @classmethod
+    def _only_timeout(cls, value: dict[str, float]) -> dict[str, float]:
+        unknown = set(value) - {"timeout_s"}
+        if unknown:
+            raise ValueError(f"unknown argument(s) {sorted(unknown)}; rollbacks take only timeout_s")
+        return value
+
+
+class CheckerSpec(Frozen):
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        return {"name": data} if isinstance(data, str) else data
+
+
+class Safety(Frozen):
+    """Refuse to start when the schedule would, at any moment, fault more than ``max_fault_share`` of the
+    declared components of one kind (``per_kind`` overrides it for a kind, e.g. ``etcd: 1.0``)."""
+
+    max_fault_share: float = Field(0.5, gt=0, le=1)
+    per_kind: dict[TargetKind, float] = Field(default_factory=dict)
+
+    @field_validator("per_kind")
+    @classmethod
+    def _shares(cls, value: dict[str, float]) -> dict[str, float]:
+        for kind, share in value.items():
+            if not 0 < share <= 1:
+                raise ValueError(f"{kind}: a share is within (0, 1], got {share}")
+        return value
+
+    def limit(self, kind: str) -> float:
+        return self.per_kind.get(kind, self.max_fault_share)  # type: ignore[call-overload]
+
+
+class Experiment(Frozen):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, populate_by_name=True)
+
+    version: Literal[1] = 1
+    title: str = Field(min_length=1)
+    description: str = ""
+    tags: tuple[str, ...] = ()
+    seed: int = 0
+    fleet: FleetSpec = FleetSpec()
+    workload: WorkloadSpec = WorkloadSpec()
+    steady_state_hypothesis: Hypothesis | None = Field(None, alias="steady-state-hypothesis")
+    method: tuple[Activity, ...] = ()
+    rollbacks: tuple[Rollback, ...] = (Rollback(action="restore_fleet"),)
+    checkers: tuple[CheckerSpec, ...] | None = Field(None, description="default: every checker, with defaults")
+    safety: Safety = Safety()
+    reference: Literal["auto", "model", "run", "none"] = Field(
+        "auto", description="the fault-free reference of each stream: the sim's model, a fault-free run of the "
+        "same requests after the method (greedy vLLM), or none")
+
+    def hypothesis(self) -> Hypothesis:
+        """The steady-state hypothesis, or the default one: every worker routable, probe requests exact."""
+        if self.steady_state_hypothesis is not None:
+            return self.steady_state_hypothesis
+        return Hypothesis(probes=(
+            Probe(name="every worker is routable", probe="workers_routable",
+                  tolerance=Range(min=self.fleet.workers), within_s=60.0),
+            Probe(name="probe requests complete exactly", probe="requests", tolerance=1.0),
+        ))
+
+    def activity_names(self) -> list[str]:
+        return [a.name or f"{a.fault}#{i}" for i, a in enumerate(self.method)]
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)
+
+
+# -- the catalogue ------------------------------------------------------------------------------------------
+
+_CATALOGUE_PROBLEMS: dict[str, str] = {}
+_LOADED = False
+
+
+def fault_catalogue() -> tuple[dict[str, FaultSpec], dict[str, str]]:
+    """The fault catalogue with every fault module imported, and the modules that failed to import.
+
+    Faults register themselves when their module is imported: the ``load`` family from
+    :mod:`fleetward.chaos.workload`, the others from the modules of :mod:`fleetward.chaos.faults`, and
+    your own from the modules named in ``FLEETWARD_FAULT_MODULES`` (comma-separated import names).
+    A module that fails to import is reported (``chaos faults`` shows it) rather than hiding the others.
+    """
+    global _LOADED
+    if not _LOADED:
+        _LOADED = True
+        importlib.import_module("fleetward.chaos.workload")
+        try:
+            pkg = importlib.import_module("fleetward.chaos.faults")
+        except ModuleNotFoundError as exc:
+            if exc.name not in ("fleetward.chaos.faults",):
+                _CATALOGUE_PROBLEMS["fleetward.chaos.faults"] = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # a broken fault module must not hide the rest of the catalogue
+            _CATALOGUE_PROBLEMS["fleetward.chaos.faults"] = f"{type(exc).__name__}: {exc}"
+        else:
+            for info in pkgutil.iter_modules(getattr(pkg, "__path__", []), prefix=pkg.__name__ + "."):
+                try:
+                    importlib.import_module(info.name)
+                except Exception as exc:
+                    _CATALOGUE_PROBLEMS[info.name] = f"{type(exc).__name__}: {exc}"
+        for name in filter(None, (m.strip() for m in os.environ.get("FLEETWARD_FAULT_MODULES", "").split(","))):
+            try:
+                importlib.import_module(name)
+            except Exception as exc:
+                _CATALOGUE_PROBLEMS[name] = f"{type(exc).__name__}: {exc}"
+        for name, problem in _CATALOGUE_PROBLEMS.items():
+            log.warning("fault module %s could not be imported: %s", name, problem)
+    return CATALOGUE, dict(_CATALOGUE_PROBLEMS)
+
+
+def _unknown_fault(name: str, catalogue: Mapping[str, FaultSpec], problems: Mapping[str, str]) -> str:
+    near = difflib.get_close_matches(name, list(catalogue), n=1)
+    hint = f" (did you mean {near[0]}?)" if near else ""
+    listed = ", ".join(sorted(catalogue)) or "(empty)"
+    broken = f"; could not load: {', '.join(sorted(problems))}" if problems else ""
+    return f"unknown fault {name!r}{hint}; the catalogue has: {listed}{broken}"
+
+
+# -- the fleet as declared ----------------------------------------------------------------------------------
+
+
+def declared_ids(fleet: FleetSpec, kind: str) -> list[str] | None:
+    """Ids of the components of ``kind`` the experiment declares; ``None`` when they are not enumerable
+    here (links, GPUs: their ids come from the fault families that define them)."""
+    if kind == "worker":
+        return [f"{fleet.node}-w{i}" for i in range(fleet.workers)]
+    if kind == "router":
+        return [f"router-{i}" for i in range(fleet.routers)]
+    if kind == "etcd":
+        return [f"etcd-{i}" for i in range(fleet.etcd_members)]
+    if kind == "broker":
+        return ["broker"]
+    if kind == "supervisor":
+        return ["supervisor"]
+    if kind == "fleet":
+        return ["fleet"]
+    if kind == "link":
+        routers = declared_ids(fleet, "router") or []
+        links = []
+        if fleet.proxies.workers:
+            links += [f"router->worker:{w}" for w in declared_ids(fleet, "worker") or []]
+        if fleet.proxies.clients:
+            links += [f"client->router:{r}" for r in routers]
+        if fleet.proxies.control:
+            links += ["agent->etcd", "agent->broker", *(f"{r}->{x}" for r in routers for x in ("etcd", "broker"))]
+        elif fleet.etcd_members > 1:
+            links += [f"{r}->etcd" for r in routers]  # a router reaches a multi-member cluster through one
+        return links
+    return None
+
+
+def match_ids(ids: Iterable[str], universe: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the ids of ``universe`` that ``ids`` name, globs such as ``*->etcd`` allowed; the ids naming none)."""
+    found: list[str] = []
+    missing: list[str] = []
+    for i in ids:
+        hits = fnmatch.filter(universe, i) if any(c in i for c in "*?[") else [i] if i in universe else []
+        if not hits:
+            missing.append(i)
+        found += [h for h in hits if h not in found]
+    return found, missing
+
+
+def target_kinds(spec: FaultSpec) -> tuple[str, ...]:
+    """The component kinds a fault may target (``extra["target_kinds"]``, or ``extra["target"]``)."""
+    kinds = spec.extra.get("target_kinds") or ((spec.extra["target"],) if spec.extra.get("target") else ())
+    return tuple(str(k) for k in kinds)
+
+
+def _target_size(target: Target, declared: list[str] | None) -> int:
+    if target.ids:
+        return len(match_ids(target.ids, declared)[0]) if declared is not None else len(target.ids)
+    if target.pick == "all":
+        return len(declared) if declared is not None else target.count
+    return target.count
+
+
+def counts_toward_share(spec: FaultSpec, target: Target) -> bool:
+    """Whether faulting ``target`` takes a component out of service (load faults and ``fleet`` do not)."""
+    return target.kind != "fleet" and bool(spec.extra.get("counts_toward_share", spec.family != "load"))
+
+
+# -- trace files --------------------------------------------------------------------------------------------
+
+
+def resolve_trace(name: str, *, base: Path | None) -> Path | None:
+    """Find a trace file: as given, beside the experiment file, under ``$FLEETWARD_TRACES``, or in the
+    shared traces folder beside the repository (``../shared/traces``)."""
+    p = Path(name).expanduser()
+    candidates = [p] if p.is_absolute() else [Path.cwd() / p]
+    if not p.is_absolute():
+        if base is not None:
+            candidates.insert(0, base / p)
+        if os.environ.get("FLEETWARD_TRACES"):
+            candidates.append(Path(os.environ["FLEETWARD_TRACES"]) / p)
+        root = Path(__file__).resolve().parents[1]
+        candidates += [root.parent / "shared" / "traces" / p, root / "shared" / "traces" / p]
+    return next((c for c in candidates if c.is_file()), None)
+
+
+# -- validation ---------------------------------------------------------------------------------------------
+
+
+def _problem(loc: Loc, message: str, value: Any = None) -> InitErrorDetails:
+    return {"type": PydanticCustomError("fleetward", "{msg}", {"msg": message}), "loc": loc, "input": value}
+
+
+def _nested(exc: ValidationError, prefix: Loc) -> list[InitErrorDetails]:
+    out: list[InitErrorDetails] = []
+    for err in exc.errors():
+        loc = (*prefix, *err["loc"])
+        if err["type"] == "extra_forbidden":
+            out.append({"type": "extra_forbidden", "loc": loc, "input": err.get("input")})
+        else:
+            out.append(_problem(loc, err["msg"], err.get("input")))
+    return out
+
+
+@dataclass(frozen=True)
+class _Window:
+    index: int
+    kind: str
+    size: int
+    start: float
+    end: float
+
+
+def _meaning(exp: Experiment, *, base: Path | None) -> list[InitErrorDetails]:
+    """Every problem of meaning in ``exp`` (empty when it is runnable)."""
+    from fleetward.chaos.checkers import CHECKERS
+
+    catalogue, broken = fault_catalogue()
+    problems: list[InitErrorDetails] = []
+    names = exp.activity_names()
+    seen: dict[str, int] = {}
+    starts: dict[str, float] = {}
+    windows: list[_Window] = []
+    fleet = exp.fleet
+    for i, act in enumerate(exp.method):
+        here: Loc = ("method", i)
+        name = names[i]
+        if name in seen:
+            problems.append(_problem((*here, "name"), f"{name!r} is already the name of method[{seen[name]}]"))
+        seen[name] = i
+        spec = catalogue.get(act.fault)
+        if spec is None:
+            problems.append(_problem((*here, "fault"), _unknown_fault(act.fault, catalogue, broken), act.fault))
+            continue
+        try:
+            spec.params.model_validate(act.params)
+        except ValidationError as exc:
+            problems.extend(_nested(exc, (*here, "params")))
+        if fleet.backend not in spec.backends:
+            problems.append(_problem((*here, "fault"), f"{act.fault} does not work on {fleet.backend} workers "
+                                     f"(only {', '.join(spec.backends)})"))
+        kinds = tuple(k for k in target_kinds(spec) if k in _TARGET_KINDS)
+        target = act.target
+        if target is None:
+            if kinds and set(kinds) <= {"fleet"}:
+                target = Target(kind="fleet", pick="all")
+            else:
+                problems.append(_problem((*here, "target"), f"{act.fault} needs a target (e.g. "
+                                         "{kind: worker, pick: serving, count: 1})"))
+                continue
+        if kinds and target.kind not in kinds:
+            problems.append(_problem((*here, "target", "kind"), f"{act.fault} targets {' or '.join(kinds)}, "
+                                     f"not {target.kind}", target.kind))
+        declared = declared_ids(fleet, target.kind)
+        if target.count < 1:
+            problems.append(_problem((*here, "target", "count"), "count is at least 1", target.count))
+        if declared is not None:
+            _, outside = match_ids(target.ids, declared)
+            if outside:
+                problems.append(_problem((*here, "target", "ids"), f"{', '.join(outside)} "
+                                         f"{'is' if len(outside) == 1 else 'are'} not in the declared fleet "
+                                         f"({target.kind}s: {', '.join(declared) or 'none'})", list(target.ids)))
+            elif not target.ids and target.pick != "all" and target.count > len(declared):
+                problems.append(_problem((*here, "target", "count"), f"the declared fleet has only "
+                                         f"{len(declared)} {target.kind}(s), not {target.count}", target.count))
+        # When the activity is in effect (statically: recovery takes no time).
+        if act.at is not None:
+            start = act.at
+            if start >= exp.workload.duration_s:
+                problems.append(_problem((*here, "at"), f"starts at {start:g} s, after the workload ends "
+                                         f"(workload.duration_s {exp.workload.duration_s:g})", start))
+        else:
+            assert act.after is not None
+            if act.after not in starts:
+                where = "a later activity" if act.after in names else "no activity"
+                problems.append(_problem((*here, "after"), f"{act.after!r} names {where}; `after` refers to an "
+                                         f"earlier activity ({', '.join(names[:i]) or 'none yet'})", act.after))
+                continue
+            start = starts[act.after] + act.delay
+        starts[name] = start + act.duration
+        if counts_toward_share(spec, target):
+            windows.append(_Window(i, target.kind, _target_size(target, declared), start, start + act.duration))
+    problems.extend(_safety(exp, windows))
+    problems.extend(_workload_meaning(exp, base=base))
+    for i, probe in enumerate(exp.hypothesis().probes if exp.steady_state_hypothesis else ()):
+        try:
+            PROBE_ARGS[probe.probe].model_validate(probe.args)
+        except ValidationError as exc:
+            problems.extend(_nested(exc, ("steady-state-hypothesis", "probes", i, "args")))
+    for i, chk in enumerate(exp.checkers or ()):
+        checker = CHECKERS.get(chk.name)
+        if checker is None:
+            near = difflib.get_close_matches(chk.name, list(CHECKERS), n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            problems.append(_problem(("checkers", i, "name"), f"unknown checker {chk.name!r}{hint}; checkers: "
+                                     f"{', '.join(CHECKERS)}", chk.name))
+            continue
+        try:
+            checker.params.model_validate(chk.params)
+        except ValidationError as exc:
+            problems.extend(_nested(exc, ("checkers", i, "params")))
+    return problems
+
+
+def _safety(exp: Experiment, windows: Iterable[_Window]) -> list[InitErrorDetails]:
+    by_kind: dict[str, list[_Window]] = {}
+    for w in windows:
+        by_kind.setdefault(w.kind, []).append(w)
+    problems: list[InitErrorDetails] = []
+    for kind, ws in by_kind.items():
+        declared = declared_ids(exp.fleet, kind)
+        if not declared:
+            continue
+        limit = exp.safety.limit(kind)
+        for w in sorted(ws, key=lambda w: (w.start, w.index)):
+            # Everything of this kind in effect when w starts (an instant fault still counts at its instant).
+            overlapping = [o for o in ws if o.start <= w.start and (o.end > w.start or o is w or
+                                                                     (o.start == w.start == o.end))]
+            size = sum(o.size for o in overlapping)
+            share = size / len(declared)
+            if share > limit + 1e-9:
+                others = [f"method[{o.index}]" for o in overlapping if o is not w]
+                withs = f" together with {', '.join(others)}" if others else ""
+                problems.append(_problem(("method", w.index, "target"),
+                                         f"would fault {size} of {len(declared)} {kind}(s) at once from "
+                                         f"t={w.start:g} s{withs}: share {share:.2f} is over the safety limit "
+                                         f"{limit:g} (safety.max_fault_share / safety.per_kind.{kind})"))
+                break
+    return problems
+
+
+def _workload_meaning(exp: Experiment, *, base: Path | None) -> list[InitErrorDetails]:
+    w = exp.workload
+    problems: list[InitErrorDetails] = []
+    limit = exp.fleet.max_model_len
+    if w.arrival.kind == "trace":
+        assert w.arrival.file is not None
+        if resolve_trace(w.arrival.file, base=base) is None:
+            problems.append(_problem(("workload", "arrival", "file"), f"trace file {w.arrival.file!r} not found "
+                                     "(beside the experiment, in the current folder, under $FLEETWARD_TRACES or "
+                                     "../shared/traces)", w.arrival.file))
+        longest = w.arrival.max_input_tokens + w.arrival.max_output_tokens
+        if longest > limit:
+            problems.append(_problem(("workload", "arrival", "max_output_tokens"), f"max_input_tokens + "
+                                     f"max_output_tokens = {longest} exceeds the model's context ({limit})"))
+    elif w.isl.upper + w.osl.upper > limit:
+        problems.append(_problem(("workload", "osl"), f"the longest prompt ({w.isl.upper}) plus the longest output "
+                                 f"({w.osl.upper}) exceeds the model's context ({limit} tokens)"))
+    return problems
+
+
+def validate_experiment(data: Any, *, file: str = "<experiment>", lines: Mapping[Loc, int] | None = None,
+                        base: Path | None = None) -> Experiment:
+    """Validate parsed experiment data (shape, then meaning); :class:`ConfigError` names file, line, field."""
+    lines = lines or {}
+    if isinstance(data, Experiment):
+        exp = data
+    else:
+        if not isinstance(data, dict):
+            raise ConfigError("the top level must be a mapping of keys to values", file=file, line=1)
+        try:
+            exp = Experiment.model_validate(data)
+        except ValidationError as exc:
+            raise validation_error(exc, file=file, lines=lines) from None
+    problems = _meaning(exp, base=base)
+    if problems:
+        exc = ValidationError.from_exception_data("Experiment", problems)
+        raise validation_error(exc, file=file, lines=lines) from None
+    return exp
+
+
+def load_experiment(path: str | Path) -> Experiment:
+    """Read and validate an experiment file."""
+    file = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror}", file=file) from exc
+    data, lines = parse_yaml(text, file=file)
+    return validate_experiment(data, file=file, lines=lines, base=Path(path).resolve().parent)

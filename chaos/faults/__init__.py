@@ -1,0 +1,37 @@
+"""The fault catalogue: importing this package registers every fault in
+:data:`fleetward.chaos.fault.CATALOGUE`.
+
+Families and modules: ``process`` (:mod:`.process`), ``network`` (:mod:`.network`, through
+:mod:`fleetward.chaos.proxy`), ``control`` (:mod:`.control`), ``kv`` (:mod:`.kv`). GPU faults and the
+supervisor's own come from the supervisor side. Build a fault from the catalogue::
+
+    spec = CATALOGUE["kill-worker"]
+    fault = spec.factory(spec.params(scope="tree"), Target(kind="worker", ids=("node-w0",)))
+    await fault.inject(ctx); assert await fault.verify(ctx)
+    await fault.recover(ctx); assert await fault.verify_recovered(ctx)
+
+``ctx`` is a :class:`~fleetward.chaos.fault.FaultContext`; ``TestFleet.fault_context()`` makes one.
+"""
+
+from __future__ import annotations
+
+from fleetward.chaos.faults import control, kv, network, process
+from fleetward.chaos.faults._base import BaseFault, FaultParams, FaultUnavailable
+from fleetward.chaos.faults.kv import FaultyKvTransfer, KvTransfer, KvTransferError, KvTransferHook, PassThrough
+from fleetward.chaos.faults.network import probe_link
+
+__all__ = [
+    "BaseFault",
+    "FaultParams",
+    "FaultUnavailable",
+    "FaultyKvTransfer",
+    "KvTransfer",
+    "KvTransferError",
+    "KvTransferHook",
+    "PassThrough",
+    "control",
+    "kv",
+    "network",
+    "probe_link",
+    "process",
+]

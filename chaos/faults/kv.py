@@ -1,0 +1,277 @@
+"""KV-transfer faults: the hook the prefill/decode (P/D) path calls, and the faults injected through it.
+
+No P/D path exists yet. When it lands, the code that moves a request's KV cache from a prefill worker to a
+decode worker calls :meth:`KvTransferHook.transfer` on every transfer, before the decode side uses it, and
+the chaos run provides the hook as the ``kv`` service (``FleetContext(services={"kv": FaultyKvTransfer()})``).
+Outside chaos runs the hook is :class:`PassThrough`.
+
+========================  ==========================================================================
+fault                     what the transfer does
+========================  ==========================================================================
+``kv-drop``               never arrives: :class:`KvTransferError` (``kind="dropped"``)
+``kv-delay``              arrives ``delay_ms`` late
+``kv-corrupt``            arrives with one byte of one block flipped (same length: only a checksum or
+                          the decoded tokens show it)
+``kv-truncate``           arrives with only the first ``keep`` share of its blocks
+``kv-stall``              does not arrive until the fault is recovered (then it arrives whole)
+``kv-prefill-dies``       ``blocks_before`` blocks arrive, then the prefill side dies:
+                          :class:`KvTransferError` (``kind="prefill_died"``); with ``kill_worker``
+                          the prefill worker's process is SIGKILLed too (needs a fleet)
+========================  ==========================================================================
+
+Each fault counts the transfers it hit (``verify``: at least one; traffic must flow) and is removed on
+recovery (``verify_recovered``: a probe transfer passes unchanged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, Literal, Protocol
+
+from pydantic import Field
+
+from fleetward.chaos.fault import FaultContext, Target
+from fleetward.chaos.faults._base import BaseFault, FaultParams, FaultUnavailable, catalogued, eventually
+from fleetward.fleet.errors import FleetwardError
+
+__all__ = ["FaultyKvTransfer", "KvRule", "KvTransfer", "KvTransferError", "KvTransferHook", "PassThrough"]
+
+
+@dataclass(frozen=True)
+class KvTransfer:
+    """One request's KV cache on its way from a prefill worker to a decode worker."""
+
+    request_id: str
+    source: str  # prefill worker id
+    dest: str  # decode worker id
+    token_ids: tuple[int, ...]  # the prompt tokens the blocks cover
+    blocks: tuple[bytes, ...]
+    checksum: str = ""  # of the blocks as sent (``sealed()`` fills it)
+
+    @staticmethod
+    def digest(blocks: tuple[bytes, ...]) -> str:
+        h = hashlib.blake2b(digest_size=16)
+        for b in blocks:
+            h.update(len(b).to_bytes(8, "little"))
+            h.update(b)
+        return h.hexdigest()
+
+    def sealed(self) -> KvTransfer:
+        return replace(self, checksum=self.digest(self.blocks))
+
+    @property
+    def intact(self) -> bool:
+        """Whether the blocks are what was sent (the decode side's check)."""
+        return self.digest(self.blocks) == self.checksum
+
+
+class KvTransferError(FleetwardError):
+    """A transfer that did not complete; the decode side must re-prefill or fail the request."""
+
+    def __init__(self, kind: Literal["dropped", "prefill_died"], transfer: KvTransfer, *, blocks: int = 0) -> None:
+        super().__init__(f"kv transfer of {transfer.request_id} {transfer.source}->{transfer.dest}: {kind}"
+                         + (f" after {blocks} block(s)" if kind == "prefill_died" else ""))
+        self.kind = kind
+        self.transfer = transfer
+        self.blocks_delivered = blocks
+
+
+class KvTransferHook(Protocol):
+    """Called by the P/D path for every KV transfer, before the decode worker uses it.
+
+    Returns the transfer as delivered: unchanged, or altered (corrupted, truncated); may take long
+    (delayed, stalled); raises :class:`KvTransferError` when it never completes (dropped, the prefill
+    died mid-transfer). Cancellation propagates.
+    """
+
+    async def transfer(self, t: KvTransfer) -> KvTransfer: ...
+
+
+class PassThrough:
+    """The hook outside chaos runs."""
+
+    async def transfer(self, t: KvTransfer) -> KvTransfer:
+        return t
+
+
+@dataclass(eq=False)
+class KvRule:
+    """One active KV fault inside :class:`FaultyKvTransfer`."""
+
+    kind: Literal["drop", "delay", "corrupt", "truncate", "stall", "prefill_dies"]
+    delay_ms: float = 0.0
+    keep: float = 0.5
+    blocks_before: int = 1
+    on_die: Callable[[KvTransfer], Any] | None = None
+    hits: int = 0
+    released: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class FaultyKvTransfer:
+    """A :class:`KvTransferHook` with switchable faults (rules apply in the order they were added)."""
+
+    def __init__(self) -> None:
+        self.rules: list[KvRule] = []
+        self.transfers = 0
+
+    def add(self, rule: KvRule) -> KvRule:
+        self.rules.append(rule)
+        return rule
+
+    def remove(self, rule: KvRule) -> None:
+        if rule in self.rules:
+            self.rules.remove(rule)
+        rule.released.set()
+
+    async def transfer(self, t: KvTransfer) -> KvTransfer:
+        self.transfers += 1
+        for rule in list(self.rules):
+            if rule.released.is_set():
+                continue
+            rule.hits += 1
+            if rule.kind == "drop":
+                raise KvTransferError("dropped", t)
+            if rule.kind == "delay":
+                await asyncio.sleep(rule.delay_ms / 1000)
+            elif rule.kind == "stall":
+                await rule.released.wait()
+            elif rule.kind == "corrupt" and t.blocks:
+                first = next((i for i, b in enumerate(t.blocks) if b), None)
+                if first is not None:
+                    b = bytearray(t.blocks[first])
+                    b[len(b) // 2] ^= 0xFF
+                    t = replace(t, blocks=(*t.blocks[:first], bytes(b), *t.blocks[first + 1:]))
+            elif rule.kind == "truncate":
+                t = replace(t, blocks=t.blocks[:int(len(t.blocks) * rule.keep)])
+            elif rule.kind == "prefill_dies":
+                if rule.on_die is not None:
+                    result = rule.on_die(t)
+                    if asyncio.iscoroutine(result):
+                        await result
+                raise KvTransferError("prefill_died", t, blocks=min(rule.blocks_before, len(t.blocks)))
+        return t
+
+
+def _probe_transfer() -> KvTransfer:
+    return KvTransfer("kv-probe", "probe-prefill", "probe-decode", (1, 2, 3), (b"\x01" * 64, b"\x02" * 64)).sealed()
+
+
+class _KvFault(BaseFault):
+    family = "kv"
+    kind: ClassVar[str]
+
+    def __init__(self, params: Any, target: Target) -> None:
+        super().__init__(params, target)
+        self._hook: FaultyKvTransfer | None = None
+        self._rule: KvRule | None = None
+
+    def rule(self, ctx: FaultContext) -> KvRule:
+        return KvRule(self.kind)  # type: ignore[arg-type]
+
+    async def inject(self, ctx: FaultContext) -> None:
+        try:
+            hook = ctx.service("kv")
+        except KeyError:
+            raise FaultUnavailable("KV faults need the `kv` service (a FaultyKvTransfer wired to the P/D path)"
+                                   ) from None
+        if not isinstance(hook, FaultyKvTransfer):
+            raise FaultUnavailable(f"the kv service is a {type(hook).__name__}, not a FaultyKvTransfer")
+        self._hook = hook
+        self.targets = ["kv"]
+        self._rule = hook.add(self.rule(ctx))
+
+    async def verify(self, ctx: FaultContext) -> bool:
+        rule = self._rule
+        return rule is not None and await eventually(lambda: rule.hits > 0, self.params.verify_timeout_s)
+
+    async def recover(self, ctx: FaultContext) -> None:
+        if self._hook is not None and self._rule is not None:
+            self._hook.remove(self._rule)
+            self.detail["hits"] = self._rule.hits
+
+    async def verify_recovered(self, ctx: FaultContext) -> bool:
+        if self._hook is None or self._rule in self._hook.rules:
+            return False
+        probe = _probe_transfer()
+        try:
+            got = await asyncio.wait_for(self._hook.transfer(probe), self.params.recover_timeout_s)
+        except (KvTransferError, TimeoutError):
+            return False
+        return got.intact and got.blocks == probe.blocks
+
+
+@catalogued("KV transfers are dropped (never arrive)", target="kv", backends=("pd",))
+class KvDrop(_KvFault):
+    name = "kv-drop"
+    kind = "drop"
+
+
+class KvDelayParams(FaultParams):
+    delay_ms: float = Field(500.0, ge=0)
+
+
+@catalogued("KV transfers arrive delay_ms late", target="kv", backends=("pd",))
+class KvDelay(_KvFault):
+    name = "kv-delay"
+    kind = "delay"
+    Params = KvDelayParams
+
+    def rule(self, ctx: FaultContext) -> KvRule:
+        p: Any = self.params
+        return KvRule("delay", delay_ms=p.delay_ms)
+
+
+@catalogued("KV transfers arrive with one byte flipped", target="kv", backends=("pd",))
+class KvCorrupt(_KvFault):
+    name = "kv-corrupt"
+    kind = "corrupt"
+
+
+class KvTruncateParams(FaultParams):
+    keep: float = Field(0.5, ge=0, lt=1, description="share of the blocks that arrive")
+
+
+@catalogued("KV transfers arrive with only their first blocks", target="kv", backends=("pd",))
+class KvTruncate(_KvFault):
+    name = "kv-truncate"
+    kind = "truncate"
+    Params = KvTruncateParams
+
+    def rule(self, ctx: FaultContext) -> KvRule:
+        p: Any = self.params
+        return KvRule("truncate", keep=p.keep)
+
+
+@catalogued("KV transfers stall until recovery (then arrive whole)", target="kv", backends=("pd",))
+class KvStall(_KvFault):
+    name = "kv-stall"
+    kind = "stall"
+
+
+class KvPrefillDiesParams(FaultParams):
+    blocks_before: int = Field(1, ge=0, description="blocks that arrive before the prefill side dies")
+    kill_worker: bool = Field(False, description="also SIGKILL the prefill worker's process (needs a fleet)")
+
+
+@catalogued("the prefill side dies mid-transfer (optionally its worker process is killed)", target="kv",
+            backends=("pd",))
+class KvPrefillDies(_KvFault):
+    name = "kv-prefill-dies"
+    kind = "prefill_dies"
+    Params = KvPrefillDiesParams
+
+    def rule(self, ctx: FaultContext) -> KvRule:
+        p: Any = self.params
+        on_die = None
+        if p.kill_worker:
+            fleet = ctx.fleet
+
+            def on_die(t: KvTransfer) -> None:
+                handle = fleet.agent.handles.get(t.source)
+                if handle is not None:
+                    handle.process.kill()
+
+        return KvRule("prefill_dies", blocks_before=p.blocks_before, on_die=on_die)

@@ -1,0 +1,483 @@
+"""Network faults: every toxic of the fault proxy as a fault on a link, plus the kernel backend.
+
+Targets name links (``Target(kind="link", ids=("router->worker:node-w0",))``, globs allowed:
+``*->etcd``), or the component behind them: ``kind="worker"`` means ``router->worker:<id>``,
+``kind="router"`` ``client->router:<id>``, ``kind="etcd"`` every ``*->etcd`` link, ``kind="broker"``
+every ``*->broker`` link. The fleet must have been started with the links (``TestFleet(proxy_workers=True,
+proxy_clients=True, proxy_control=True)``).
+
+``verify`` waits until the toxic acted (its ``hits`` moved), sending probe traffic through the link while
+it waits (``probe: true``): ``GET /health`` and a short streamed completion on HTTP links, ``/health`` on
+etcd links, an MQTT CONNECT on broker links. A fault on a link nobody uses and with probes off does not
+verify: it did nothing. ``recover`` removes the toxic (held data flows again); ``verify_recovered`` waits
+until a probe passes through the link.
+
+``net-partition-kernel`` drops (or resets) packets to and from the link's upstream ports with iptables,
+so every client of that component is cut off, not only the link's (root and the iptables command).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fnmatch
+from typing import Any, ClassVar, Literal
+
+import httpx
+from pydantic import Field
+
+from fleetward.chaos.fault import FaultContext, Target
+from fleetward.chaos.faults._base import BaseFault, FaultParams, FaultUnavailable, catalogued, eventually
+from fleetward.chaos.proxy import (
+    Bandwidth,
+    Blackhole,
+    IptablesFilter,
+    Latency,
+    LimitData,
+    Link,
+    Partition,
+    Reset,
+    Slicer,
+    SlowClose,
+    SseCorrupt,
+    SseCut,
+    SseDropDone,
+    SseStall,
+    Toxic,
+)
+
+__all__ = ["LinkFault", "link_names", "probe_link"]
+
+_MQTT_CONNECT = bytes([0x10, 0x17, 0x00, 0x04]) + b"MQTT" + bytes([0x04, 0x02, 0x00, 0x3C, 0x00, 0x0B]) + b"fw-probe-01"
+
+
+def link_names(ctx: FaultContext, target: Target) -> list[str]:
+    """The link names a target means (see the module docstring)."""
+    if target.kind == "link":
+        return ctx.resolve(target)
+    if target.kind == "worker":
+        return [f"router->worker:{w}" for w in ctx.resolve(target)]
+    if target.kind == "router":
+        return [f"client->router:{r}" for r in ctx.resolve(target)]
+    if target.kind in ("etcd", "broker"):
+        names: list[str] = ctx.service("proxies").names
+        found = fnmatch.filter(names, f"*->{target.kind}")
+        if not found:
+            raise FaultUnavailable(f"the fleet has no links to {target.kind} (start it with proxy_control=True)")
+        return found
+    raise FaultUnavailable(f"a network fault targets links, workers, routers, etcd or the broker, not {target.kind}")
+
+
+async def _probe_one(kind: str, host: str, port: int, timeout: float, *, sse: bool,
+                     upstream: tuple[str, int]) -> bool:
+    try:
+        async with asyncio.timeout(timeout):
+            if kind in ("http", "etcd"):
+                async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+                    if not sse:
+                        return (await client.get(f"http://{host}:{port}/health")).status_code == 200
+                    models = (await client.get(f"http://{upstream[0]}:{upstream[1]}/v1/models")).json()
+                    body = {"model": models["data"][0]["id"], "prompt": [40, 41], "max_tokens": 8, "stream": True,
+                            "return_token_ids": True}
+                    async with client.stream("POST", f"http://{host}:{port}/v1/completions", json=body) as r:
+                        text = (await r.aread()).decode(errors="replace")
+                    return r.status_code == 200 and "data: [DONE]" in text
+            reader, writer = await asyncio.open_connection(host, port)
+            try:
+                if kind == "mqtt":
+                    writer.write(_MQTT_CONNECT)
+                    await writer.drain()
+                    ack = await reader.readexactly(4)
+                    writer.write(bytes([0xE0, 0x00]))  # DISCONNECT
+                    return ack[0] == 0x20 and ack[3] == 0
+                return True
+            finally:
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
+    except (OSError, TimeoutError, httpx.HTTPError, asyncio.IncompleteReadError, KeyError, ValueError, IndexError):
+        return False
+
+
+async def probe_link(link: Link, *, timeout: float = 2.0, sse: bool = False) -> bool:
+    """Whether traffic passes end to end through every proxy of the link (see the module docstring)."""
+    results = [await _probe_one(link.probe, p.host, p.port, timeout, sse=sse and link.probe == "http",
+                                upstream=p.upstreams[0]) for p in link.proxies]
+    return all(results)
+
+
+class LinkParams(FaultParams):
+    direction: Literal["upstream", "downstream", "both"] = Field(
+        "downstream", description="upstream: client → server; downstream: server → client")
+    toxicity: float = Field(1.0, ge=0, le=1, description="chance that a given connection is affected")
+    probe: bool = Field(True, description="send probe traffic through the link while verifying")
+
+
+class LinkFault(BaseFault):
+    """A toxic on every targeted link (subclasses say which)."""
+
+    family = "network"
+    Params: ClassVar[type[FaultParams]] = LinkParams
+    sse_probe: ClassVar[bool] = False
+
+    def __init__(self, params: Any, target: Target) -> None:
+        super().__init__(params, target)
+        self._added: list[tuple[Link, Toxic]] = []
+
+    def toxics(self) -> list[Toxic]:
+        raise NotImplementedError
+
+    def links(self, ctx: FaultContext) -> list[Link]:
+        return [ctx.service(f"proxy:{n}") for n in self.targets]
+
+    async def inject(self, ctx: FaultContext) -> None:
+        self.targets = link_names(ctx, self.target)
+        for link in self.links(ctx):
+            for toxic in self.toxics():
+                link.add(toxic)
+                self._added.append((link, toxic))
+
+    @property
+    def hits(self) -> int:
+        return sum(t.hits for _, t in self._added)
+
+    async def verify(self, ctx: FaultContext) -> bool:
+        if not self._added:
+            return False
+        params: Any = self.params
+        probes: list[asyncio.Task[bool]] = []
+        try:
+            async def acted() -> bool:
+                if self.hits > 0:
+                    return True
+                if params.probe and all(t.done() for t in probes):
+                    for link in {id(k): k for k, _ in self._added}.values():
+                        probes.append(asyncio.create_task(probe_link(link, timeout=2.0, sse=self.sse_probe)))
+                return False
+
+            ok = await eventually(acted, self.params.verify_timeout_s, 0.05)
+        finally:
+            for t in probes:
+                t.cancel()
+            for t in probes:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+        self.detail["hits"] = self.hits
+        return ok
+
+    async def recover(self, ctx: FaultContext) -> None:
+        for link, toxic in self._added:
+            link.remove(toxic)
+
+    async def verify_recovered(self, ctx: FaultContext) -> bool:
+        links = {id(k): k for k, _ in self._added}.values()
+        if any(toxic in link.toxics for link, toxic in self._added):
+            return False
+
+        async def through() -> bool:
+            return all([await probe_link(k, timeout=2.0) for k in links])
+
+        return await eventually(through, self.params.recover_timeout_s, 0.2)
+
+
+# -- byte toxics ----------------------------------------------------------------------------------------------
+
+
+class LatencyParams(LinkParams):
+    latency_ms: float = Field(200.0, ge=0)
+    jitter_ms: float = Field(0.0, ge=0)
+
+
+@catalogued("delay every piece of data on a link by latency_ms ± jitter_ms (order kept, throughput not)",
+            target="link")
+class NetLatency(LinkFault):
+    name = "net-latency"
+    Params = LatencyParams
+
+    def toxics(self) -> list[Toxic]:
+        p: Any = self.params
+        return [Latency(p.latency_ms, p.jitter_ms, direction=p.direction, toxicity=p.toxicity)]
+
+
+class BandwidthParams(LinkParams):
+    rate_bps: int = Field(2048, ge=1, description="bytes per second")
+
+
+@catalogued("limit a link to rate_bps bytes per second", target="link")
+class NetBandwidth(LinkFault):
+    name = "net-bandwidth"
+    Params = BandwidthParams
+
+    def toxics(self) -> list[Toxic]:
+        p: Any = self.params
+        return [Bandwidth(p.rate_bps, direction=p.direction, toxicity=p.toxicity)]
+
+
+class SlicerParams(LinkParams):
+    average_size: int = Field(8, ge=1)
+    size_variation: int = Field(4, ge=0)
+    delay_ms: float = Field(2.0, ge=0)
+
+
+@catalogued("cut a link's data into small packets (average_size ± size_variation bytes) delay_ms apart",
+            target="link")
+class NetSlicer(LinkFault):
+    name = "net-slicer"
+    Params = SlicerParams
+
+    def toxics(self) -> list[Toxic]:
+        p: Any = self.params
+        return [Slicer(p.average_size, p.size_variation, p.delay_ms, direction=p.direction, toxicity=p.toxicity)]
+
+
+class ResetParams(LinkParams):
+    timeout_ms: float = Field(0.0, ge=0, description="how long a connection lives before its RST")
+
+
+@catalogued("reset (TCP RST) every connection on a link, open and new, timeout_ms after it is seen", target="link")
+class NetReset(LinkFault):
+    name = "net-reset"
+    Params = ResetParams
+
+    def toxics(self) -> list[Toxic]:
+        p: Any = self.params
+        return [Reset(p.timeout_ms, toxicity=p.toxicity)]
+
+
+class BlackholeParams(LinkParams):
+    direction: Literal["upstream", "downstream", "both"] = "both"
+    timeout_ms: float = Field(0.0, ge=0, description="> 0: close swallowed connections after this long")
+
+
+@catalogued("accept and read, deliver nothing (data is lost); on recovery such connections are reset",
+            target="link")
+class NetBlackhole(LinkFault):
+    name = "net-blackhole"
+    Params = BlackholeParams
+
+    def toxics(self) -> list[Toxic]:
+        p: Any = self.params
+        return [Blackhole(p.timeout_ms, direction=p.direction, toxicity=p.toxicity)]
+
+
+class LimitDataParams(LinkParams):
+    bytes: int = Field(1024, ge=0, description="bytes a connection may carry in the direction before it is closed")
+
+
+@catalogued("close each connection once it carried `bytes` bytes in the direction", target="link")
+class NetLimitData(LinkFault):
+    name = "net-limit-data"
+    Params = LimitDataParams
+    sse_probe = True
+
+    def toxics(self) -> list[Toxic]:
+        p: Any = self.params
+        return [LimitData(p.bytes, direction=p.direction, toxicity=p.toxicity)]
+
+
+class SlowCloseParams(LinkParams):
+    delay_ms: float = Field(1000.0, ge=0)
+
+
+@catalogued("pass a connection's close (FIN) on delay_ms late", target="link")
+class NetSlowClose(LinkFault):
+    name = "net-slow-close"
+    Params = SlowCloseParams
+
+    def toxics(self) -> list[Toxic]:
+        p: Any = self.params
+        return [SlowClose(p.delay_ms, direction=p.direction, toxicity=p.toxicity)]
+
+
+class PartitionParams(LinkParams):
+    direction: Literal["upstream", "downstream", "both"] = Field(
+        "both", description="both: two-way; upstream/downstream: one-way (requests arrive, answers do not)")
+
+
+@catalogued("partition a link one way or both ways: nothing is delivered, nothing is lost; it flows on recovery",
+            target="link")
+class NetPartition(LinkFault):
+    name = "net-partition"
+    Params = PartitionParams
+
+    def toxics(self) -> list[Toxic]:
+        p: Any = self.params
+        return [Partition(direction=p.direction, toxicity=p.toxicity)]
+
+
+class DownParams(FaultParams):
+    pass
+
+
+@catalogued("take a link down: nothing listens (connection refused) and open connections are reset", target="link")
+class NetDown(BaseFault):
+    name = "net-down"
+    family = "network"
+    Params = DownParams
+
+    def __init__(self, params: Any, target: Target) -> None:
+        super().__init__(params, target)
+        self._down: list[Link] = []
+
+    async def inject(self, ctx: FaultContext) -> None:
+        self.targets = link_names(ctx, self.target)
+        for n in self.targets:
+            link: Link = ctx.service(f"proxy:{n}")
+            self._down.append(link)
+            await link.disable()
+
+    async def verify(self, ctx: FaultContext) -> bool:
+        async def refused() -> bool:
+            for link in self._down:
+                for p in link.proxies:
+                    try:
+                        _, w = await asyncio.open_connection(p.host, p.port)
+                    except OSError:
+                        continue
+                    w.close()
+                    return False
+            return True
+
+        return bool(self._down) and await eventually(refused, self.params.verify_timeout_s)
+
+    async def recover(self, ctx: FaultContext) -> None:
+        for link in self._down:
+            await link.enable()
+
+    async def verify_recovered(self, ctx: FaultContext) -> bool:
+        async def through() -> bool:
+            return all([await probe_link(k) for k in self._down])
+
+        return await eventually(through, self.params.recover_timeout_s, 0.2)
+
+
+class KernelPartitionParams(FaultParams):
+    action: Literal["drop", "reset"] = Field("drop", description="drop: silent partition; reset: RST")
+
+
+@catalogued("iptables: drop (or reset) every packet to and from the link's upstream ports (root)",
+            needs_root=True, target="link")
+class NetPartitionKernel(BaseFault):
+    name = "net-partition-kernel"
+    family = "network"
+    Params = KernelPartitionParams
+
+    def __init__(self, params: Any, target: Target) -> None:
+        super().__init__(params, target)
+        self._filter: IptablesFilter | None = None
+        self._ports: list[tuple[str, int]] = []
+        self._links: list[Link] = []
+
+    async def inject(self, ctx: FaultContext) -> None:
+        reason = IptablesFilter.unavailable_reason()
+        if reason:
+            raise FaultUnavailable(reason)
+        self.targets = link_names(ctx, self.target)
+        self._links = [ctx.service(f"proxy:{n}") for n in self.targets]
+        self._filter = IptablesFilter(f"{self.targets[0]}"[:20])
+        p: Any = self.params
+        for link in self._links:
+            for proxy in link.proxies:
+                for host, port in proxy.upstreams:
+                    self._ports.append((host, port))
+                    await self._filter.block(port, action=p.action)
+        self.detail["ports"] = [port for _, port in self._ports]
+
+    async def verify(self, ctx: FaultContext) -> bool:
+        async def cut() -> bool:
+            for host, port in self._ports:
+                try:
+                    async with asyncio.timeout(0.5):
+                        _, w = await asyncio.open_connection(host, port)
+                    w.close()
+                    return False
+                except (OSError, TimeoutError):
+                    continue
+            return True
+
+        return bool(self._ports) and await eventually(cut, self.params.verify_timeout_s)
+
+    async def recover(self, ctx: FaultContext) -> None:
+        if self._filter is not None:
+            await self._filter.clear()
+
+    async def verify_recovered(self, ctx: FaultContext) -> bool:
+        async def through() -> bool:
+            return all([await probe_link(k) for k in self._links])
+
+        return await eventually(through, self.params.recover_timeout_s, 0.2)
+
+
+# -- SSE toxics (HTTP links) ------------------------------------------------------------------------------------
+
+
+class SseParams(FaultParams):
+    toxicity: float = Field(1.0, ge=0, le=1, description="chance that a given response is affected")
+    streams: int | None = Field(None, ge=1, description="affect at most this many responses (None: all)")
+    probe: bool = Field(True, description="stream a short completion through the link while verifying")
+
+
+class _SseFault(LinkFault):
+    sse_probe = True
+
+    async def inject(self, ctx: FaultContext) -> None:
+        self.targets = link_names(ctx, self.target)
+        for link in self.links(ctx):
+            if not link.http:
+                raise FaultUnavailable(f"{self.name} needs an HTTP link; {link.name} is plain TCP")
+        await super().inject(ctx)
+
+
+class SseCutParams(SseParams):
+    after_events: int = Field(8, ge=0, description="events delivered before the cut")
+    reset: bool = Field(False, description="cut with RST instead of FIN")
+
+
+@catalogued("cut an SSE response after N events (the client sees exactly N, then EOF)", target="link")
+class SseCutFault(_SseFault):
+    name = "sse-cut"
+    Params = SseCutParams
+
+    def toxics(self) -> list[Toxic]:
+        p: Any = self.params
+        return [SseCut(p.after_events, p.reset, streams=p.streams, toxicity=p.toxicity)]
+
+
+class SseStallParams(SseParams):
+    after_events: int = Field(8, ge=0, description="events delivered before the stall")
+
+
+@catalogued("stall SSE responses after N events, connection kept open; they flow again on recovery",
+            target="link")
+class SseStallFault(_SseFault):
+    name = "sse-stall"
+    Params = SseStallParams
+
+    def toxics(self) -> list[Toxic]:
+        p: Any = self.params
+        return [SseStall(p.after_events, streams=p.streams, toxicity=p.toxicity)]
+
+
+class SseCorruptParams(SseParams):
+    after_events: int = Field(4, ge=0, description="the first token-carrying event at or after this one")
+    count: int = Field(1, ge=1, description="events changed per response")
+
+
+@catalogued("change a token id in the token_ids of an SSE data event (HTTP 200, wrong token)", target="link")
+class SseCorruptFault(_SseFault):
+    name = "sse-corrupt"
+    Params = SseCorruptParams
+
+    def toxics(self) -> list[Toxic]:
+        p: Any = self.params
+        return [SseCorrupt(p.after_events, p.count, streams=p.streams, toxicity=p.toxicity)]
+
+
+@catalogued("drop `data: [DONE]` from SSE responses (they still end properly)", target="link")
+class SseDropDoneFault(_SseFault):
+    name = "sse-drop-done"
+    Params = SseParams
+
+    def toxics(self) -> list[Toxic]:
+        p: Any = self.params
+        return [SseDropDone(streams=p.streams, toxicity=p.toxicity)]

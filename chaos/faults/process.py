@@ -1,0 +1,575 @@
+"""Process faults: kill, engine kill, hang, crash loop, slow start, OOM kill. Targets are workers.
+
+========================  ===============================================================================
+fault                     what happens (sim: the simulated worker is one process; vLLM: API server →
+                          ``VLLM::EngineCore`` → ``VLLM::Worker``)
+========================  ===============================================================================
+``kill-worker``           SIGKILL the worker's whole tree (``scope: tree``) or its root only (``root``: on
+                          vLLM the engine may outlive the API server a moment; recovery reaps it)
+``kill-engine``           SIGKILL the engine only. vLLM: EngineCore (the API server is left to notice).
+                          sim: its one process, so this is ``kill-worker`` there
+``hang-worker``           ``mode: silent``: the engine stops, ``/health`` stays 200 (vLLM: SIGSTOP of
+                          EngineCore and its children; sim: the ``hang`` switch). ``mode: freeze``: SIGSTOP
+                          of the whole tree, ``/health`` stops answering too (both backends)
+``crash-loop``            from its next start on, the worker exits (``exit_code``) ``failures`` times,
+                          ``delay_s`` after each start, before a start succeeds; the worker is killed so
+                          that it must start again
+``slow-start``            the worker is restarted and takes ``delay_s`` longer to become ready
+``oom-kill``              the worker is restarted inside a memory cgroup of its own; the cgroup's limit is
+                          set just above its usage and a helper in the same cgroup allocates past it, so the
+                          kernel's OOM killer kills the worker (made the preferred victim with
+                          ``oom_score_adj`` 1000) and nothing outside the cgroup. Root, cgroup v1 memory
+                          controller (or v2 with memory enabled)
+========================  ===============================================================================
+
+Recovery (``restart: true``) brings a dead worker back through the node agent unless something else (the
+supervisor) already did; with ``restart: false`` recovery waits for the supervisor. Every fault records
+what it did before it does the next thing, so recovery undoes exactly that, also after a half-failed
+injection, and is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any, Literal
+
+import psutil
+from pydantic import Field
+
+from fleetward.chaos.fault import FaultContext
+from fleetward.chaos.faults._base import (
+    BaseFault,
+    FaultParams,
+    FaultUnavailable,
+    catalogued,
+    eventually,
+    fleet_of,
+    quietly,
+)
+from fleetward.fleet.procs import ManagedProcess, kill_tree
+
+__all__ = ["CrashLoop", "HangWorker", "KillEngine", "KillWorker", "MemoryGroup", "OomKill", "SlowStart",
+           "launcher_prefix"]
+
+
+def launcher_prefix(*, state: Path | None = None, fail: int = 0, exit_code: int = 1, delay: float = 0.0,
+                    cgroup_procs: Path | None = None) -> list[str]:
+    """The argv prefix that starts a worker through :mod:`fleetward.chaos.faults.launcher`."""
+    argv = [sys.executable, "-m", "fleetward.chaos.faults.launcher"]
+    if state is not None:
+        argv += ["--state", str(state)]
+    if fail:
+        argv += ["--fail", str(fail), "--exit-code", str(exit_code)]
+    if delay:
+        argv += ["--delay", str(delay)]
+    if cgroup_procs is not None:
+        argv += ["--cgroup-procs", str(cgroup_procs)]
+    return [*argv, "--"]
+
+
+def _handle(fleet: Any, worker: str) -> Any:
+    return fleet.agent.handles.get(worker)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _stopped(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False
+
+
+class _WorkerFault(BaseFault):
+    family = "process"
+
+    def _resolve(self, ctx: FaultContext) -> Any:
+        fleet = fleet_of(ctx)
+        self.targets = ctx.resolve(self.target)
+        return fleet
+
+    async def _bring_back(self, fleet: Any, worker: str) -> None:
+        """Restart ``worker`` through the agent unless it serves, or is being restarted (by the supervisor)."""
+        await fleet.ensure_serving(worker, timeout=self.params.recover_timeout_s)
+
+    async def verify_recovered(self, ctx: FaultContext) -> bool:
+        fleet = fleet_of(ctx)
+
+        async def all_serving() -> bool:
+            return all([await fleet.worker_serving(w, timeout=5) for w in self.targets])
+
+        return await eventually(all_serving, self.params.recover_timeout_s, 0.2)
+
+
+class KillParams(FaultParams):
+    scope: Literal["tree", "root"] = Field("tree", description="SIGKILL the whole process tree, or the root only")
+    restart: bool = Field(True, description="recovery restarts the worker unless the supervisor already did")
+
+
+@catalogued("SIGKILL a worker (its whole process tree, or its root process only)")
+class KillWorker(_WorkerFault):
+    name = "kill-worker"
+    Params = KillParams
+    params: KillParams
+
+    def __init__(self, params: Any, target: Any) -> None:
+        super().__init__(params, target)
+        self._killed: dict[str, tuple[ManagedProcess, list[psutil.Process]]] = {}
+
+    async def inject(self, ctx: FaultContext) -> None:
+        fleet = self._resolve(ctx)
+        for w in self.targets:
+            h = _handle(fleet, w)
+            if h is None:
+                raise FaultUnavailable(f"worker {w} is not running")
+            tree = h.process.tree()
+            self._killed[w] = (h.process, tree)
+            if self.params.scope == "tree":
+                h.process.kill()
+            else:
+                h.process.signal(signal.SIGKILL)
+        self.detail["pids"] = {w: [p.pid for p in t] for w, (_, t) in self._killed.items()}
+
+    async def verify(self, ctx: FaultContext) -> bool:
+        def gone() -> bool:
+            return all(not proc.is_running and (self.params.scope == "root" or not any(_alive(p) for p in tree))
+                       for proc, tree in self._killed.values())
+
+        return bool(self._killed) and await eventually(gone, self.params.verify_timeout_s)
+
+    async def recover(self, ctx: FaultContext) -> None:
+        fleet = fleet_of(ctx)
+        for w, (proc, tree) in self._killed.items():
+            kill_tree([p for p in tree if _alive(p)])  # what a root-only kill left behind
+            await quietly(f"reap {w}", proc.stop(grace=1))
+            if self.params.restart:
+                await quietly(f"restart {w}", self._bring_back(fleet, w))
+
+
+class KillEngineParams(FaultParams):
+    restart: bool = Field(True, description="recovery restarts the worker unless the supervisor already did")
+
+
+@catalogued("SIGKILL the engine process only (vLLM EngineCore; the sim's one process)")
+class KillEngine(_WorkerFault):
+    name = "kill-engine"
+    Params = KillEngineParams
+    params: KillEngineParams
+
+    def __init__(self, params: Any, target: Any) -> None:
+        super().__init__(params, target)
+        self._engines: dict[str, list[psutil.Process]] = {}
+
+    async def inject(self, ctx: FaultContext) -> None:
+        fleet = self._resolve(ctx)
+        for w in self.targets:
+            h = _handle(fleet, w)
+            if h is None:
+                raise FaultUnavailable(f"worker {w} is not running")
+            engines = h.engine_processes()
+            self._engines[w] = engines
+            kill_tree(engines, signal.SIGKILL)
+        self.detail["engine_pids"] = {w: [p.pid for p in e] for w, e in self._engines.items()}
+
+    async def verify(self, ctx: FaultContext) -> bool:
+        return bool(self._engines) and await eventually(
+            lambda: not any(_alive(p) for e in self._engines.values() for p in e), self.params.verify_timeout_s)
+
+    async def recover(self, ctx: FaultContext) -> None:
+        if not self.params.restart:
+            return
+        fleet = fleet_of(ctx)
+        for w in self._engines:
+            await quietly(f"restart {w}", self._bring_back(fleet, w))
+
+
+class HangParams(FaultParams):
+    mode: Literal["silent", "freeze"] = Field(
+        "silent", description="silent: the engine stops, /health stays 200; freeze: the whole tree stops")
+
+
+@catalogued("hang a worker: the engine stops (silent: /health still 200) or the whole tree is SIGSTOPped")
+class HangWorker(_WorkerFault):
+    name = "hang-worker"
+    Params = HangParams
+    params: HangParams
+
+    def __init__(self, params: Any, target: Any) -> None:
+        super().__init__(params, target)
+        self._stopped: dict[str, list[psutil.Process]] = {}
+        self._switched: list[str] = []
+        self._urls: dict[str, str] = {}
+        self._seen = False
+
+    async def inject(self, ctx: FaultContext) -> None:
+        fleet = self._resolve(ctx)
+        for w in self.targets:
+            h = _handle(fleet, w)
+            if h is None:
+                raise FaultUnavailable(f"worker {w} is not running")
+            self._urls[w] = h.bind_url
+            if self.params.mode == "silent" and h.backend == "sim":
+                self._switched.append(w)
+                await fleet.fault(w, hang=True)
+                continue
+            if self.params.mode == "silent":
+                procs = []
+                for e in h.engine_processes():
+                    with contextlib.suppress(psutil.Error):
+                        procs += [e, *e.children(recursive=True)]
+            else:
+                procs = h.process.tree()
+            self._stopped[w] = procs
+            kill_tree(procs, signal.SIGSTOP)
+        # Look once right away: a supervisor may restart a stopped worker soon after, and what was seen
+        # stopped counts for verify.
+        if self._stopped:
+            self._seen = await eventually(lambda: all(_stopped(p) for ps in self._stopped.values() for p in ps), 1.0,
+                                          0.01)
+        self.detail["stopped_pids"] = {w: [p.pid for p in ps] for w, ps in self._stopped.items()}
+        self.detail["switched"] = list(self._switched)
+
+    async def _health(self, url: str) -> int | None:
+        import httpx
+
+        try:
+            async with httpx.AsyncClient(timeout=1.0, trust_env=False) as client:
+                return (await client.get(f"{url}/health")).status_code
+        except (httpx.HTTPError, OSError):
+            return None
+
+    async def verify(self, ctx: FaultContext) -> bool:
+        """Silent: the engine is stopped (the sim reports ``hung``; vLLM's engine processes are in state T)
+        while ``/health`` still answers 200. Freeze: every process of the tree is in state T (so nothing
+        answers). Only what the injection touched is looked at: a supervisor that restarts the worker
+        meanwhile does not make an observed hang unobserved, and a restart before the first look fails."""
+        fleet = fleet_of(ctx)
+        urls = {w: self._urls[w] for w in self.targets if w in self._urls}
+
+        async def hung() -> bool:
+            for w in self._switched:
+                if not (await fleet.state(w)).get("hung"):
+                    return False
+            if not self._seen and not all(_stopped(p) for ps in self._stopped.values() for p in ps):
+                return False
+            if self.params.mode == "silent":
+                for url in urls.values():
+                    if await self._health(url) != 200:
+                        return False  # a silent hang keeps answering /health
+            return True
+
+        return bool(self._stopped or self._switched) and await eventually(hung, self.params.verify_timeout_s)
+
+    async def recover(self, ctx: FaultContext) -> None:
+        fleet = fleet_of(ctx)
+        for ps in self._stopped.values():
+            kill_tree(ps, signal.SIGCONT)
+        for w in self._switched:
+            await quietly(f"clear hang on {w}", fleet.fault(w, hang=False))
+
+
+class CrashLoopParams(FaultParams):
+    failures: int = Field(1000, ge=1, description="starts that fail before one succeeds (default: until recovered)")
+    delay_s: float = Field(0.0, ge=0, description="how long each failing start lives before it exits")
+    exit_code: int = Field(1, ge=1, le=255)
+    probe_restart: bool = Field(True, description="without a supervisor controller, verify restarts the worker "
+                                "itself once (to see it fail)")
+
+
+@catalogued("the worker dies on every start (exits N times) until recovered; it is killed to make it start")
+class CrashLoop(_WorkerFault):
+    name = "crash-loop"
+    Params = CrashLoopParams
+    params: CrashLoopParams
+
+    def __init__(self, params: Any, target: Any) -> None:
+        super().__init__(params, target)
+        self._state: dict[str, Path] = {}
+        self._dir = Path(tempfile.mkdtemp(prefix="fleetward-crashloop-"))
+
+    def starts(self, worker: str) -> int:
+        """Failed or succeeded starts through the launcher since injection."""
+        try:
+            return int(self._state[worker].read_text() or "0")
+        except (KeyError, FileNotFoundError, ValueError):
+            return 0
+
+    async def inject(self, ctx: FaultContext) -> None:
+        fleet = self._resolve(ctx)
+        p = self.params
+        for w in self.targets:
+            self._state[w] = self._dir / f"{w}.starts"
+            fleet.wrap_launch(w, launcher_prefix(state=self._state[w], fail=p.failures, exit_code=p.exit_code,
+                                                 delay=p.delay_s))
+            h = _handle(fleet, w)
+            if h is not None:
+                h.process.kill()
+
+    async def verify(self, ctx: FaultContext) -> bool:
+        fleet = fleet_of(ctx)
+        if not self._state:
+            return False
+        if self.params.probe_restart and not getattr(fleet, "controllers", None):
+            # Nobody else restarts workers here (no supervisor controller): start it once to see it fail.
+            for w in self.targets:
+                if self.starts(w) == 0:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(fleet.restart(w), self.params.verify_timeout_s)
+        ok = await eventually(lambda: all(self.starts(w) >= 1 for w in self._state), self.params.verify_timeout_s)
+        self.detail["starts"] = {w: self.starts(w) for w in self._state}
+        return ok and not any([await fleet.worker_serving(w, timeout=2) for w in self._state])
+
+    async def recover(self, ctx: FaultContext) -> None:
+        fleet = fleet_of(ctx)
+        for w in self._state:
+            fleet.wrap_launch(w, None)
+        self.detail["starts"] = {w: self.starts(w) for w in self._state}
+        for w in self._state:
+            await quietly(f"restart {w}", self._bring_back(fleet, w))
+        for f in self._state.values():
+            f.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self._dir.rmdir()
+
+
+class SlowStartParams(FaultParams):
+    delay_s: float = Field(5.0, gt=0, description="extra time before the worker's process really starts")
+
+
+@catalogued("the worker is restarted and takes delay_s longer to become ready")
+class SlowStart(_WorkerFault):
+    name = "slow-start"
+    Params = SlowStartParams
+    params: SlowStartParams
+
+    def __init__(self, params: Any, target: Any) -> None:
+        super().__init__(params, target)
+        self._restarts: dict[str, asyncio.Task[Any]] = {}
+        self._old: dict[str, int | None] = {}
+
+    async def inject(self, ctx: FaultContext) -> None:
+        fleet = self._resolve(ctx)
+        for w in self.targets:
+            h = _handle(fleet, w)
+            self._old[w] = h.process.pid if h is not None else None
+            fleet.wrap_launch(w, launcher_prefix(delay=self.params.delay_s))
+            # Owned by this fault: awaited (or cancelled) by recover.
+            self._restarts[w] = asyncio.create_task(fleet.restart(w), name=f"slow-start-{w}")
+
+    async def verify(self, ctx: FaultContext) -> bool:
+        fleet = fleet_of(ctx)
+
+        async def starting() -> bool:
+            for w in self._restarts:
+                h = _handle(fleet, w)
+                if h is None or h.process.pid == self._old[w] or not h.process.is_running:
+                    return False
+                if await fleet.worker_serving(w, timeout=1):
+                    return False
+            return True
+
+        return bool(self._restarts) and await eventually(starting, self.params.verify_timeout_s)
+
+    async def recover(self, ctx: FaultContext) -> None:
+        fleet = fleet_of(ctx)
+        for w, task in self._restarts.items():
+            try:
+                await asyncio.wait_for(asyncio.shield(task), self.params.delay_s + self.params.recover_timeout_s)
+            except asyncio.CancelledError:
+                task.cancel()
+                raise
+            except Exception as exc:  # a start that failed or took too long: start it plainly
+                task.cancel()
+                self.detail.setdefault("errors", {})[w] = str(exc)
+                fleet.wrap_launch(w, None)
+                await quietly(f"restart {w}", self._bring_back(fleet, w))
+            finally:
+                fleet.wrap_launch(w, None)
+
+
+# -- memory -------------------------------------------------------------------------------------------------
+
+_V1_MEMORY = Path("/sys/fs/cgroup/memory")
+_V2 = Path("/sys/fs/cgroup")
+
+
+class MemoryGroup:
+    """A memory cgroup ``fleetward/<name>`` (v1 ``memory`` controller, or v2 with ``memory`` enabled)."""
+
+    def __init__(self, name: str) -> None:
+        reason = self.unavailable_reason()
+        if reason:
+            raise FaultUnavailable(reason)
+        if (_V1_MEMORY / "memory.limit_in_bytes").exists():
+            self.version, root = 1, _V1_MEMORY
+        else:
+            self.version, root = 2, _V2
+            with contextlib.suppress(OSError):
+                (root / "cgroup.subtree_control").write_text("+memory")
+                (root / "fleetward").mkdir(exist_ok=True)
+                (root / "fleetward" / "cgroup.subtree_control").write_text("+memory")
+        self.root = root
+        self.path = root / "fleetward" / name
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        if os.geteuid() != 0:
+            return "memory cgroups need root"
+        if (_V1_MEMORY / "memory.limit_in_bytes").exists() and os.access(_V1_MEMORY, os.W_OK):
+            return None
+        controllers = _V2 / "cgroup.controllers"
+        if controllers.exists() and "memory" in controllers.read_text().split():
+            return None
+        return "no memory cgroup controller is mounted (v1 memory, or v2 with memory)"
+
+    @property
+    def procs(self) -> Path:
+        return self.path / "cgroup.procs"
+
+    def _file(self, v1: str, v2: str) -> Path:
+        return self.path / (v1 if self.version == 1 else v2)
+
+    def usage(self) -> int:
+        return int(self._file("memory.usage_in_bytes", "memory.current").read_text())
+
+    def anon(self) -> int:
+        key = "rss" if self.version == 1 else "anon"
+        for line in self._file("memory.stat", "memory.stat").read_text().splitlines():
+            k, _, v = line.partition(" ")
+            if k == key:
+                return int(v)
+        return 0
+
+    def limit(self, nbytes: int | None) -> None:
+        if self.version == 1:
+            (self.path / "memory.limit_in_bytes").write_text("-1" if nbytes is None else str(nbytes))
+        else:
+            (self.path / "memory.max").write_text("max" if nbytes is None else str(nbytes))
+
+    def oom_kills(self) -> int:
+        f = self._file("memory.oom_control", "memory.events")
+        for line in f.read_text().splitlines():
+            k, _, v = line.partition(" ")
+            if k == "oom_kill":
+                return int(v)
+        return 0
+
+    def members(self) -> list[int]:
+        try:
+            return [int(x) for x in self.procs.read_text().split()]
+        except OSError:
+            return []
+
+    def remove(self) -> None:
+        """Move what is left to the root group, lift the limit, delete the group (idempotent)."""
+        if not self.path.exists():
+            return
+        with contextlib.suppress(OSError):
+            self.limit(None)
+        for pid in self.members():
+            with contextlib.suppress(OSError):
+                (self.root / "cgroup.procs").write_text(str(pid))
+        with contextlib.suppress(OSError):
+            self.path.rmdir()
+
+
+def _oom_prefer(pid: int) -> None:
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{pid}/oom_score_adj").write_text("1000")
+
+
+_BALLOON = """
+import os, sys, time
+open(sys.argv[1], "w").write(str(os.getpid()))
+held = []
+for _ in range(int(sys.argv[2])):
+    block = bytearray(1 << 20)
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+    held.append(block)
+print("FULL", flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+class OomParams(FaultParams):
+    headroom_mb: int = Field(16, ge=1, le=1024, description="the limit is the worker's usage plus this")
+    restart: bool = Field(True, description="recovery restarts the worker unless the supervisor already did")
+
+
+@catalogued("OOM kill: the worker runs under a small memory cgroup limit and the kernel's OOM killer kills it",
+            needs_root=True)
+class OomKill(_WorkerFault):
+    name = "oom-kill"
+    Params = OomParams
+    params: OomParams
+
+    def __init__(self, params: Any, target: Any) -> None:
+        super().__init__(params, target)
+        self._groups: dict[str, MemoryGroup] = {}
+        self._balloons: dict[str, ManagedProcess] = {}
+        self._victims: dict[str, ManagedProcess] = {}
+        self._trees: dict[str, list[psutil.Process]] = {}
+
+    async def inject(self, ctx: FaultContext) -> None:
+        fleet = self._resolve(ctx)
+        for w in self.targets:
+            group = self._groups[w] = MemoryGroup(f"oom-{w}-{uuid.uuid4().hex[:6]}")
+            fleet.wrap_launch(w, launcher_prefix(cgroup_procs=group.procs))
+            try:
+                handle = await asyncio.wait_for(fleet.agent.restart(w), self.params.recover_timeout_s)
+            finally:
+                fleet.wrap_launch(w, None)
+            self._victims[w] = handle.process
+            self._trees[w] = handle.process.tree()
+            for p in self._trees[w]:  # the preferred victim: nothing else in the group is picked first
+                _oom_prefer(p.pid)
+            usage, anon = group.usage(), group.anon()
+            mb = 1 << 20
+            group.limit(usage + self.params.headroom_mb * mb)
+            # The helper fits under the limit alone (once the worker's memory is freed), not beside the worker.
+            balloon_mb = self.params.headroom_mb + max(1, int(anon * 0.8) // mb)
+            self.detail.setdefault("groups", {})[w] = {"path": str(group.path), "usage": usage, "anon": anon,
+                                                       "balloon_mb": balloon_mb}
+            self._balloons[w] = ManagedProcess(
+                f"oom-balloon {w}", [sys.executable, "-c", _BALLOON, str(group.procs), str(balloon_mb)],
+                log_path=fleet.log_dir / f"oom-balloon-{w}.log").start()
+
+    async def verify(self, ctx: FaultContext) -> bool:
+        def killed() -> bool:  # by the kernel: the group counted an OOM kill, and a process of the worker is gone
+            return all(self._groups[w].oom_kills() >= 1 and any(not _alive(p) for p in self._trees[w])
+                       for w in self._victims)
+
+        ok = bool(self._victims) and await eventually(killed, self.params.verify_timeout_s)
+        self.detail["oom_kills"] = {w: g.oom_kills() for w, g in self._groups.items()}
+        self.detail["killed_pids"] = {w: [p.pid for p in t if not _alive(p)] for w, t in self._trees.items()}
+        return ok
+
+    async def recover(self, ctx: FaultContext) -> None:
+        fleet = fleet_of(ctx)
+        for w in self._groups:
+            fleet.wrap_launch(w, None)
+        for w, balloon in self._balloons.items():
+            await quietly(f"stop the balloon of {w}", balloon.stop(grace=1))
+        for w, victim in self._victims.items():
+            if victim.is_running:
+                await quietly(f"stop {w}", victim.stop(grace=2))
+        for group in self._groups.values():
+            group.remove()
+        if self.params.restart:
+            for w in self._groups:
+                await quietly(f"restart {w}", self._bring_back(fleet, w))

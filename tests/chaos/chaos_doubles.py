@@ -1,0 +1,101 @@
+"""Test doubles: faults that flip a simulated worker's own switches (``POST /admin/faults``).
+
+They are trivial on purpose, so the engine's tests do not depend on the real fault families. Imported
+through ``FLEETWARD_FAULT_MODULES=chaos_doubles`` (the conftest sets it; subprocesses get it with
+``PYTHONPATH``), they register ``test.sim_hang`` and ``test.sim_wrong_tokens``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, ClassVar
+
+from pydantic import Field
+
+from fleetward.chaos.fault import CATALOGUE, FaultContext, FaultSpec, Target, register
+from fleetward.fleet.config import Frozen
+
+
+class NoParams(Frozen):
+    pass
+
+
+class HangParams(Frozen):
+    recover_delay_s: float = Field(0.0, ge=0, description="recovery takes this long (a worker slow to restart)")
+
+
+class WrongParams(Frozen):
+    after: int = Field(5, ge=0, description="corrupt every token from this output index on")
+
+
+class _Switch:
+    name: ClassVar[str]
+    family: ClassVar[Any] = "process"
+
+    def __init__(self, params: Any, target: Target) -> None:
+        self.params, self.target, self.targets = params, target, []
+
+    def on(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def off(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def took(self, state: dict[str, Any]) -> bool:
+        raise NotImplementedError
+
+    async def inject(self, ctx: FaultContext) -> None:
+        self.targets = ctx.resolve(self.target)
+        for w in self.targets:
+            await ctx.fleet.fault(w, **self.on())
+
+    async def verify(self, ctx: FaultContext) -> bool:
+        return all([self.took(await ctx.fleet.state(w)) for w in self.targets])
+
+    async def recover(self, ctx: FaultContext) -> None:
+        await asyncio.sleep(getattr(self.params, "recover_delay_s", 0.0))
+        for w in self.targets:
+            await ctx.fleet.fault(w, **self.off())
+
+    async def verify_recovered(self, ctx: FaultContext) -> bool:
+        return not any([self.took(await ctx.fleet.state(w)) for w in self.targets])
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "family": self.family, "targets": self.targets,
+                "params": self.params.model_dump()}
+
+
+class SimHang(_Switch):
+    name = "test.sim_hang"
+
+    def on(self) -> dict[str, Any]:
+        return {"hang": True}
+
+    def off(self) -> dict[str, Any]:
+        return {"hang": False}
+
+    def took(self, state: dict[str, Any]) -> bool:
+        return bool(state["hung"])
+
+
+class SimWrongTokens(_Switch):
+    name = "test.sim_wrong_tokens"
+
+    def on(self) -> dict[str, Any]:
+        return {"wrong_tokens_after": self.params.after}
+
+    def off(self) -> dict[str, Any]:
+        return {"wrong_tokens_after": None}
+
+    def took(self, state: dict[str, Any]) -> bool:
+        return state["faults"]["wrong_tokens_after"] is not None
+
+
+for _spec in (
+    FaultSpec("test.sim_hang", "process", "test double: the simulated engine stops (hang switch)", HangParams,
+              SimHang, backends=("sim",), extra={"target": "worker"}),
+    FaultSpec("test.sim_wrong_tokens", "process", "test double: the simulated engine emits wrong tokens",
+              WrongParams, SimWrongTokens, backends=("sim",), extra={"target": "worker"}),
+):
+    if _spec.name not in CATALOGUE:
+        register(_spec)

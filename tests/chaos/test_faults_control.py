@@ -1,0 +1,163 @@
+"""Control-plane faults on a fleet with its own 3-member etcd cluster and broker, and the KV-transfer hook."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import pytest_asyncio
+
+from fleetward.chaos.fault import CATALOGUE, Target
+from fleetward.chaos.faults import FaultUnavailable
+from fleetward.chaos.faults.control import etcd_leader
+from fleetward.chaos.faults.kv import FaultyKvTransfer, KvTransfer, KvTransferError
+from fleetward.chaos.harness import FleetContext, TestFleet
+from fleetward.chaos.workload import sse_lines
+from fleetward.fleet.config import RouterConfig, SimConfig
+from fleetward.fleet.simmodel import SimModel
+from fleetward.fleet.tokenizer import encode
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SIM = SimConfig(decode_step_ms=4.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=9)
+MODEL = SimModel(seed=SIM.seed)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def fleet(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TestFleet]:
+    async with TestFleet(etcd="", mqtt="", etcd_members=3, own_broker=True, proxy_control=True,
+                         cluster="control-faults", workers=2, sim=SIM, lease_ttl=2,
+                         run_dir=tmp_path_factory.mktemp("control-faults"),
+                         routing=RouterConfig(stall_floor_s=0.5, lease_ttl_s=2)) as f:
+        await f.start_router("r0")
+        yield f
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def ctx(fleet: TestFleet) -> AsyncIterator[FleetContext]:
+    yield fleet.fault_context(services={"kv": FaultyKvTransfer()})
+    for link in fleet.proxies:
+        link.clear()
+
+
+async def cycle(ctx: FleetContext, name: str, target: Target, **params: Any) -> Any:
+    spec = CATALOGUE[name]
+    fault = spec.factory(spec.params(**params), target)
+    try:
+        await fault.inject(ctx)
+        assert await fault.verify(ctx), f"{name} took no effect: {fault.describe()}"
+    finally:
+        await fault.recover(ctx)
+    assert await fault.verify_recovered(ctx), f"{name} did not recover: {fault.describe()}"
+    return fault
+
+
+async def fleet_serves(fleet: TestFleet, tag: str) -> None:
+    prompt = encode(f"control plane {tag}: ")
+    tokens: list[int] = []
+    body = {"model": SIM.model_name, "prompt": prompt, "max_tokens": 16, "stream": True, "return_token_ids": True}
+    async with httpx.AsyncClient(timeout=60) as c, \
+            c.stream("POST", fleet.routers[0].url + "/v1/completions", json=body) as r:
+        async for line in sse_lines(r.aiter_bytes()):
+            if line.startswith("data: {"):
+                tokens += orjson.loads(line[6:])["choices"][0]["token_ids"]
+    assert tokens == MODEL.continuation(prompt, 16)
+
+
+async def test_the_fleet_runs_on_three_members_and_every_component_gets_them_all(fleet: TestFleet) -> None:
+    assert len(fleet.etcd_endpoints) == 3
+    assert len(fleet.proxies.get("agent->etcd").proxies) == 3
+    assert fleet.proxies.get("r0->etcd").proxies[0].upstreams == [
+        fleet._hostport(e) for e in fleet.etcd_endpoints]
+    assert await etcd_leader(fleet.etcd_cluster) is not None
+    await fleet_serves(fleet, "baseline")
+
+
+@pytest.mark.parametrize("name", ["etcd-member-kill", "etcd-member-pause", "etcd-member-restart"])
+async def test_an_etcd_member_fault_and_the_fleet_keeps_serving(fleet: TestFleet, ctx: FleetContext,
+                                                               name: str) -> None:
+    await cycle(ctx, name, Target(kind="etcd", ids=("etcd-1",)))
+    await fleet_serves(fleet, name)
+
+
+async def test_losing_the_etcd_leader_elects_another(fleet: TestFleet, ctx: FleetContext) -> None:
+    fault = await cycle(ctx, "etcd-leader-loss", Target(kind="etcd", pick="all"))
+    assert fault.detail["new_leader"] != fault.targets[0]
+    await fleet_serves(fleet, "leader loss")
+
+
+async def test_partitioning_the_agent_from_etcd_expires_its_lease_and_it_registers_again(
+        fleet: TestFleet, ctx: FleetContext) -> None:
+    fault = await cycle(ctx, "lease-expiry", Target(kind="link", ids=("agent->etcd",)))
+    assert fault.detail["keys"] == [fleet.keys.worker(w) for w in fleet.worker_ids]
+    await fleet.wait_workers_routable(2)
+    await fleet_serves(fleet, "agent lease")
+
+
+async def test_partitioning_a_router_from_etcd_expires_its_lease_and_it_registers_again(
+        ctx: FleetContext) -> None:
+    await cycle(ctx, "lease-expiry", Target(kind="router", ids=("r0",)), recover_timeout_s=5)
+
+
+async def test_a_broker_restart(fleet: TestFleet, ctx: FleetContext) -> None:
+    await cycle(ctx, "broker-restart", Target(kind="broker", pick="all"))
+    await fleet_serves(fleet, "broker restart")
+
+
+async def test_a_router_restart_comes_back_on_the_same_address(fleet: TestFleet, ctx: FleetContext) -> None:
+    url = fleet.routers[0].url
+    await cycle(ctx, "router-restart", Target(kind="router", ids=("r0",)))
+    assert fleet.routers[0].url == url
+    await fleet_serves(fleet, "router restart")
+
+
+async def test_the_supervisor_leader_kill_needs_the_supervisor_service(ctx: FleetContext) -> None:
+    spec = CATALOGUE["supervisor-leader-kill"]
+    with pytest.raises(FaultUnavailable, match="supervisor"):
+        await spec.factory(spec.params(), Target(kind="supervisor")).inject(ctx)
+
+
+# -- KV transfer --------------------------------------------------------------------------------------------
+
+
+def transfer(i: int) -> KvTransfer:
+    return KvTransfer(f"req-{i}", "prefill-0", "decode-0", (1, 2, 3), tuple(bytes([i, b]) * 32 for b in range(4))
+                      ).sealed()
+
+
+@pytest.mark.parametrize(("name", "params"), [
+    ("kv-drop", {}), ("kv-delay", {"delay_ms": 1}), ("kv-corrupt", {}), ("kv-truncate", {"keep": 0.5}),
+    ("kv-stall", {}), ("kv-prefill-dies", {"blocks_before": 2})])
+async def test_a_kv_fault_hits_transfers_until_recovered(ctx: FleetContext, name: str, params: dict[str, Any]) -> None:
+    hook: FaultyKvTransfer = ctx.service("kv")
+    spec = CATALOGUE[name]
+    fault = spec.factory(spec.params(**params), Target(kind="fleet"))
+    await fault.inject(ctx)
+    outcome: list[Any] = []
+
+    async def p_d_path() -> None:  # what the P/D path will do with each transfer
+        try:
+            outcome.append(await hook.transfer(transfer(1)))
+        except KvTransferError as exc:
+            outcome.append(exc)
+
+    path = asyncio.create_task(p_d_path())
+    try:
+        assert await fault.verify(ctx)
+    finally:
+        await fault.recover(ctx)
+    await path
+    assert await fault.verify_recovered(ctx)
+    got = outcome[0]
+    if name in ("kv-drop", "kv-prefill-dies"):
+        assert isinstance(got, KvTransferError)
+        assert got.kind == ("dropped" if name == "kv-drop" else "prefill_died")
+    elif name in ("kv-corrupt", "kv-truncate"):
+        assert not got.intact
+        assert (len(got.blocks) == 2) if name == "kv-truncate" else (len(got.blocks) == 4)
+    else:
+        assert got.intact and got == transfer(1)

@@ -1,0 +1,167 @@
+"""Network faults on a real fleet (sim workers, a router, etcd, broker) wired through fault proxies."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import pytest_asyncio
+
+from fleetward.chaos.fault import CATALOGUE, Target
+from fleetward.chaos.faults import probe_link
+from fleetward.chaos.harness import FleetContext, TestFleet
+from fleetward.chaos.proxy import IptablesFilter, SseCut
+from fleetward.chaos.workload import sse_lines
+from fleetward.fleet.config import RouterConfig, SimConfig
+from fleetward.fleet.simmodel import SimModel
+from fleetward.fleet.tokenizer import encode
+from fleetward.migration.policy import LeastLoadedAffinity, prefix_key
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SIM = SimConfig(decode_step_ms=4.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=11)
+MODEL = SimModel(seed=SIM.seed)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def fleet(etcd_endpoint: str, broker_endpoint: str,
+                tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TestFleet]:
+    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="net-faults", workers=3, sim=SIM,
+                         run_dir=tmp_path_factory.mktemp("net-faults"), proxy_workers=True, proxy_clients=True,
+                         routing=RouterConfig(stall_floor_s=0.5)) as f:
+        await f.start_router("r0")
+        yield f
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def ctx(fleet: TestFleet) -> AsyncIterator[FleetContext]:
+    yield fleet.fault_context()
+    for link in fleet.proxies:  # a failed test must not leave a toxic for the next one
+        link.clear()
+
+
+async def stream(url: str, prompt: list[int], n: int) -> tuple[list[int], list[dict[str, Any]]]:
+    tokens: list[int] = []
+    events: list[dict[str, Any]] = []
+    body = {"model": SIM.model_name, "prompt": prompt, "max_tokens": n, "stream": True, "return_token_ids": True}
+    async with httpx.AsyncClient(timeout=60) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in sse_lines(r.aiter_bytes()):
+            if line.startswith("data: {"):
+                data = orjson.loads(line[6:])
+                events.append(data)
+                for choice in data.get("choices") or []:
+                    tokens += choice.get("token_ids") or []
+    return tokens, events
+
+
+async def run_fault(ctx: FleetContext, name: str, target: Target, **params: Any) -> Any:
+    spec = CATALOGUE[name]
+    fault = spec.factory(spec.params(**params), target)
+    try:
+        await fault.inject(ctx)
+        assert await fault.verify(ctx), f"{name} took no effect: {fault.describe()}"
+    finally:
+        await fault.recover(ctx)
+    assert await fault.verify_recovered(ctx), f"{name} did not recover: {fault.describe()}"
+    return fault
+
+
+async def steady(fleet: TestFleet, tag: str) -> None:
+    prompt = encode(f"steady after {tag}: ")
+    tokens, _ = await stream(fleet.routers[0].client_url, prompt, 24)
+    assert tokens == MODEL.continuation(prompt, 24)
+
+
+BYTE_FAULTS = [
+    ("net-latency", {"latency_ms": 100, "jitter_ms": 20}),
+    ("net-bandwidth", {"rate_bps": 4096}),
+    ("net-slicer", {"average_size": 16, "size_variation": 8, "delay_ms": 1}),
+    ("net-reset", {}),
+    ("net-blackhole", {"timeout_ms": 200}),
+    ("net-limit-data", {"bytes": 512}),
+    ("net-slow-close", {"delay_ms": 50, "direction": "both"}),
+    ("net-partition", {"direction": "both"}),
+    ("net-partition", {"direction": "upstream"}),
+    ("net-partition", {"direction": "downstream"}),
+    ("net-down", {}),
+]
+
+
+@pytest.mark.parametrize(("name", "params"), BYTE_FAULTS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(BYTE_FAULTS)])
+async def test_a_link_fault_takes_effect_and_the_fleet_serves_after_recovery(
+        fleet: TestFleet, ctx: FleetContext, name: str, params: dict[str, Any]) -> None:
+    await run_fault(ctx, name, Target(kind="link", ids=("router->worker:node-w1",)), **params)
+    await steady(fleet, name)
+
+
+@pytest.mark.parametrize("name", ["sse-cut", "sse-stall", "sse-corrupt", "sse-drop-done"])
+async def test_an_sse_fault_takes_effect_on_a_worker_link(fleet: TestFleet, ctx: FleetContext, name: str) -> None:
+    fault = await run_fault(ctx, name, Target(kind="worker", ids=("node-w2",)), streams=1,
+                            **({"after_events": 2} if name != "sse-drop-done" else {}))
+    assert fault.targets == ["router->worker:node-w2"]
+    await steady(fleet, name)
+
+
+async def test_a_router_through_a_cut_worker_link_migrates_and_the_stream_stays_exact(fleet: TestFleet) -> None:
+    prompt = encode("cut me mid-stream: ")
+    victim = LeastLoadedAffinity().choose(fleet.worker_ids, {}, prefix_key(prompt))
+    link = fleet.proxies.get(f"router->worker:{victim}")
+    toxic = link.add(SseCut(after_events=20, streams=1))
+    try:
+        tokens, events = await stream(fleet.routers[0].client_url, prompt, 80)
+    finally:
+        link.remove(toxic)
+    assert toxic.hits == 1, "the cut happened on the stream's first worker"
+    assert tokens == MODEL.continuation(prompt, 80), "no token lost, duplicated or changed"
+    assert [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")] == ["length"]
+    async with httpx.AsyncClient(timeout=10) as c:
+        metrics = (await c.get(fleet.routers[0].url + "/metrics")).text
+    assert "fleetward_router_migrations_total{reason=" in metrics
+
+
+async def test_a_corrupted_event_between_client_and_router_shows_as_one_wrong_token(
+        fleet: TestFleet, ctx: FleetContext) -> None:
+    spec = CATALOGUE["sse-corrupt"]
+    fault = spec.factory(spec.params(after_events=5, streams=1, probe=False), Target(kind="router", ids=("r0",)))
+    await fault.inject(ctx)
+    try:
+        prompt = encode("corrupt one: ")
+        tokens, _ = await stream(fleet.routers[0].client_url, prompt, 30)
+        assert await fault.verify(ctx)
+    finally:
+        await fault.recover(ctx)
+    expected = MODEL.continuation(prompt, 30)
+    wrong = [i for i, (a, b) in enumerate(zip(tokens, expected, strict=True)) if a != b]
+    assert len(wrong) == 1 and len(tokens) == 30
+    assert await fault.verify_recovered(ctx)
+
+
+async def test_a_link_probe_fails_while_it_is_partitioned(fleet: TestFleet, ctx: FleetContext) -> None:
+    spec = CATALOGUE["net-partition"]
+    fault = spec.factory(spec.params(), Target(kind="link", ids=("client->router:r0",)))
+    await fault.inject(ctx)
+    try:
+        assert await fault.verify(ctx)
+        assert not await probe_link(fleet.proxies.get("client->router:r0"), timeout=0.3)
+    finally:
+        await fault.recover(ctx)
+    assert await fault.verify_recovered(ctx)
+
+
+async def test_the_kernel_partition_cuts_a_worker_off_and_heals(fleet: TestFleet, ctx: FleetContext) -> None:
+    reason = IptablesFilter.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    await run_fault(ctx, "net-partition-kernel", Target(kind="link", ids=("router->worker:node-w0",)))
+    await steady(fleet, "kernel partition")
+
+
+async def test_an_unknown_link_is_refused(ctx: FleetContext) -> None:
+    spec = CATALOGUE["net-reset"]
+    fault = spec.factory(spec.params(), Target(kind="link", ids=("router->worker:nobody",)))
+    with pytest.raises(ValueError, match="outside the fleet"):
+        await fault.inject(ctx)

@@ -1,0 +1,126 @@
+"""Process faults on real simulated workers under a real node agent (and the supervisor controller)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import pytest_asyncio
+
+from fleetward.chaos.fault import CATALOGUE, Target
+from fleetward.chaos.faults.process import MemoryGroup
+from fleetward.chaos.harness import FleetContext, TestFleet
+from fleetward.chaos.workload import sse_lines
+from fleetward.fleet.config import RouterConfig, SimConfig
+from fleetward.fleet.simmodel import SimModel
+from fleetward.fleet.tokenizer import encode
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SIM = SimConfig(decode_step_ms=4.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=5)
+MODEL = SimModel(seed=SIM.seed)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def fleet(etcd_endpoint: str, broker_endpoint: str,
+                tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TestFleet]:
+    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="proc-faults", workers=3, sim=SIM,
+                         run_dir=tmp_path_factory.mktemp("proc-faults"),
+                         routing=RouterConfig(stall_floor_s=0.5)) as f:
+        await f.start_router("r0")
+        yield f
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def ctx(fleet: TestFleet) -> AsyncIterator[FleetContext]:
+    yield fleet.fault_context()
+    for w in list(fleet.agent.specs):  # whatever a test did, the next one starts from a whole fleet
+        fleet.wrap_launch(w, None)
+        await fleet.ensure_serving(w)
+    await fleet.wait_workers_routable(len(fleet.agent.specs), timeout=60)
+
+
+async def fault_cycle(ctx: FleetContext, name: str, worker: str, **params: Any) -> Any:
+    spec = CATALOGUE[name]
+    fault = spec.factory(spec.params(**params), Target(kind="worker", ids=(worker,)))
+    try:
+        await fault.inject(ctx)
+        assert await fault.verify(ctx), f"{name} took no effect: {fault.describe()}"
+    finally:
+        await fault.recover(ctx)
+    assert await fault.verify_recovered(ctx), f"{name} did not recover: {fault.describe()}"
+    return fault
+
+
+async def fleet_serves(fleet: TestFleet, tag: str) -> None:
+    """The steady state: the fleet takes all its workers back and a stream through the router is exact."""
+    await fleet.wait_workers_routable(len(fleet.agent.specs), timeout=60)
+    prompt = encode(f"serving after {tag}: ")
+    tokens: list[int] = []
+    body = {"model": SIM.model_name, "prompt": prompt, "max_tokens": 20, "stream": True, "return_token_ids": True}
+    async with httpx.AsyncClient(timeout=60) as c, \
+            c.stream("POST", fleet.routers[0].url + "/v1/completions", json=body) as r:
+        async for line in sse_lines(r.aiter_bytes()):
+            if line.startswith("data: {"):
+                tokens += orjson.loads(line[6:])["choices"][0]["token_ids"]
+    assert tokens == MODEL.continuation(prompt, 20)
+
+
+@pytest.mark.parametrize("scope", ["tree", "root"])
+async def test_kill_worker(fleet: TestFleet, ctx: FleetContext, scope: str) -> None:
+    old = fleet.handle("node-w0").process.pid
+    await fault_cycle(ctx, "kill-worker", "node-w0", scope=scope)
+    assert fleet.handle("node-w0").process.pid != old
+    await fleet_serves(fleet, f"kill-worker {scope}")
+
+
+async def test_kill_engine_on_the_sim_kills_its_one_process(fleet: TestFleet, ctx: FleetContext) -> None:
+    old = fleet.handle("node-w1").process.pid
+    fault = await fault_cycle(ctx, "kill-engine", "node-w1")
+    assert fault.detail["engine_pids"] == {"node-w1": [old]}
+    await fleet_serves(fleet, "kill-engine")
+
+
+async def test_a_silent_hang_keeps_health_green_and_clears(fleet: TestFleet, ctx: FleetContext) -> None:
+    fault = await fault_cycle(ctx, "hang-worker", "node-w2", mode="silent")
+    assert fault.detail["switched"] == ["node-w2"]
+    assert not (await fleet.state("node-w2"))["hung"]
+    await fleet_serves(fleet, "silent hang")
+
+
+async def test_a_frozen_worker_stops_answering_and_resumes(fleet: TestFleet, ctx: FleetContext) -> None:
+    fault = await fault_cycle(ctx, "hang-worker", "node-w2", mode="freeze")
+    assert fault.detail["stopped_pids"]["node-w2"]
+    await fleet_serves(fleet, "freeze")
+
+
+async def test_a_crash_loop_fails_every_start_until_recovered(fleet: TestFleet, ctx: FleetContext) -> None:
+    fault = await fault_cycle(ctx, "crash-loop", "node-w1", verify_timeout_s=20)
+    assert fault.detail["starts"]["node-w1"] >= 1, "it was started, and that start failed"
+    await fleet_serves(fleet, "crash loop")
+
+
+async def test_a_slow_start_is_seen_starting_and_then_serves(fleet: TestFleet, ctx: FleetContext) -> None:
+    await fault_cycle(ctx, "slow-start", "node-w0", delay_s=2.0)
+    await fleet_serves(fleet, "slow start")
+
+
+async def test_the_oom_killer_kills_the_worker_in_its_memory_cgroup_only(fleet: TestFleet, ctx: FleetContext) -> None:
+    reason = MemoryGroup.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    others = {w: fleet.handle(w).process.pid for w in ("node-w0", "node-w2")}
+    fault = await fault_cycle(ctx, "oom-kill", "node-w1", verify_timeout_s=30)
+    assert fault.detail["oom_kills"]["node-w1"] >= 1
+    assert {w: fleet.handle(w).process.pid for w in others} == others, "nothing else was killed"
+    assert not leftover_groups(fault), "the cgroup is gone"
+    await fleet_serves(fleet, "oom kill")
+
+
+def leftover_groups(fault: Any) -> list[str]:
+    from pathlib import Path
+
+    return [g["path"] for g in fault.detail["groups"].values() if Path(g["path"]).exists()]
