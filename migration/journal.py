@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+import orjson
+
 __all__ = [
     "Journal",
     "Kind",
@@ -200,6 +202,7 @@ class Journal:
     blocker: str | None = None
     dirty: bool = True
     stop: StopChecker = field(init=False, repr=False)
+    _static: tuple[tuple[Any, ...], bytes] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         stop = self.body.get("stop")
@@ -303,6 +306,20 @@ class Journal:
         return token_ids, out_text, finish_reason
 
     # -- checkpoints ------------------------------------------------------------------------------------
+
+    def checkpoint_bytes(self, router: str) -> bytes:
+        """:meth:`checkpoint` as JSON, re-encoding only what changes: the body and prompt ids (often the
+        bulk of it) are encoded once and reused while they stay the same."""
+        static_key = (id(self.prompt_ids), self.deadline, router)
+        if self._static is None or self._static[0] != static_key:
+            head = orjson.dumps({"v": 1, "id": self.id, "kind": self.kind.value, "router": router, "body": self.body,
+                                 "prompt_ids": self.prompt_ids, "deadline": self.deadline, "created": self.created})
+            self._static = (static_key, head[:-1] + b",")
+        dynamic = orjson.dumps({
+            "emitted": self.emitted, "text": self.text, "text_ends": self.text_ends, "stop_held": self.stop.held,
+            "worker": self.worker, "attempts": self.attempts, "migrations": self.migrations,
+            "finish_reason": self.finish_reason})
+        return self._static[1] + dynamic[1:]
 
     def checkpoint(self, router: str) -> dict[str, Any]:
         return {

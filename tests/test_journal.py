@@ -126,3 +126,15 @@ def test_affinity_keeps_a_prefix_on_one_worker_until_it_is_overloaded() -> None:
     busy[preferred] = 3
     assert policy.choose(workers, busy, key) != preferred
     assert policy.choose(workers, {"w0": 5, "w1": 1, "w2": 5, "w3": 5}, None) == "w1"
+
+
+def test_checkpoint_bytes_encode_the_same_record_and_follow_changes() -> None:
+    import orjson
+
+    j = journal({"model": "m", "prompt": [1, 2, 3], "max_tokens": 9})
+    j.record([40, 41], "ab", None, None)
+    assert orjson.loads(j.checkpoint_bytes("r")) == orjson.loads(orjson.dumps(j.checkpoint("r")))
+    j.record([42], "c", None, None)
+    j.prompt_ids = [7, 8]  # a chat request learns its prompt ids from the first chunk
+    assert orjson.loads(j.checkpoint_bytes("r")) == orjson.loads(orjson.dumps(j.checkpoint("r")))
+    assert orjson.loads(j.checkpoint_bytes("other"))["router"] == "other"
