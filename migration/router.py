@@ -527,7 +527,7 @@ class Router:
         self.metrics.in_flight.set(len(self.active))
         if j.body.get("stream"):
             return await self._stream(j, skip, trace=request.headers.get("x-fleetward-trace") == "1")
-        return await self._complete(j)
+        return await self._complete(j, request)
 
     async def _resume(self, last_event: str, kind: Kind) -> tuple[Journal, int]:
         rid, _, n = last_event.rpartition(":")
@@ -650,20 +650,44 @@ class Router:
         self.metrics.requests.labels(j.kind.value, "ok").inc()
         yield wire.DONE
 
-    async def _complete(self, j: Journal) -> Response:
-        task = asyncio.current_task()
+    async def _complete(self, j: Journal, request: Request) -> Response:
+        """A non-streamed request: generated through the same resumable stream, answered at the end.
+
+        If the client goes away first, the generation is cancelled (its upstream connection closes, so the
+        worker stops too) rather than run to the end for nobody.
+        """
         active = self.active[j.id]
-        if task is not None:
-            active.tasks.add(task)
-        try:
+
+        async def run() -> None:
             async for _ in self.generate(j):
                 pass
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work = asyncio.create_task(run(), name=f"complete-{j.id}")
+        watch = asyncio.create_task(disconnected(), name=f"watch-{j.id}")
+        active.tasks.add(work)
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+                self.metrics.requests.labels(j.kind.value, "client_disconnected").inc()
+                return Response(status_code=499)
+            work.result()
         except RouterError as exc:
             self.metrics.requests.labels(j.kind.value, f"http_{exc.status}").inc()
             return exc.response()
+        except asyncio.CancelledError:
+            if work.cancelled():  # another replica claimed the request (see _on_lost)
+                return RouterError(409, f"request {j.id} continues on another router").response()
+            raise
         finally:
-            if task is not None:
-                active.tasks.discard(task)
+            watch.cancel()
+            active.tasks.discard(work)
             self._release(j.id)
         self.metrics.requests.labels(j.kind.value, "ok").inc()
         return JSONResponse(wire.final_response(j), headers={"X-Request-Id": j.id})

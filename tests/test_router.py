@@ -375,3 +375,56 @@ async def test_event_ids_name_what_a_stalled_client_holds(healthy: TestFleet, wa
                 tokens.extend(orjson.loads(line[6:])["choices"][0]["token_ids"])
                 assert ids[-1].endswith(f":{len(tokens)}"), (ids[-1], len(tokens))
     assert tokens == reference(prompt, 600)
+
+
+async def test_a_non_streamed_request_is_cancelled_when_its_client_goes(healthy: TestFleet, wait_until: Any) -> None:
+    request = asyncio.create_task(httpx.AsyncClient(timeout=60).post(
+        router(healthy).url + "/v1/completions",
+        json={"model": "sim-tiny", "prompt": encode("nobody waits for me"), "max_tokens": 4000}))
+
+    async def busy_worker() -> str | None:
+        for w in healthy.worker_ids:
+            if (await healthy.state(w))["running"]:
+                return w
+        return None
+
+    worker = await wait_until(busy_worker, timeout=10, message="the generation started")
+    request.cancel()  # the client hangs up
+    with contextlib.suppress(asyncio.CancelledError):
+        await request
+
+    async def idle() -> bool:
+        return (await healthy.state(worker))["running"] == 0
+
+    await wait_until(idle, timeout=15, message="the worker stopped generating for nobody")
+
+
+async def test_a_dead_routers_streams_are_cancelled_on_the_workers_and_its_checkpoints_expire(
+        healthy: TestFleet, wait_until: Any) -> None:
+    doomed = await healthy.start_router("r-doomed", checkpoint_ttl_s=3)
+    body = {"model": "sim-tiny", "prompt": encode("orphan to be"), "max_tokens": 4000, "stream": True}
+    try:
+        async with httpx.AsyncClient(timeout=30) as client, client.stream(
+                "POST", doomed.url + "/v1/completions", json=body) as r:
+            lines = sse_lines(r.aiter_bytes())
+            while not (line := await anext(lines)).startswith("id: "):
+                pass
+            rid = line[4:].rpartition(":")[0]
+
+            async def checkpointed() -> bool:
+                return await healthy.store.get(healthy.keys.request(rid)) is not None
+
+            await wait_until(checkpointed, timeout=10)
+            healthy.kill_router(doomed)
+
+            async def nothing_runs() -> bool:
+                return all([(await healthy.state(w))["running"] == 0 for w in healthy.worker_ids])
+
+            await wait_until(nothing_runs, timeout=15, message="workers cancel what the dead router asked for")
+
+            async def expired() -> bool:
+                return await healthy.store.get(healthy.keys.request(rid)) is None
+
+            await wait_until(expired, timeout=20, message="the orphaned checkpoint expires with its lease")
+    finally:
+        await healthy.stop_router(doomed)
