@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -207,6 +208,10 @@ def _params(model: Any) -> list[dict[str, Any]]:
     return rows
 
 
+_COMMON = ("verify_timeout_s", "recover_timeout_s")  # FaultParams: shown once under the tables
+_NEEDS = {"gpus": "needs fleet.gpus_per_worker > 0", "standby": "needs fleet.controllers >= 2"}
+
+
 def _faults(args: argparse.Namespace) -> int:
     from fleetward.chaos.experiment import fault_catalogue, target_kinds
     from fleetward.chaos.fault import FAMILIES
@@ -228,13 +233,17 @@ def _faults(args: argparse.Namespace) -> int:
             table.add_column(col, overflow="fold")
         for s in mine:
             params = ", ".join(f"{p['name']}={json.dumps(p['default'], default=str)}" if not p["required"]
-                               else f"{p['name']} (required)" for p in _params(s.params))
+                               else f"{p['name']} (required)" for p in _params(s.params) if p["name"] not in _COMMON)
             notes = [*([] if s.backends == ("sim", "vllm") else [f"{'/'.join(s.backends)} only"]),
-                     *(["needs root"] if s.needs_root else [])]
-            table.add_row(s.name, ", ".join(target_kinds(s)) or "-", s.summary + (f" [{'; '.join(notes)}]"
-                                                                                     if notes else ""),
-                          params or "-")
+                     *(["needs root"] if s.needs_root else []),
+                     *(["hook only: no P/D path calls it yet"] if s.extra.get("hook_only") else []),
+                     *(_NEEDS[r] for r in s.extra.get("requires", ()))]
+            table.add_row(s.name, ", ".join(target_kinds(s)) or "-",
+                          escape(s.summary + (f" [{'; '.join(notes)}]" if notes else "")), escape(params or "-"))
         out.print(table)
+    if args.family != "load":
+        out.print("Every fault but the load family's also takes verify_timeout_s and recover_timeout_s. Names are "
+                  "<family>.<name>; `fleetward chaos faults --json` has every parameter with its description.")
     for module, problem in problems.items():
         err.print(f"[yellow]warning:[/] {module} could not be loaded: {problem}")
     return 0

@@ -66,6 +66,7 @@ __all__ = [
     "WorkloadSpec",
     "counts_toward_share",
     "declared_ids",
+    "default_target",
     "fault_catalogue",
     "load_experiment",
     "match_ids",
@@ -77,7 +78,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 Loc = tuple[str | int, ...]
-TargetKind = Literal["worker", "router", "etcd", "broker", "link", "supervisor", "gpu", "fleet"]
+TargetKind = Literal["worker", "router", "etcd", "broker", "link", "supervisor", "gpu", "kv", "fleet"]
 _TARGET_KINDS = frozenset(get_args(Target.model_fields["kind"].annotation))
 
 # -- the shape ----------------------------------------------------------------------------------------------
@@ -183,6 +184,12 @@ class FleetSpec(Frozen):
     cluster: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
                                 description="default: chaos-<random> (or the attached fleet's)")
     etcd_members: Literal[1, 3] = Field(1, description="3: a local 3-member etcd cluster (control faults)")
+    controllers: int = Field(1, ge=1, le=3, description="supervisor controllers: 1 runs inside the runner; 2 or 3 "
+                             "run as `fleetward supervisor --role controller` processes, one leader and standbys "
+                             "(control.supervisor_leader_kill needs 2)")
+    gpus_per_worker: int = Field(0, ge=0, le=8, description="> 0: the node agent watches a fake GPU health source "
+                                 "(supervisor.gpu.FakeGpuSource) and worker i owns GPUs [i*k, (i+1)*k) of it; the gpu "
+                                 "fault family acts through it")
     lease_ttl_s: int = Field(10, ge=2, le=3600)
     proxies: ProxySpec = ProxySpec()
     model: str | None = Field(None, description="vllm: model folder (default: the tiny local model)")
@@ -399,7 +406,27 @@ def fault_catalogue() -> tuple[dict[str, FaultSpec], dict[str, str]]:
     return CATALOGUE, dict(_CATALOGUE_PROBLEMS)
 
 
+# Names before the catalogue took one convention (``<family>.<snake_case>``): an old file gets the new name.
+RENAMED: Mapping[str, str] = {
+    "kill-worker": "process.kill_worker", "kill-engine": "process.kill_engine", "hang-worker": "process.hang",
+    "crash-loop": "process.crash_loop", "slow-start": "process.slow_start", "oom-kill": "process.oom_kill",
+    "net-latency": "network.latency", "net-bandwidth": "network.bandwidth", "net-slicer": "network.slicer",
+    "net-reset": "network.reset", "net-blackhole": "network.blackhole", "net-limit-data": "network.limit_data",
+    "net-slow-close": "network.slow_close", "net-partition": "network.partition", "net-down": "network.down",
+    "net-partition-kernel": "network.partition_kernel", "sse-cut": "network.sse_cut",
+    "sse-stall": "network.sse_stall", "sse-corrupt": "network.sse_corrupt", "sse-drop-done": "network.sse_drop_done",
+    "etcd-member-kill": "control.etcd_member_kill", "etcd-member-pause": "control.etcd_member_pause",
+    "etcd-member-restart": "control.etcd_member_restart", "etcd-leader-loss": "control.etcd_leader_loss",
+    "lease-expiry": "control.lease_expiry", "broker-restart": "control.broker_restart",
+    "router-restart": "control.router_restart", "supervisor-leader-kill": "control.supervisor_leader_kill",
+    "kv-drop": "kv.drop", "kv-delay": "kv.delay", "kv-corrupt": "kv.corrupt", "kv-truncate": "kv.truncate",
+    "kv-stall": "kv.stall", "kv-prefill-dies": "kv.prefill_dies",
+}
+
+
 def _unknown_fault(name: str, catalogue: Mapping[str, FaultSpec], problems: Mapping[str, str]) -> str:
+    if name in RENAMED and RENAMED[name] in catalogue:
+        return f"unknown fault {name!r}: it is called {RENAMED[name]} now (faults are named <family>.<name>)"
     near = difflib.get_close_matches(name, list(catalogue), n=1)
     hint = f" (did you mean {near[0]}?)" if near else ""
     listed = ", ".join(sorted(catalogue)) or "(empty)"
@@ -412,7 +439,7 @@ def _unknown_fault(name: str, catalogue: Mapping[str, FaultSpec], problems: Mapp
 
 def declared_ids(fleet: FleetSpec, kind: str) -> list[str] | None:
     """Ids of the components of ``kind`` the experiment declares; ``None`` when they are not enumerable
-    here (links, GPUs: their ids come from the fault families that define them)."""
+    here (GPUs: the gpu family targets the workers that own them)."""
     if kind == "worker":
         return [f"{fleet.node}-w{i}" for i in range(fleet.workers)]
     if kind == "router":
@@ -422,7 +449,9 @@ def declared_ids(fleet: FleetSpec, kind: str) -> list[str] | None:
     if kind == "broker":
         return ["broker"]
     if kind == "supervisor":
-        return ["supervisor"]
+        return [f"controller-{i}" for i in range(fleet.controllers)]
+    if kind == "kv":
+        return ["kv"]
     if kind == "fleet":
         return ["fleet"]
     if kind == "link":
@@ -466,6 +495,16 @@ def _target_size(target: Target, declared: list[str] | None) -> int:
     return target.count
 
 
+def default_target(spec: FaultSpec) -> Target | None:
+    """The target of a fault that names none: the whole fleet (load), the fleet's KV hook (kv); else None."""
+    kinds = set(target_kinds(spec))
+    if kinds and kinds <= {"fleet"}:
+        return Target(kind="fleet", pick="all")
+    if kinds == {"kv"}:
+        return Target(kind="kv", pick="all")
+    return None
+
+
 def counts_toward_share(spec: FaultSpec, target: Target) -> bool:
     """Whether faulting ``target`` takes a component out of service (load faults and ``fleet`` do not)."""
     return target.kind != "fleet" and bool(spec.extra.get("counts_toward_share", spec.family != "load"))
@@ -475,8 +514,8 @@ def counts_toward_share(spec: FaultSpec, target: Target) -> bool:
 
 
 def resolve_trace(name: str, *, base: Path | None) -> Path | None:
-    """Find a trace file: as given, beside the experiment file, under ``$FLEETWARD_TRACES``, or in the
-    shared traces folder beside the repository (``../shared/traces``)."""
+    """Find a trace file: as given, beside the experiment file, under ``$FLEETWARD_TRACES``, among the
+    traces shipped with fleetward (``chaos/traces``), or in a ``shared/traces`` folder beside the repository."""
     p = Path(name).expanduser()
     candidates = [p] if p.is_absolute() else [Path.cwd() / p]
     if not p.is_absolute():
@@ -484,6 +523,7 @@ def resolve_trace(name: str, *, base: Path | None) -> Path | None:
             candidates.insert(0, base / p)
         if os.environ.get("FLEETWARD_TRACES"):
             candidates.append(Path(os.environ["FLEETWARD_TRACES"]) / p)
+        candidates.append(Path(__file__).resolve().parent / "traces" / p)
         root = Path(__file__).resolve().parents[1]
         candidates += [root.parent / "shared" / "traces" / p, root / "shared" / "traces" / p]
     return next((c for c in candidates if c.is_file()), None)
@@ -544,15 +584,13 @@ def _meaning(exp: Experiment, *, base: Path | None) -> list[InitErrorDetails]:
         if fleet.backend not in spec.backends:
             problems.append(_problem((*here, "fault"), f"{act.fault} does not work on {fleet.backend} workers "
                                      f"(only {', '.join(spec.backends)})"))
+        problems.extend(_requirements(spec, fleet, here))
         kinds = tuple(k for k in target_kinds(spec) if k in _TARGET_KINDS)
-        target = act.target
+        target = act.target or default_target(spec)
         if target is None:
-            if kinds and set(kinds) <= {"fleet"}:
-                target = Target(kind="fleet", pick="all")
-            else:
-                problems.append(_problem((*here, "target"), f"{act.fault} needs a target (e.g. "
-                                         "{kind: worker, pick: serving, count: 1})"))
-                continue
+            problems.append(_problem((*here, "target"), f"{act.fault} needs a target (e.g. "
+                                     "{kind: worker, pick: serving, count: 1})"))
+            continue
         if kinds and target.kind not in kinds:
             problems.append(_problem((*here, "target", "kind"), f"{act.fault} targets {' or '.join(kinds)}, "
                                      f"not {target.kind}", target.kind))
@@ -607,6 +645,22 @@ def _meaning(exp: Experiment, *, base: Path | None) -> list[InitErrorDetails]:
     return problems
 
 
+_REQUIREMENTS: Mapping[str, tuple[str, Any, str]] = {
+    # what a fault's spec.extra["requires"] may name: (fleet field, test, what to write in the file)
+    "gpus": ("gpus_per_worker", lambda v: v > 0, "fleet.gpus_per_worker: 1 (a fake GPU source for the node agent)"),
+    "standby": ("controllers", lambda v: v >= 2, "fleet.controllers: 2 (a leader and a standby)"),
+}
+
+
+def _requirements(spec: FaultSpec, fleet: FleetSpec, here: Loc) -> list[InitErrorDetails]:
+    out = []
+    for need in spec.extra.get("requires", ()):
+        field, holds, fix = _REQUIREMENTS[need]
+        if not holds(getattr(fleet, field)):
+            out.append(_problem((*here, "fault"), f"{spec.name} needs {fix}"))
+    return out
+
+
 def _safety(exp: Experiment, windows: Iterable[_Window]) -> list[InitErrorDetails]:
     by_kind: dict[str, list[_Window]] = {}
     for w in windows:
@@ -642,8 +696,8 @@ def _workload_meaning(exp: Experiment, *, base: Path | None) -> list[InitErrorDe
         assert w.arrival.file is not None
         if resolve_trace(w.arrival.file, base=base) is None:
             problems.append(_problem(("workload", "arrival", "file"), f"trace file {w.arrival.file!r} not found "
-                                     "(beside the experiment, in the current folder, under $FLEETWARD_TRACES or "
-                                     "../shared/traces)", w.arrival.file))
+                                     "(beside the experiment, in the current folder, under $FLEETWARD_TRACES, "
+                                     "in fleetward's chaos/traces or ../shared/traces)", w.arrival.file))
         longest = w.arrival.max_input_tokens + w.arrival.max_output_tokens
         if longest > limit:
             problems.append(_problem(("workload", "arrival", "max_output_tokens"), f"max_input_tokens + "

@@ -10,11 +10,14 @@ and the history recorder. Targets are resolved from a selector (:class:`Target`)
 fleet. A target outside it is refused, which is one of the safety rules.
 
 Families: ``process``, ``gpu``, ``network``, ``kv`` (KV transfer), ``control`` (etcd, broker, routers,
-supervisor leader) and ``load``.
+supervisor leader) and ``load``. Every fault is named ``<family>.<name>`` with a snake_case name
+(``process.kill_worker``, ``network.sse_cut``, ``gpu.xid``, ``load.burst``); :func:`register` refuses
+any other name.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
@@ -38,14 +41,16 @@ Family = Literal["process", "gpu", "network", "kv", "control", "load"]
 class Target(BaseModel):
     """Which part of the fleet a fault hits.
 
-    ``kind`` names the component (worker, router, etcd, broker, link, supervisor, gpu); ``ids`` picks
-    by id, or ``pick`` chooses ``count`` of them (``random`` uses the experiment's seed, ``serving`` the
-    ones with the most requests in flight at injection time, ``first`` the lowest ids).
+    ``kind`` names the component (worker, router, etcd, broker, link, supervisor, gpu, kv, fleet); ``ids``
+    picks by id, or ``pick`` chooses ``count`` of them (``random`` uses the experiment's seed, ``serving``
+    the ones with the most requests in flight at injection time, ``first`` the lowest ids). ``kv`` is the
+    fleet's KV-transfer hook (one id, ``kv``, until the prefill/decode path names its transfer links);
+    ``supervisor`` means the supervisor's controllers (the leader-kill fault picks the leader itself).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: Literal["worker", "router", "etcd", "broker", "link", "supervisor", "gpu", "fleet"] = "worker"
+    kind: Literal["worker", "router", "etcd", "broker", "link", "supervisor", "gpu", "kv", "fleet"] = "worker"
     ids: tuple[str, ...] = ()
     pick: Literal["random", "serving", "first", "all"] = "random"
     count: int = 1
@@ -114,13 +119,21 @@ class FaultSpec:
 
 
 CATALOGUE: dict[str, FaultSpec] = {}
+_NAME = re.compile(r"^(?P<family>[a-z]+)\.[a-z][a-z0-9]*(?:_[a-z0-9]+)*$")
 
 
 def register(spec: FaultSpec) -> FaultSpec:
-    """Add ``spec`` to the catalogue (``fleetward chaos faults`` lists it; experiments may name it)."""
-    if spec.name in CATALOGUE:
-        raise ValueError(f"fault {spec.name} registered twice")
+    """Add ``spec`` to the catalogue (``fleetward chaos faults`` lists it; experiments may name it).
+
+    The name must be ``<family>.<snake_case_name>`` with the spec's own family (``process.kill_worker``).
+    """
     if spec.family not in FAMILIES:
         raise ValueError(f"unknown fault family {spec.family}")
+    m = _NAME.match(spec.name)
+    if m is None or m["family"] != spec.family:
+        raise ValueError(f"fault name {spec.name!r} must be {spec.family}.<snake_case_name> (e.g. "
+                         f"{spec.family}.my_fault)")
+    if spec.name in CATALOGUE:
+        raise ValueError(f"fault {spec.name} registered twice")
     CATALOGUE[spec.name] = spec
     return spec

@@ -3,8 +3,12 @@
 :class:`TestFleet` attaches to an existing etcd and MQTT broker (the pytest fixtures start one of each per
 session) and starts, under its own cluster name, a node agent with N workers and any number of router
 processes. It offers the levers tests and faults need: kill a worker or a router (``SIGKILL`` of the
-real process tree), set a simulated worker's fault switches, restart what was killed. Leaving it stops
-everything it started.
+real process tree), set a simulated worker's fault switches, restart what was killed, kill the supervisor's
+leader, reach the leader's control API. Leaving it stops everything it started.
+
+The supervisor runs as one controller in this process (``controller=True``, the default), or as
+``controller_processes`` real ``fleetward supervisor --role controller`` processes that campaign for the
+lead (one leads, the others stand by: what ``control.supervisor_leader_kill`` needs).
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import yaml
 
+from fleetward.chaos.faults.kv import FaultyKvTransfer
 from fleetward.chaos.proxy import Link, ProxyRegistry
 from fleetward.fleet.backends import WorkerBackend, WorkerHandle, make_backend, worker_ready
 from fleetward.fleet.bus import MqttBus
@@ -37,7 +43,7 @@ from fleetward.fleet.registry import read_fleet
 from fleetward.fleet.worker import WorkerSpec
 from fleetward.supervisor.agent import NodeAgent
 
-__all__ = ["FleetContext", "RouterProcess", "TestFleet"]
+__all__ = ["ControllerProcess", "FleetContext", "HarnessSupervisor", "RouterProcess", "TestFleet"]
 
 
 @dataclass
@@ -49,6 +55,19 @@ class RouterProcess:
 
     def __post_init__(self) -> None:
         self.client_url = self.client_url or self.url
+
+    @property
+    def is_running(self) -> bool:
+        return self.process.is_running
+
+
+@dataclass
+class ControllerProcess:
+    """A supervisor controller running as its own process (``fleetward supervisor --role controller``)."""
+
+    id: str
+    url: str  # its control API
+    process: ManagedProcess
 
     @property
     def is_running(self) -> bool:
@@ -75,6 +94,7 @@ class TestFleet:
     gpu: Any = None  # a GpuHealthSource for the node agent (e.g. supervisor.gpu.FakeGpuSource)
     gpus_per_worker: int = 0  # worker i owns GPUs [i*k, (i+1)*k) of that source
     controller: bool = True  # run a supervisor controller in this process (health becomes ready after canaries)
+    controller_processes: int = 0  # > 0: run this many controllers as processes instead (a leader and standbys)
     admin_token: str = "test-admin-token"
     node: str = "node"
     lease_ttl: int = 10
@@ -90,6 +110,7 @@ class TestFleet:
     backend_impl: WorkerBackend = field(init=False)
     routers: list[RouterProcess] = field(default_factory=list)
     controllers: list[tuple[Any, asyncio.Task[None]]] = field(default_factory=list)
+    controller_procs: list[ControllerProcess] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.keys = Keys(self.cluster)
@@ -100,6 +121,8 @@ class TestFleet:
         self.broker_impl: LocalBroker | None = None
         self._launch_prefix: dict[str, list[str]] = {}
         self._own_clients: list[Any] = []  # the agent's store and bus when they go through proxies
+        # The fleet's KV-transfer hook (kv faults act on it). No prefill/decode path calls it yet.
+        self.kv = FaultyKvTransfer()
 
     # -- life -------------------------------------------------------------------------------------------
 
@@ -127,7 +150,11 @@ class TestFleet:
                                worker_env={"FLEETWARD_ADMIN_TOKEN": self.admin_token}, supervisor=self.supervisor,
                                gpu=self.gpu)
         await self.agent.start()
-        if self.controller:
+        if self.controller_processes:
+            for _ in range(self.controller_processes):
+                await self.start_controller_process()
+            await self.wait_leader()
+        elif self.controller:
             await self.start_controller()
         model = self.sim.model_name if self.backend == "sim" else "tiny"
         k = self.gpus_per_worker
@@ -136,15 +163,16 @@ class TestFleet:
                  for i in range(self.workers)]
         specs = [await self._proxied_spec(s) for s in specs]
         await self.agent.start_workers(specs)
-        if self.controller:
+        if self.supervised:
             await self.wait_workers_routable(len(self.agent.handles))
 
-    async def start_controller(self, *, wait: bool = True) -> Any:
+    async def start_controller(self, *, wait: bool = True, controller_id: str | None = None) -> Any:
         """A supervisor controller in this process; it campaigns, and ``wait`` waits until it leads."""
         from fleetward.supervisor.controller import Controller
 
-        ctl = Controller(self.supervisor, store=self.store, bus=self.bus, keys=self.keys,
-                         controller_id=f"controller-{len(self.controllers)}", admin_token=self.admin_token)
+        cid = controller_id or f"controller-{len(self.controllers) + len(self.controller_procs)}"
+        ctl = Controller(self.supervisor, store=self.store, bus=self.bus, keys=self.keys, controller_id=cid,
+                         admin_token=self.admin_token)
         task = asyncio.create_task(ctl.run(), name=ctl.id)
         self.controllers.append((ctl, task))
         if wait:
@@ -159,6 +187,74 @@ class TestFleet:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self.controllers.clear()
+        for c in self.controller_procs:
+            await c.process.stop(grace=5)
+        self.controller_procs.clear()
+
+    @property
+    def supervised(self) -> bool:
+        """Whether a supervisor controller runs (in this process or as processes), so health is decided."""
+        return bool(self.controllers or self.controller_procs)
+
+    async def start_controller_process(self, controller_id: str | None = None) -> ControllerProcess:
+        """A controller as its own process (same settings, its own control API port); it campaigns."""
+        cid = controller_id or f"controller-{len(self.controllers) + len(self.controller_procs)}"
+        port = free_port()
+        conf = self.run_dir / f"{cid}.yaml"
+        supervisor = self.supervisor.model_copy(update={"port": port})
+        conf.write_text(yaml.safe_dump({"cluster": self.cluster, "supervisor": supervisor.model_dump(mode="json")}))
+        argv = [sys.executable, "-m", "fleetward.fleet.cli", "supervisor", "--role", "controller", "--config",
+                str(conf), "--etcd", self.etcd_endpoints[0], "--mqtt", self.mqtt, "--cluster", self.cluster,
+                "--id", cid]
+        proc = ManagedProcess(cid, argv, log_path=self.log_dir / f"{cid}.log",
+                              env={"PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1",
+                                   "FLEETWARD_ADMIN_TOKEN": self.admin_token,
+                                   "FLEETWARD_LOG_LEVEL": os.environ.get("FLEETWARD_LOG_LEVEL", "INFO")}).start()
+        ctl = ControllerProcess(cid, f"http://{supervisor.host}:{port}", proc)
+        await self._controller_ready(ctl)
+        self.controller_procs.append(ctl)
+        return ctl
+
+    async def _controller_ready(self, ctl: ControllerProcess) -> None:
+        async def healthy() -> bool:
+            return (await self._http.get(f"{ctl.url}/health")).status_code == 200
+
+        await ctl.process.wait_ready(healthy, timeout=30, interval=0.05)
+
+    async def leader(self) -> dict[str, Any] | None:
+        """The supervisor's leader as the election says (``{"id", "url"}``), or None while nobody leads."""
+        snap = await self.store.get_prefix(self.keys.leader("supervisor"))
+        if not snap.items:
+            return None
+        first = min(snap.items, key=lambda kv: kv.create_revision)
+        return dict(orjson.loads(orjson.loads(first.value)["candidate"]))
+
+    async def wait_leader(self, timeout: float = 30.0) -> dict[str, Any]:
+        async with asyncio.timeout(timeout):
+            while True:
+                leader = await self.leader()
+                if leader is not None:
+                    return leader
+                await asyncio.sleep(0.05)
+
+    async def supervisor_command(self, worker: str, what: str, body: dict[str, Any] | None = None) -> httpx.Response:
+        """``POST /v1/workers/<worker>/<what>`` on the leader's control API (``drain``, ``undrain``,
+        ``restart``, ``quarantine/clear``), as an operator would; an in-process leader is called in process."""
+        headers = {"Authorization": f"Bearer {self.admin_token}"}
+        path = f"/v1/workers/{worker}/{what}"
+        for ctl, _ in self.controllers:
+            if ctl.leading.is_set():
+                transport = httpx.ASGITransport(app=ctl.app())
+                async with httpx.AsyncClient(transport=transport, base_url="http://controller") as client:
+                    return await client.post(path, json=body or {}, headers=headers)
+        leader = await self.leader()
+        if leader is None or not leader.get("url"):
+            raise RuntimeError(f"no supervisor leader with a control API to {what} {worker}")
+        return await self._http.post(f"{leader['url']}{path}", json=body or {}, headers=headers)
+
+    def supervisor_control(self) -> HarnessSupervisor:
+        """The ``supervisor`` service of :class:`~fleetward.chaos.faults.control.SupervisorControl`."""
+        return HarnessSupervisor(self)
 
     async def aclose(self) -> None:
         await self.stop_controllers()
@@ -382,8 +478,8 @@ class TestFleet:
     def wrap_launch(self, worker: str, prefix: list[str] | None) -> None:
         """Start ``worker`` as ``prefix + its usual argv`` from its next (re)start on (None: as usual again).
 
-        The prefix is a launcher that ends by exec-ing the argv (same pid): e.g. the crash-loop and
-        slow-start launcher of ``fleetward.chaos.faults.launcher``.
+        The prefix is a launcher that ends by exec-ing the argv (same pid): e.g. the process.crash_loop and
+        process.slow_start launcher of ``fleetward.chaos.faults.launcher``.
         """
         if prefix:
             self._launch_prefix[worker] = list(prefix)
@@ -409,7 +505,7 @@ class TestFleet:
         """Bring ``worker`` back unless it serves. While a supervisor controller runs, it is given ``grace``
         seconds (default 10) to do so first, and a restart in progress is waited for: the agent does not
         serialize restarts of one worker, and two at once leave a process behind."""
-        grace = (10.0 if self.controllers else 0.0) if grace is None else grace
+        grace = (10.0 if self.supervised else 0.0) if grace is None else grace
         loop = asyncio.get_running_loop()
         since = loop.time()
         async with asyncio.timeout(timeout):
@@ -456,6 +552,52 @@ class TestFleet:
         return FleetContext(self, history=history, seed=seed, services=services)
 
 
+class HarnessSupervisor:
+    """:class:`~fleetward.chaos.faults.control.SupervisorControl` over a :class:`TestFleet`'s controllers.
+
+    ``kill`` of a controller process is a ``SIGKILL``: it neither resigns nor revokes its lease, so a
+    standby takes over only once the lease expires (``supervisor.lease_ttl_s``), as after a real crash. An
+    in-process controller can only be cancelled, and a cancelled one resigns on its way out (an orderly
+    hand-over, not a crash): use controller processes to test a crash.
+    """
+
+    def __init__(self, fleet: TestFleet) -> None:
+        self.fleet = fleet
+
+    @property
+    def ids(self) -> list[str]:
+        return [c.id for c in self.fleet.controller_procs] + [c.id for c, _ in self.fleet.controllers]
+
+    async def leader(self) -> str | None:
+        leader = await self.fleet.leader()
+        return None if leader is None else str(leader["id"])
+
+    async def kill(self, controller: str) -> None:
+        for c in self.fleet.controller_procs:
+            if c.id == controller:
+                c.process.kill()
+                return
+        for i, (ctl, task) in enumerate(self.fleet.controllers):
+            if ctl.id == controller:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+                del self.fleet.controllers[i]
+                return
+        raise KeyError(f"no controller {controller!r} (controllers: {', '.join(self.ids)})")
+
+    async def restart(self, controller: str) -> None:
+        for c in self.fleet.controller_procs:
+            if c.id == controller:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(c.process.wait_exit(), 5)
+                c.process.start()
+                await self.fleet._controller_ready(c)
+                return
+        if controller not in self.ids:  # a cancelled in-process controller: a new one under the same id
+            await self.fleet.start_controller(wait=False, controller_id=controller)
+
+
 class _HarnessBackend:
     """The real backend, plus what chaos needs at launch: a launcher prefix per worker, proxies that follow."""
 
@@ -494,7 +636,10 @@ class FleetContext:
     (the safety rule). ``pick="serving"`` needs routers' live progress, which a synchronous resolve cannot
     read: it falls back to ``first``.
     ``service``: ``proxy:<link>`` (a :class:`~fleetward.chaos.proxy.Link`), ``proxies`` (the registry),
-    ``etcd-cluster`` (the fleet), and whatever was passed in ``services`` (``kv``, ``supervisor``, ``gpu``...).
+    ``etcd-cluster`` (the fleet), ``gpu`` (the fleet's GPU health source, when it has one), ``kv`` (the
+    fleet's KV-transfer hook), ``supervisor`` (:class:`HarnessSupervisor`, when controllers run as
+    processes: an in-process one can be cancelled, not crashed), and
+    whatever was passed in ``services`` (which win).
     ``record`` appends to ``history`` (a :class:`~fleetward.chaos.history.History`) or to :attr:`records`.
     """
 
@@ -524,6 +669,10 @@ class FleetContext:
             return f.proxies.names
         if kind == "fleet":
             return [f.cluster]
+        if kind == "kv":
+            return ["kv"]
+        if kind == "supervisor":
+            return f.supervisor_control().ids
         known = self._services.get(kind)
         return list(getattr(known, "ids", []) or [])
 
@@ -557,8 +706,14 @@ class FleetContext:
             return self._fleet.proxies.get(name.removeprefix("proxy:"))
         if name == "proxies":
             return self._fleet.proxies
-        if name == "etcd-cluster":
-            return self._fleet
         if name in self._services:
             return self._services[name]
+        if name == "etcd-cluster":
+            return self._fleet
+        if name == "gpu" and self._fleet.gpu is not None:
+            return self._fleet.gpu
+        if name == "kv":
+            return self._fleet.kv
+        if name == "supervisor" and self._fleet.controller_procs:  # an in-process controller cannot crash
+            return self._fleet.supervisor_control()
         raise KeyError(f"no service {name!r} in this context")

@@ -61,6 +61,7 @@ from fleetward.chaos.experiment import (
     RequestsProbeArgs,
     counts_toward_share,
     declared_ids,
+    default_target,
     fault_catalogue,
     load_experiment,
     match_ids,
@@ -100,6 +101,9 @@ class RunOptions:
     stop: asyncio.Event | None = None  # set it to interrupt the run (faults are recovered, rollbacks run)
     services: Mapping[str, Any] = field(default_factory=dict)  # extra collaborators for faults
     report: bool = True
+    # A running TestFleet to use as it is (neither started nor stopped here; missing routers are started for
+    # the run and stopped after it): e.g. a test session's vLLM workers, which take a minute to start.
+    fleet: Any = None
 
 
 @dataclass
@@ -333,6 +337,10 @@ class Runner:
                         base=self.opts.base) as workload:
                     self.workload = workload
                     self.services.update(workload=workload, history=self.history, bus=getattr(fleet, "bus", None))
+                    if self.fleet_ctx is None:  # an attached fleet: a KV hook of the run's own (hook-level faults)
+                        from fleetward.chaos.faults.kv import FaultyKvTransfer
+
+                        self.services["kv"] = FaultyKvTransfer()
                     self.services.update(self.opts.services)
                     before = await self._hypothesis("before")
                     journal["steady_states"]["before"] = before
@@ -407,16 +415,28 @@ class Runner:
             async with self._attached() as fleet:
                 yield fleet
             return
+        if self.opts.fleet is not None:
+            async with self._given(self.opts.fleet) as fleet:
+                yield fleet
+            return
         from fleetward.chaos.harness import TestFleet
 
         spec = self.exp.fleet
         known = {f.name for f in dataclasses.fields(TestFleet)}
+        gpu = None
+        if spec.gpus_per_worker:
+            from fleetward.supervisor.gpu import FakeGpuSource
+
+            gpu = FakeGpuSource(spec.workers * spec.gpus_per_worker)
         kw: dict[str, Any] = dict(
             etcd=self.opts.etcd or "", mqtt=self.opts.mqtt or "", run_dir=run_dir / "fleet",
             cluster=spec.cluster or f"chaos-{uuid.uuid4().hex[:6]}", workers=spec.workers, backend=spec.backend,
             sim=spec.sim, vllm=spec.vllm, routing=spec.routing, supervisor=spec.supervisor, node=spec.node,
             lease_ttl=spec.lease_ttl_s,
             model_path=self._model_path(),
+            # One controller runs in this process; more run as processes (a leader and standbys).
+            controller=spec.controllers == 1, controller_processes=spec.controllers if spec.controllers > 1 else 0,
+            gpu=gpu, gpus_per_worker=spec.gpus_per_worker,
             # The fleet owns what was not given: a private etcd (cluster) and broker, so faults may stop them.
             etcd_members=0 if self.opts.etcd else spec.etcd_members, own_broker=not self.opts.mqtt,
             proxy_workers=spec.proxies.workers, proxy_clients=spec.proxies.clients,
@@ -425,7 +445,7 @@ class Runner:
         if lacking:
             raise ConfigError(f"this harness cannot do {', '.join(lacking)}; give --etcd and --mqtt, or leave "
                               "those fleet settings out", field="fleet")
-        self.supervised = "controller" in known  # the harness runs the supervisor controller (it makes workers ready)
+        self.supervised = True  # the harness runs the supervisor (it makes workers ready)
         self._say("phase", f"starting {spec.workers} {spec.backend} worker(s) and {spec.routers} router(s)")
         async with contextlib.AsyncExitStack() as stack:
             fleet = TestFleet(**{k: v for k, v in kw.items() if k in known})
@@ -434,12 +454,41 @@ class Runner:
                 await self._unless_stopped(fleet.start_router(f"router-{i}"), "starting the routers")
             await self._unless_stopped(fleet.wait_workers_routable(
                 spec.workers, timeout=max(60.0, spec.vllm.start_timeout_s)), "waiting for the workers")
-            if hasattr(fleet, "fault_context"):
-                self.fleet_ctx = fleet.fault_context(history=self.history, seed=self.exp.seed,
-                                                     services=dict(self.opts.services))
-            self._declared = {"worker": fleet.worker_ids, "router": [r.id for r in fleet.routers],
-                              "supervisor": ["supervisor"] if self.supervised else [], "fleet": ["fleet"]}
+            self._harness(fleet)
             yield fleet
+
+    def _harness(self, fleet: Any) -> None:
+        """The fault context and the declared ids of a harness fleet (its own, or one given to the run)."""
+        self.fleet_ctx = fleet.fault_context(history=self.history, seed=self.exp.seed,
+                                             services=dict(self.opts.services))
+        self._declared = {"worker": fleet.worker_ids, "router": [r.id for r in fleet.routers],
+                          "supervisor": fleet.supervisor_control().ids if fleet.supervised else [],
+                          "kv": ["kv"], "fleet": ["fleet"]}
+
+    @contextlib.asynccontextmanager
+    async def _given(self, fleet: Any) -> AsyncIterator[Any]:
+        """A running harness fleet: check it is the declared one, add the routers it lacks for this run."""
+        spec = self.exp.fleet
+        declared = declared_ids(spec, "worker") or []
+        missing = [w for w in declared if w not in fleet.worker_ids]
+        if missing or fleet.backend != spec.backend:
+            raise ConfigError(f"the given fleet has {fleet.backend} workers {', '.join(fleet.worker_ids) or 'none'}; "
+                              f"the experiment declares {spec.backend} workers {', '.join(declared)} (set "
+                              "fleet.backend, fleet.node and fleet.workers to match)", field="fleet.workers")
+        self.supervised = fleet.supervised
+        started = []
+        try:
+            for i in range(len(fleet.routers), spec.routers):
+                started.append(await fleet.start_router(f"router-{i}"))
+            await fleet.wait_workers_routable(spec.workers, timeout=max(60.0, spec.vllm.start_timeout_s))
+            self._say("phase", f"using the given fleet {fleet.cluster} ({len(fleet.worker_ids)} workers)")
+            self._harness(fleet)
+            self._declared["worker"] = declared
+            self._declared["router"] = [r.id for r in fleet.routers][:spec.routers]
+            yield fleet
+        finally:
+            for r in started:
+                await fleet.stop_router(r)
 
     async def _unless_stopped(self, aw: Awaitable[T], what: str) -> T:
         """``aw``, unless the operator stops the run first (then it is cancelled: :class:`Stopped`)."""
@@ -494,7 +543,7 @@ class Runner:
                 raise ConfigError(f"the attached fleet has {len(fleet.routers)} router(s); the experiment declares "
                                   f"{self.exp.fleet.routers}", field="fleet.routers")
             self._declared = {"worker": declared, "router": [r.id for r in fleet.routers][:self.exp.fleet.routers],
-                              "fleet": ["fleet"]}
+                              "kv": ["kv"], "fleet": ["fleet"]}
             self._say("phase", f"attached to fleet {fleet.cluster} ({len(fleet.worker_ids)} workers)")
             yield fleet
         finally:
@@ -672,7 +721,7 @@ class Runner:
         h = self.history
         spec: FaultSpec = self.catalogue[act.fault]
         params = spec.params.model_validate(act.params)
-        target = act.target or Target(kind="fleet", pick="all")
+        target = act.target or default_target(spec) or Target(kind="fleet", pick="all")
         entry: dict[str, Any] = {"activity": {**act.model_dump(mode="json"), "type": "fault", "name": name},
                                  "status": "running", "start": _iso(time.time()), "t_start": round(h.now(), 3)}
         self.activities.append(entry)
@@ -706,6 +755,10 @@ class Runner:
         try:
             try:
                 await fault.inject(ctx)
+                if spec.extra.get("picks_target") and fault.targets and list(fault.targets) != ids:
+                    # The fault picks its own (the supervisor's leader at injection): the records say which.
+                    ids[:] = list(fault.targets)
+                    self._say("activity", f"{name}: it hit {', '.join(ids)}")
                 verified = await _bounded(fault.verify(ctx), verify_s)
                 step("verified", ok=verified, detail=_describe(fault))
                 self._say("activity", f"{name}: {'took effect' if verified else 'DID NOT take effect'}")
@@ -841,7 +894,12 @@ class Runner:
         done: dict[str, Any] = {}
         if action in ("restore_fleet", "restart_dead") and not self.opts.attach:
             restarted = []
+            quarantined = await self._unquarantine()
+            if quarantined:
+                done["unquarantined"] = quarantined
             for wid in self._declared.get("worker", []):
+                if wid in quarantined:
+                    continue  # the supervisor restarts it after the self-test
                 h = self.fleet.agent.handles.get(wid)
                 if h is None or not h.process.is_running:
                     await self.fleet.restart(wid)
@@ -868,6 +926,24 @@ class Runner:
             await self.fleet.wait_workers_routable(len(self._declared.get("worker", [])), timeout=timeout)
             done["routable"] = True
         return done
+
+    async def _unquarantine(self) -> list[str]:
+        """Reset the fake GPUs and clear every quarantine through the supervisor leader (a self-test, then a
+        restart, as an operator would); returns the workers that were quarantined."""
+        fleet = self.fleet
+        gpu = getattr(fleet, "gpu", None)
+        if gpu is not None:
+            for info in gpu.gpus():
+                gpu.clear(info.index)
+        if not getattr(fleet, "supervised", False):
+            return []
+        from fleetward.fleet.registry import read_fleet
+
+        health = (await read_fleet(fleet.store, fleet.keys)).health
+        out = [w for w in self._declared.get("worker", []) if w in health and health[w].state.value == "quarantined"]
+        for w in out:
+            (await fleet.supervisor_command(w, "quarantine/clear")).raise_for_status()
+        return out
 
     async def _reference(self, run_dir: Path) -> dict[str, Any]:
         exp = self.exp

@@ -83,6 +83,8 @@ class NodeAgent:
         self._tree_fds: dict[str, dict[int, int]] = {}  # worker -> pid -> pidfd of its engine processes
         self._locks: dict[str, asyncio.Lock] = {}  # one restart/stop of a worker at a time
         self._http = httpx.AsyncClient(timeout=2.0)
+        self._raised: dict[str, set[str]] = {}  # worker -> detectors whose last signal here was not ok
+        self._degraded_gpus: set[int] = set()  # GPUs throttled right now
         self.actions_done: list[str] = []  # ids carried out by this agent (tests check nothing ran twice)
 
     # -- life -------------------------------------------------------------------------------------------
@@ -179,11 +181,23 @@ class NodeAgent:
         sig = Signal(worker_id, detector, severity, reason, self.clock.wall(), dict(extra))
         with contextlib.suppress(UnavailableError):
             await self.store.put(self.keys.signal(worker_id, detector), sig.to_json())
+        raised = self._raised.setdefault(worker_id, set())
+        if severity is Severity.OK:
+            raised.discard(detector)
+        else:
+            raised.add(detector)
 
     async def _register(self, handle: WorkerHandle) -> None:
         spec = handle.spec
         self.failed.pop(spec.id, None)
         await self.signal(spec.id, "process", Severity.OK, f"running (pid {handle.process.pid})")
+        # A fresh process: what was said about the old one (its engine froze, its GPU raised an Xid or was
+        # quarantined and has passed the self-test since, it failed to start) was acted on by this restart.
+        # Left standing in etcd, a leader that takes over would read it again and act twice. A GPU that is
+        # still throttled stays degraded.
+        for detector in sorted(self._raised.get(spec.id, set())):
+            if detector != "gpu" or not self._degraded_gpus & set(spec.gpus):
+                await self.signal(spec.id, detector, Severity.OK, f"a fresh process (pid {handle.process.pid})")
         await self._put_record(handle)
         await self.bus.publish("worker.up", worker=spec.id, url=spec.url, node=self.node, role=spec.role)
         self._watchers[spec.id] = asyncio.create_task(self._watch_exit(handle), name=f"watch-{spec.id}")
@@ -307,8 +321,11 @@ class NodeAgent:
                 action, reason = policy.classify(event)
                 if event.kind is GpuEventKind.THROTTLE_STOPPED:
                     action = None  # clears the degraded mark below
+                    self._degraded_gpus.discard(event.gpu)
                 elif action is Action.IGNORE:
                     continue
+                elif action is Action.DEGRADED:
+                    self._degraded_gpus.add(event.gpu)
                 for wid, spec in self.specs.items():
                     if event.gpu not in spec.gpus:
                         continue

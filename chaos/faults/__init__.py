@@ -5,7 +5,7 @@ Families and modules: ``process`` (:mod:`.process`), ``network`` (:mod:`.network
 :mod:`fleetward.chaos.proxy`), ``control`` (:mod:`.control`), ``kv`` (:mod:`.kv`). GPU faults and the
 supervisor's own come from the supervisor side. Build a fault from the catalogue::
 
-    spec = CATALOGUE["kill-worker"]
+    spec = CATALOGUE["process.kill_worker"]
     fault = spec.factory(spec.params(scope="tree"), Target(kind="worker", ids=("node-w0",)))
     await fault.inject(ctx); assert await fault.verify(ctx)
     await fault.recover(ctx); assert await fault.verify_recovered(ctx)

@@ -4,30 +4,35 @@ etcd faults need the fleet's own cluster (``TestFleet(etcd_members=3)``: members
 every component gets every endpoint); the broker fault needs ``own_broker=True``; lease expiry needs the
 component's etcd link (``proxy_control=True``).
 
-==========================  =============================================================================
-fault                       what happens
-==========================  =============================================================================
-``etcd-member-kill``        SIGKILL a member; recovery starts it again on its data (it rejoins)
-``etcd-member-pause``       SIGSTOP a member (its port still accepts, nothing answers); recovery SIGCONTs
-``etcd-member-restart``     stop (SIGTERM or SIGKILL) and start a member at once; verify sees a new process
-``etcd-leader-loss``        find the leader (maintenance status of each member) and SIGKILL it; verify sees a
-                            new leader elected among the others; recovery restarts the old one
-``lease-expiry``            partition a component (the node agent, or a router) from etcd until its lease
-                            expires (its keys vanish); recovery heals the link; recovered = its keys are back
-``broker-restart``          kill (or stop) the broker; recovery starts it again (same port, persistence)
-``router-restart``          SIGKILL a router; recovery starts it again (same id, port and links)
-``supervisor-leader-kill``  placeholder: needs the ``supervisor`` service (:class:`SupervisorControl`), which
-                            the supervisor provides; without it injection raises ``FaultUnavailable``
-==========================  =============================================================================
+==================================  =============================================================================
+fault                               what happens
+==================================  =============================================================================
+``control.etcd_member_kill``        SIGKILL a member; recovery starts it again on its data (it rejoins)
+``control.etcd_member_pause``       SIGSTOP a member (its port still accepts, nothing answers); recovery SIGCONTs
+``control.etcd_member_restart``     stop (SIGTERM or SIGKILL) and start a member at once; verify sees a new process
+``control.etcd_leader_loss``        find the leader (maintenance status of each member) and SIGKILL it; verify sees a
+                                    new leader elected among the others; recovery restarts the old one
+``control.lease_expiry``            partition a component (the node agent, or a router) from etcd until its lease
+                                    expires (its keys vanish); recovery heals the link; recovered = its keys are back
+``control.broker_restart``          kill (or stop) the broker; recovery starts it again (same port, persistence)
+``control.router_restart``          SIGKILL a router; recovery starts it again (same id, port and links)
+``control.supervisor_leader_kill``  SIGKILL the supervisor's leader (the ``supervisor`` service,
+                                    :class:`SupervisorControl`: two or more controllers); verify sees a standby
+                                    lead and nothing done twice; recovery starts the old one again (a standby)
+==================================  =============================================================================
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import signal
+import time
 from typing import Any, Literal, Protocol
 
 import httpx
+import orjson
 import psutil
 from pydantic import Field
 
@@ -107,7 +112,7 @@ class EtcdKillParams(FaultParams):
 
 @catalogued("SIGKILL an etcd member; recovery starts it again (it rejoins with its data)", target="etcd")
 class EtcdMemberKill(_EtcdFault):
-    name = "etcd-member-kill"
+    name = "control.etcd_member_kill"
     Params = EtcdKillParams
 
     def __init__(self, params: Any, target: Target) -> None:
@@ -147,7 +152,7 @@ class EtcdMemberKill(_EtcdFault):
 
 @catalogued("SIGSTOP an etcd member (it accepts connections, answers nothing); recovery SIGCONTs it", target="etcd")
 class EtcdMemberPause(_EtcdFault):
-    name = "etcd-member-pause"
+    name = "control.etcd_member_pause"
     Params = FaultParams
 
     def __init__(self, params: Any, target: Target) -> None:
@@ -187,7 +192,7 @@ class EtcdRestartParams(FaultParams):
 
 @catalogued("stop an etcd member (SIGTERM or SIGKILL) and start it again at once", target="etcd")
 class EtcdMemberRestart(_EtcdFault):
-    name = "etcd-member-restart"
+    name = "control.etcd_member_restart"
     Params = EtcdRestartParams
 
     def __init__(self, params: Any, target: Target) -> None:
@@ -227,7 +232,7 @@ class EtcdMemberRestart(_EtcdFault):
 
 @catalogued("SIGKILL the current etcd leader; a new one is elected; recovery restarts the old one", target="etcd")
 class EtcdLeaderLoss(_EtcdFault):
-    name = "etcd-leader-loss"
+    name = "control.etcd_leader_loss"
     Params = EtcdKillParams
 
     def __init__(self, params: Any, target: Target) -> None:
@@ -283,7 +288,7 @@ class LeaseParams(FaultParams):
 class LeaseExpiry(BaseFault):
     """Targets: ``Target(kind="link", ids=("agent->etcd",))`` or ``Target(kind="router", ids=("r0",))``."""
 
-    name = "lease-expiry"
+    name = "control.lease_expiry"
     family = "control"
     Params = LeaseParams
 
@@ -299,7 +304,8 @@ class LeaseExpiry(BaseFault):
         elif self.target.kind == "link":
             names = ctx.resolve(self.target)
         else:
-            raise FaultUnavailable("lease-expiry targets an etcd link (agent->etcd, <router>->etcd) or a router")
+            raise FaultUnavailable("control.lease_expiry targets an etcd link (agent->etcd, <router>->etcd) or a "
+                                   "router")
         self.targets = names
         for n in names:
             component = n.removesuffix("->etcd")
@@ -341,7 +347,7 @@ class BrokerParams(FaultParams):
 
 @catalogued("kill (or stop) the MQTT broker; recovery starts it again on the same port", target="broker")
 class BrokerRestart(BaseFault):
-    name = "broker-restart"
+    name = "control.broker_restart"
     family = "control"
     Params = BrokerParams
 
@@ -377,7 +383,7 @@ class BrokerRestart(BaseFault):
 
 @catalogued("SIGKILL a router; recovery starts it again (same id, port and links)", target="router")
 class RouterRestart(BaseFault):
-    name = "router-restart"
+    name = "control.router_restart"
     family = "control"
     Params = FaultParams
 
@@ -411,7 +417,8 @@ class RouterRestart(BaseFault):
 
 
 class SupervisorControl(Protocol):
-    """What ``supervisor-leader-kill`` needs from the supervisor (``ctx.service("supervisor")``)."""
+    """What ``control.supervisor_leader_kill`` needs from the supervisor (``ctx.service("supervisor")``;
+    :class:`~fleetward.chaos.harness.HarnessSupervisor` on a test fleet)."""
 
     async def leader(self) -> str | None:
         """The id of the controller that leads now."""
@@ -426,37 +433,95 @@ class SupervisorControl(Protocol):
         ...
 
 
-@catalogued("kill the supervisor's leader; another controller takes over (needs the supervisor service)",
-            target="supervisor", placeholder=True)
+class LeaderKillParams(FaultParams):
+    verify_timeout_s: float = Field(30.0, gt=0, description="how long a standby may take to lead (the dead "
+                                    "leader's lease must expire first: supervisor.lease_ttl_s)")
+
+
+@catalogued("SIGKILL the supervisor's leader; a standby takes over, and nothing is done twice", target="supervisor",
+            requires=("standby",), picks_target=True)
 class SupervisorLeaderKill(BaseFault):
-    name = "supervisor-leader-kill"
+    """The leader is killed without a chance to resign. ``verify`` passes once another controller leads
+    and the takeover did nothing twice:
+
+    - no agent carried out an action id twice (``NodeAgent.actions_done``, when the fleet's agent is here);
+    - the new leader issued no action that replays old news: an action for a worker whose reason is that
+      of a non-ok signal still in etcd from *before* the kill (the old leader saw it and acted; the new
+      one read it again when it took over).
+
+    Recovery starts the killed controller again (a standby now). ``verify_recovered`` waits until it runs
+    and every action pending at the kill has finished, and checks the above again. The target says how
+    many controllers the fault takes (one); which one is the leader at injection.
+    """
+
+    name = "control.supervisor_leader_kill"
     family = "control"
-    Params = FaultParams
+    Params = LeaderKillParams
 
     def __init__(self, params: Any, target: Target) -> None:
         super().__init__(params, target)
         self._sup: SupervisorControl | None = None
         self._old: str | None = None
+        self._new: str | None = None
+        self._killed_at = 0.0
+        self._pending: list[str] = []
 
     async def inject(self, ctx: FaultContext) -> None:
         try:
-            self._sup = ctx.service("supervisor")
+            sup: SupervisorControl = ctx.service("supervisor")
         except KeyError:
-            raise FaultUnavailable("supervisor-leader-kill needs the `supervisor` service (SupervisorControl), "
-                                   "which the supervisor provides") from None
-        self._old = await self._sup.leader()
-        if self._old is None:
+            raise FaultUnavailable("control.supervisor_leader_kill needs the `supervisor` service "
+                                   "(SupervisorControl): run two or more controllers (fleet.controllers: 2)") from None
+        self._sup = sup
+        if not await eventually(sup.leader, self.params.verify_timeout_s, 0.1):
             raise FaultUnavailable("the supervisor has no leader to kill")
+        self._old = await sup.leader()
+        assert self._old is not None
+        actions = await self._actions(ctx)
+        self._pending = sorted(a["id"] for a in actions.values() if a.get("status") in ("pending", "running"))
+        self.detail.update(killed=self._old, pending_at_kill=self._pending)
         self.targets = [self._old]
-        await self._sup.kill(self._old)
+        self._killed_at = time.time()
+        await sup.kill(self._old)
+
+    async def _actions(self, ctx: FaultContext) -> dict[str, dict[str, Any]]:
+        fleet = fleet_of(ctx)
+        snap = await fleet.store.get_prefix(fleet.keys.actions)
+        return {kv.key: orjson.loads(kv.value) for kv in snap.items}
+
+    async def _twice(self, ctx: FaultContext) -> list[str]:
+        """What the takeover did twice (see the class docstring), one line each."""
+        fleet = fleet_of(ctx)
+        out = []
+        done = getattr(getattr(fleet, "agent", None), "actions_done", None)
+        if done is not None:
+            out += [f"action {a} carried out {n} times" for a, n in collections.Counter(done).items() if n > 1]
+        old_news: dict[str, set[str]] = collections.defaultdict(set)
+        for kv in (await fleet.store.get_prefix(fleet.keys.signals)).items:
+            with contextlib.suppress(ValueError, KeyError):
+                sig = orjson.loads(kv.value)
+                if sig.get("severity") != "ok" and float(sig.get("ts", 0)) < self._killed_at:
+                    old_news[str(sig["worker"])].add(str(sig.get("reason", "")))
+        for a in (await self._actions(ctx)).values():
+            if self._new is not None and a.get("issued_by") == self._new and a.get("reason") in old_news[
+                    str(a.get("worker"))]:
+                out.append(f"{self._new} issued {a['id']} ({a['kind']}) for old news: {a['reason']}")
+        return out
 
     async def verify(self, ctx: FaultContext) -> bool:
-        async def replaced() -> bool:
-            assert self._sup is not None
-            now = await self._sup.leader()
-            return now is not None and now != self._old
+        sup = self._sup
 
-        return self._sup is not None and await eventually(replaced, self.params.verify_timeout_s, 0.1)
+        async def replaced() -> bool:
+            assert sup is not None
+            self._new = await sup.leader()
+            return self._new is not None and self._new != self._old
+
+        if sup is None or not await eventually(replaced, self.params.verify_timeout_s, 0.1):
+            return False
+        self.detail.update(new_leader=self._new, takeover_s=round(time.time() - self._killed_at, 3))
+        twice = await self._twice(ctx)
+        self.detail["twice"] = twice
+        return not twice
 
     async def recover(self, ctx: FaultContext) -> None:
         if self._sup is not None and self._old is not None:
@@ -464,4 +529,20 @@ class SupervisorLeaderKill(BaseFault):
 
     async def verify_recovered(self, ctx: FaultContext) -> bool:
         sup = self._sup
-        return sup is not None and await eventually(lambda: sup.leader(), self.params.recover_timeout_s, 0.1)
+        if sup is None or not await eventually(sup.leader, self.params.recover_timeout_s, 0.1):
+            return False
+        fleet = fleet_of(ctx)
+        procs = {c.id: c for c in getattr(fleet, "controller_procs", [])}
+        if self._old in procs and not procs[self._old].is_running:
+            return False
+
+        async def finished() -> bool:
+            actions = {a["id"]: a for a in (await self._actions(ctx)).values()}
+            return all(actions.get(i, {}).get("status") in ("done", "failed") for i in self._pending)
+
+        if not await eventually(finished, self.params.recover_timeout_s, 0.1):
+            self.detail["unfinished"] = self._pending
+            return False
+        twice = await self._twice(ctx)
+        self.detail["twice"] = twice
+        return not twice

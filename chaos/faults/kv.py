@@ -5,22 +5,28 @@ decode worker calls :meth:`KvTransferHook.transfer` on every transfer, before th
 the chaos run provides the hook as the ``kv`` service (``FleetContext(services={"kv": FaultyKvTransfer()})``).
 Outside chaos runs the hook is :class:`PassThrough`.
 
-========================  ==========================================================================
-fault                     what the transfer does
-========================  ==========================================================================
-``kv-drop``               never arrives: :class:`KvTransferError` (``kind="dropped"``)
-``kv-delay``              arrives ``delay_ms`` late
-``kv-corrupt``            arrives with one byte of one block flipped (same length: only a checksum or
-                          the decoded tokens show it)
-``kv-truncate``           arrives with only the first ``keep`` share of its blocks
-``kv-stall``              does not arrive until the fault is recovered (then it arrives whole)
-``kv-prefill-dies``       ``blocks_before`` blocks arrive, then the prefill side dies:
-                          :class:`KvTransferError` (``kind="prefill_died"``); with ``kill_worker``
-                          the prefill worker's process is SIGKILLed too (needs a fleet)
-========================  ==========================================================================
+===================  ==========================================================================
+fault                what the transfer does
+===================  ==========================================================================
+``kv.drop``          never arrives: :class:`KvTransferError` (``kind="dropped"``)
+``kv.delay``         arrives ``delay_ms`` late
+``kv.corrupt``       arrives with one byte of one block flipped (same length: only a checksum or
+                     the decoded tokens show it)
+``kv.truncate``      arrives with only the first ``keep`` share of its blocks
+``kv.stall``         does not arrive until the fault is recovered (then it arrives whole)
+``kv.prefill_dies``  ``blocks_before`` blocks arrive, then the prefill side dies:
+                     :class:`KvTransferError` (``kind="prefill_died"``); with ``kill_worker``
+                     the prefill worker's process is SIGKILLed too (needs a fleet)
+===================  ==========================================================================
 
-Each fault counts the transfers it hit (``verify``: at least one; traffic must flow) and is removed on
-recovery (``verify_recovered``: a probe transfer passes unchanged).
+Each fault counts the transfers it hit (``verify``: at least one) and is removed on recovery
+(``verify_recovered``: a probe transfer passes unchanged). While it verifies, a fault sends probe transfers
+through the hook (``probe: true``, the default), the way network faults probe their link: until the P/D
+path exists nothing else calls the hook, so the kv family is **hook only** (``fleetward chaos faults`` says
+so): an experiment exercises the hook and the fault objects, and no request of the fleet goes through it.
+
+Targets: ``{kind: kv}`` (the default), the fleet's one hook, ``kv``. KV faults do not count towards the
+safety share: they act on transfers, not on a component's availability.
 """
 
 from __future__ import annotations
@@ -159,9 +165,33 @@ def _probe_transfer() -> KvTransfer:
     return KvTransfer("kv-probe", "probe-prefill", "probe-decode", (1, 2, 3), (b"\x01" * 64, b"\x02" * 64)).sealed()
 
 
+def _outcome(t: asyncio.Task[KvTransfer]) -> str:
+    """What a probe transfer met: intact, altered (same blocks, wrong bytes), n/2 blocks, dropped, held..."""
+    if t.cancelled():
+        return "held"
+    exc = t.exception()
+    if isinstance(exc, KvTransferError):
+        return exc.kind
+    if exc is not None:
+        return f"{type(exc).__name__}: {exc}"
+    got = t.result()
+    if len(got.blocks) != 2:
+        return f"{len(got.blocks)}/2 blocks"
+    return "intact" if got.intact else "altered"
+
+
+class KvParams(FaultParams):
+    probe: bool = Field(True, description="send probe transfers through the hook while verifying (nothing else "
+                        "calls it until the P/D path lands)")
+
+
+_KV: dict[str, Any] = {"target": "kv", "counts_toward_share": False, "hook_only": True}
+
+
 class _KvFault(BaseFault):
     family = "kv"
     kind: ClassVar[str]
+    Params: ClassVar[type[FaultParams]] = KvParams
 
     def __init__(self, params: Any, target: Target) -> None:
         super().__init__(params, target)
@@ -180,12 +210,35 @@ class _KvFault(BaseFault):
         if not isinstance(hook, FaultyKvTransfer):
             raise FaultUnavailable(f"the kv service is a {type(hook).__name__}, not a FaultyKvTransfer")
         self._hook = hook
-        self.targets = ["kv"]
+        self.targets = ctx.resolve(self.target)
         self._rule = hook.add(self.rule(ctx))
 
     async def verify(self, ctx: FaultContext) -> bool:
-        rule = self._rule
-        return rule is not None and await eventually(lambda: rule.hits > 0, self.params.verify_timeout_s)
+        rule, hook = self._rule, self._hook
+        if rule is None or hook is None:
+            return False
+        p: Any = self.params
+        probes: list[asyncio.Task[KvTransfer]] = []
+
+        def hit() -> bool:
+            if rule.hits > 0:
+                return True
+            if p.probe and all(t.done() for t in probes):
+                probes.append(asyncio.create_task(hook.transfer(_probe_transfer()), name=f"{self.name}-probe"))
+            return False
+
+        try:
+            ok = await eventually(hit, self.params.verify_timeout_s, 0.02)
+            if probes:  # let a probe finish (a delayed one arrives; a stalled one stays held), for the journal
+                await asyncio.wait(probes, timeout=0.05 + getattr(p, "delay_ms", 0.0) / 1000)
+        finally:
+            for t in probes:
+                t.cancel()
+            if probes:
+                await asyncio.wait(probes)
+        outcomes = [_outcome(t) for t in probes]
+        self.detail.update(hits=rule.hits, probes=outcomes)
+        return ok
 
     async def recover(self, ctx: FaultContext) -> None:
         if self._hook is not None and self._rule is not None:
@@ -203,19 +256,19 @@ class _KvFault(BaseFault):
         return got.intact and got.blocks == probe.blocks
 
 
-@catalogued("KV transfers are dropped (never arrive)", target="kv", backends=("pd",))
+@catalogued("KV transfers are dropped (never arrive)", **_KV)
 class KvDrop(_KvFault):
-    name = "kv-drop"
+    name = "kv.drop"
     kind = "drop"
 
 
-class KvDelayParams(FaultParams):
+class KvDelayParams(KvParams):
     delay_ms: float = Field(500.0, ge=0)
 
 
-@catalogued("KV transfers arrive delay_ms late", target="kv", backends=("pd",))
+@catalogued("KV transfers arrive delay_ms late", **_KV)
 class KvDelay(_KvFault):
-    name = "kv-delay"
+    name = "kv.delay"
     kind = "delay"
     Params = KvDelayParams
 
@@ -224,19 +277,19 @@ class KvDelay(_KvFault):
         return KvRule("delay", delay_ms=p.delay_ms)
 
 
-@catalogued("KV transfers arrive with one byte flipped", target="kv", backends=("pd",))
+@catalogued("KV transfers arrive with one byte flipped", **_KV)
 class KvCorrupt(_KvFault):
-    name = "kv-corrupt"
+    name = "kv.corrupt"
     kind = "corrupt"
 
 
-class KvTruncateParams(FaultParams):
+class KvTruncateParams(KvParams):
     keep: float = Field(0.5, ge=0, lt=1, description="share of the blocks that arrive")
 
 
-@catalogued("KV transfers arrive with only their first blocks", target="kv", backends=("pd",))
+@catalogued("KV transfers arrive with only their first blocks", **_KV)
 class KvTruncate(_KvFault):
-    name = "kv-truncate"
+    name = "kv.truncate"
     kind = "truncate"
     Params = KvTruncateParams
 
@@ -245,21 +298,20 @@ class KvTruncate(_KvFault):
         return KvRule("truncate", keep=p.keep)
 
 
-@catalogued("KV transfers stall until recovery (then arrive whole)", target="kv", backends=("pd",))
+@catalogued("KV transfers stall until recovery (then arrive whole)", **_KV)
 class KvStall(_KvFault):
-    name = "kv-stall"
+    name = "kv.stall"
     kind = "stall"
 
 
-class KvPrefillDiesParams(FaultParams):
+class KvPrefillDiesParams(KvParams):
     blocks_before: int = Field(1, ge=0, description="blocks that arrive before the prefill side dies")
     kill_worker: bool = Field(False, description="also SIGKILL the prefill worker's process (needs a fleet)")
 
 
-@catalogued("the prefill side dies mid-transfer (optionally its worker process is killed)", target="kv",
-            backends=("pd",))
+@catalogued("the prefill side dies mid-transfer (optionally its worker process is killed)", **_KV)
 class KvPrefillDies(_KvFault):
-    name = "kv-prefill-dies"
+    name = "kv.prefill_dies"
     kind = "prefill_dies"
     Params = KvPrefillDiesParams
 

@@ -12,7 +12,7 @@ etcd links, an MQTT CONNECT on broker links. A fault on a link nobody uses and w
 verify: it did nothing. ``recover`` removes the toxic (held data flows again); ``verify_recovered`` waits
 until a probe passes through the link.
 
-``net-partition-kernel`` drops (or resets) packets to and from the link's upstream ports with iptables,
+``network.partition_kernel`` drops (or resets) packets to and from the link's upstream ports with iptables,
 so every client of that component is cut off, not only the link's (root and the iptables command).
 """
 
@@ -191,7 +191,7 @@ class LatencyParams(LinkParams):
 @catalogued("delay every piece of data on a link by latency_ms ± jitter_ms (order kept, throughput not)",
             target="link")
 class NetLatency(LinkFault):
-    name = "net-latency"
+    name = "network.latency"
     Params = LatencyParams
 
     def toxics(self) -> list[Toxic]:
@@ -205,7 +205,7 @@ class BandwidthParams(LinkParams):
 
 @catalogued("limit a link to rate_bps bytes per second", target="link")
 class NetBandwidth(LinkFault):
-    name = "net-bandwidth"
+    name = "network.bandwidth"
     Params = BandwidthParams
 
     def toxics(self) -> list[Toxic]:
@@ -222,7 +222,7 @@ class SlicerParams(LinkParams):
 @catalogued("cut a link's data into small packets (average_size ± size_variation bytes) delay_ms apart",
             target="link")
 class NetSlicer(LinkFault):
-    name = "net-slicer"
+    name = "network.slicer"
     Params = SlicerParams
 
     def toxics(self) -> list[Toxic]:
@@ -236,7 +236,7 @@ class ResetParams(LinkParams):
 
 @catalogued("reset (TCP RST) every connection on a link, open and new, timeout_ms after it is seen", target="link")
 class NetReset(LinkFault):
-    name = "net-reset"
+    name = "network.reset"
     Params = ResetParams
 
     def toxics(self) -> list[Toxic]:
@@ -252,7 +252,7 @@ class BlackholeParams(LinkParams):
 @catalogued("accept and read, deliver nothing (data is lost); on recovery such connections are reset",
             target="link")
 class NetBlackhole(LinkFault):
-    name = "net-blackhole"
+    name = "network.blackhole"
     Params = BlackholeParams
 
     def toxics(self) -> list[Toxic]:
@@ -266,7 +266,7 @@ class LimitDataParams(LinkParams):
 
 @catalogued("close each connection once it carried `bytes` bytes in the direction", target="link")
 class NetLimitData(LinkFault):
-    name = "net-limit-data"
+    name = "network.limit_data"
     Params = LimitDataParams
     sse_probe = True
 
@@ -281,7 +281,7 @@ class SlowCloseParams(LinkParams):
 
 @catalogued("pass a connection's close (FIN) on delay_ms late", target="link")
 class NetSlowClose(LinkFault):
-    name = "net-slow-close"
+    name = "network.slow_close"
     Params = SlowCloseParams
 
     def toxics(self) -> list[Toxic]:
@@ -297,7 +297,7 @@ class PartitionParams(LinkParams):
 @catalogued("partition a link one way or both ways: nothing is delivered, nothing is lost; it flows on recovery",
             target="link")
 class NetPartition(LinkFault):
-    name = "net-partition"
+    name = "network.partition"
     Params = PartitionParams
 
     def toxics(self) -> list[Toxic]:
@@ -311,7 +311,7 @@ class DownParams(FaultParams):
 
 @catalogued("take a link down: nothing listens (connection refused) and open connections are reset", target="link")
 class NetDown(BaseFault):
-    name = "net-down"
+    name = "network.down"
     family = "network"
     Params = DownParams
 
@@ -358,7 +358,7 @@ class KernelPartitionParams(FaultParams):
 @catalogued("iptables: drop (or reset) every packet to and from the link's upstream ports (root)",
             needs_root=True, target="link")
 class NetPartitionKernel(BaseFault):
-    name = "net-partition-kernel"
+    name = "network.partition_kernel"
     family = "network"
     Params = KernelPartitionParams
 
@@ -435,7 +435,7 @@ class SseCutParams(SseParams):
 
 @catalogued("cut an SSE response after N events (the client sees exactly N, then EOF)", target="link")
 class SseCutFault(_SseFault):
-    name = "sse-cut"
+    name = "network.sse_cut"
     Params = SseCutParams
 
     def toxics(self) -> list[Toxic]:
@@ -450,7 +450,7 @@ class SseStallParams(SseParams):
 @catalogued("stall SSE responses after N events, connection kept open; they flow again on recovery",
             target="link")
 class SseStallFault(_SseFault):
-    name = "sse-stall"
+    name = "network.sse_stall"
     Params = SseStallParams
 
     def toxics(self) -> list[Toxic]:
@@ -465,7 +465,7 @@ class SseCorruptParams(SseParams):
 
 @catalogued("change a token id in the token_ids of an SSE data event (HTTP 200, wrong token)", target="link")
 class SseCorruptFault(_SseFault):
-    name = "sse-corrupt"
+    name = "network.sse_corrupt"
     Params = SseCorruptParams
 
     def toxics(self) -> list[Toxic]:
@@ -475,7 +475,7 @@ class SseCorruptFault(_SseFault):
 
 @catalogued("drop `data: [DONE]` from SSE responses (they still end properly)", target="link")
 class SseDropDoneFault(_SseFault):
-    name = "sse-drop-done"
+    name = "network.sse_drop_done"
     Params = SseParams
 
     def toxics(self) -> list[Toxic]:

@@ -1,26 +1,26 @@
 """Process faults: kill, engine kill, hang, crash loop, slow start, OOM kill. Targets are workers.
 
-========================  ===============================================================================
-fault                     what happens (sim: the simulated worker is one process; vLLM: API server →
-                          ``VLLM::EngineCore`` → ``VLLM::Worker``)
-========================  ===============================================================================
-``kill-worker``           SIGKILL the worker's whole tree (``scope: tree``) or its root only (``root``: on
-                          vLLM the engine may outlive the API server a moment; recovery reaps it)
-``kill-engine``           SIGKILL the engine only. vLLM: EngineCore (the API server is left to notice).
-                          sim: its one process, so this is ``kill-worker`` there
-``hang-worker``           ``mode: silent``: the engine stops, ``/health`` stays 200 (vLLM: SIGSTOP of
-                          EngineCore and its children; sim: the ``hang`` switch). ``mode: freeze``: SIGSTOP
-                          of the whole tree, ``/health`` stops answering too (both backends)
-``crash-loop``            from its next start on, the worker exits (``exit_code``) ``failures`` times,
-                          ``delay_s`` after each start, before a start succeeds; the worker is killed so
-                          that it must start again
-``slow-start``            the worker is restarted and takes ``delay_s`` longer to become ready
-``oom-kill``              the worker is restarted inside a memory cgroup of its own; the cgroup's limit is
-                          set just above its usage and a helper in the same cgroup allocates past it, so the
-                          kernel's OOM killer kills the worker (made the preferred victim with
-                          ``oom_score_adj`` 1000) and nothing outside the cgroup. Root, cgroup v1 memory
-                          controller (or v2 with memory enabled)
-========================  ===============================================================================
+=======================  ===============================================================================
+fault                    what happens (sim: the simulated worker is one process; vLLM: API server →
+                         ``VLLM::EngineCore`` → ``VLLM::Worker``)
+=======================  ===============================================================================
+``process.kill_worker``  SIGKILL the worker's whole tree (``scope: tree``) or its root only (``root``: on
+                         vLLM the engine may outlive the API server a moment; recovery reaps it)
+``process.kill_engine``  SIGKILL the engine only. vLLM: EngineCore (the API server is left to notice).
+                         sim: its one process, so this is ``process.kill_worker`` there
+``process.hang``         ``mode: silent``: the engine stops, ``/health`` stays 200 (vLLM: SIGSTOP of
+                         EngineCore and its children; sim: the ``hang`` switch). ``mode: freeze``: SIGSTOP
+                         of the whole tree, ``/health`` stops answering too (both backends)
+``process.crash_loop``   from its next start on, the worker exits (``exit_code``) ``failures`` times,
+                         ``delay_s`` after each start, before a start succeeds; the worker is killed so
+                         that it must start again
+``process.slow_start``   the worker is restarted and takes ``delay_s`` longer to become ready
+``process.oom_kill``     the worker is restarted inside a memory cgroup of its own; the cgroup's limit is
+                         set just above its usage and a helper in the same cgroup allocates past it, so the
+                         kernel's OOM killer kills the worker (made the preferred victim with
+                         ``oom_score_adj`` 1000) and nothing outside the cgroup. Root, cgroup v1 memory
+                         controller (or v2 with memory enabled)
+=======================  ===============================================================================
 
 Recovery (``restart: true``) brings a dead worker back through the node agent unless something else (the
 supervisor) already did; with ``restart: false`` recovery waits for the supervisor. Every fault records
@@ -120,7 +120,7 @@ class KillParams(FaultParams):
 
 @catalogued("SIGKILL a worker (its whole process tree, or its root process only)")
 class KillWorker(_WorkerFault):
-    name = "kill-worker"
+    name = "process.kill_worker"
     Params = KillParams
     params: KillParams
 
@@ -164,7 +164,7 @@ class KillEngineParams(FaultParams):
 
 @catalogued("SIGKILL the engine process only (vLLM EngineCore; the sim's one process)")
 class KillEngine(_WorkerFault):
-    name = "kill-engine"
+    name = "process.kill_engine"
     Params = KillEngineParams
     params: KillEngineParams
 
@@ -202,7 +202,7 @@ class HangParams(FaultParams):
 
 @catalogued("hang a worker: the engine stops (silent: /health still 200) or the whole tree is SIGSTOPped")
 class HangWorker(_WorkerFault):
-    name = "hang-worker"
+    name = "process.hang"
     Params = HangParams
     params: HangParams
 
@@ -290,7 +290,7 @@ class CrashLoopParams(FaultParams):
 
 @catalogued("the worker dies on every start (exits N times) until recovered; it is killed to make it start")
 class CrashLoop(_WorkerFault):
-    name = "crash-loop"
+    name = "process.crash_loop"
     Params = CrashLoopParams
     params: CrashLoopParams
 
@@ -321,7 +321,7 @@ class CrashLoop(_WorkerFault):
         fleet = fleet_of(ctx)
         if not self._state:
             return False
-        if self.params.probe_restart and not getattr(fleet, "controllers", None):
+        if self.params.probe_restart and not getattr(fleet, "supervised", False):
             # Nobody else restarts workers here (no supervisor controller): start it once to see it fail.
             for w in self.targets:
                 if self.starts(w) == 0:
@@ -350,7 +350,7 @@ class SlowStartParams(FaultParams):
 
 @catalogued("the worker is restarted and takes delay_s longer to become ready")
 class SlowStart(_WorkerFault):
-    name = "slow-start"
+    name = "process.slow_start"
     Params = SlowStartParams
     params: SlowStartParams
 
@@ -514,7 +514,7 @@ class OomParams(FaultParams):
 @catalogued("OOM kill: the worker runs under a small memory cgroup limit and the kernel's OOM killer kills it",
             needs_root=True)
 class OomKill(_WorkerFault):
-    name = "oom-kill"
+    name = "process.oom_kill"
     Params = OomParams
     params: OomParams
 

@@ -2,7 +2,8 @@
 
 They are trivial on purpose, so the engine's tests do not depend on the real fault families. Imported
 through ``FLEETWARD_FAULT_MODULES=chaos_doubles`` (the conftest sets it; subprocesses get it with
-``PYTHONPATH``), they register ``test.sim_hang`` and ``test.sim_wrong_tokens``.
+``PYTHONPATH``), they register ``process.double_hang`` and ``process.double_wrong_tokens`` (named like
+every fault: ``<family>.<name>``).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class _Switch:
 
 
 class SimHang(_Switch):
-    name = "test.sim_hang"
+    name = "process.double_hang"
 
     def on(self) -> dict[str, Any]:
         return {"hang": True}
@@ -79,7 +80,7 @@ class SimHang(_Switch):
 
 
 class SimWrongTokens(_Switch):
-    name = "test.sim_wrong_tokens"
+    name = "process.double_wrong_tokens"
 
     def on(self) -> dict[str, Any]:
         return {"wrong_tokens_after": self.params.after}
@@ -92,9 +93,9 @@ class SimWrongTokens(_Switch):
 
 
 for _spec in (
-    FaultSpec("test.sim_hang", "process", "test double: the simulated engine stops (hang switch)", HangParams,
+    FaultSpec("process.double_hang", "process", "test double: the simulated engine stops (hang switch)", HangParams,
               SimHang, backends=("sim",), extra={"target": "worker"}),
-    FaultSpec("test.sim_wrong_tokens", "process", "test double: the simulated engine emits wrong tokens",
+    FaultSpec("process.double_wrong_tokens", "process", "test double: the simulated engine emits wrong tokens",
               WrongParams, SimWrongTokens, backends=("sim",), extra={"target": "worker"}),
 ):
     if _spec.name not in CATALOGUE:

@@ -73,7 +73,7 @@ class H:
 
     def fault(self, name: str, start: float, end: float, *, targets: Sequence[str] = ("node-w0",),
               family: str = "process", verified: bool = True, recovered: bool = True) -> None:
-        base = {"activity": name, "fault": "kill-worker", "family": family, "targets": list(targets),
+        base = {"activity": name, "fault": "process.kill_worker", "family": family, "targets": list(targets),
                 "target": {"kind": "worker", "ids": [], "pick": "first", "count": 1}, "params": {}}
         self.add("fault", start, phase="start", **base)
         self.add("fault", start + 0.01, phase="verified", ok=verified, **base)

@@ -27,11 +27,11 @@ steady-state-hypothesis:
     - {name: all routable, probe: workers_routable, tolerance: {min: 3}}
 method:
   - name: first
-    fault: test.sim_hang
+    fault: process.double_hang
     at: 2
     duration: 1
     target: {kind: worker, ids: [node-w0]}
-  - fault: test.sim_hang
+  - fault: process.double_hang
     after: first
     delay: 0.5
     duration: 1
@@ -57,7 +57,7 @@ def refused(tmp_path: Path, text: str) -> ConfigError:
 
 def test_a_good_file_loads_with_defaults_filled_in(tmp_path: Path) -> None:
     exp = load_experiment(write(tmp_path, GOOD))
-    assert exp.activity_names() == ["first", "test.sim_hang#1", "load.burst#2"]
+    assert exp.activity_names() == ["first", "process.double_hang#1", "load.burst#2"]
     assert exp.fleet.sim.decode_step_ms == 2 and exp.fleet.backend == "sim"
     assert exp.hypothesis().probes[0].accepts(3) and not exp.hypothesis().probes[0].accepts(2)
     assert exp.rollbacks[0].action == "restore_fleet"
@@ -92,7 +92,7 @@ def test_an_unknown_fault_lists_the_catalogue(tmp_path: Path) -> None:
     err = refused(tmp_path, GOOD.replace("fault: load.burst", "fault: load.brust"))
     assert (err.line, err.field) == (24, "method[2].fault")
     assert "unknown fault 'load.brust' (did you mean load.burst?)" in err.problem
-    assert "load.mass_cancel" in err.problem and "test.sim_hang" in err.problem
+    assert "load.mass_cancel" in err.problem and "process.double_hang" in err.problem
 
 
 def test_bad_fault_params_are_checked_by_the_faults_own_model(tmp_path: Path) -> None:

@@ -77,7 +77,8 @@ async def test_the_fleet_runs_on_three_members_and_every_component_gets_them_all
     await fleet_serves(fleet, "baseline")
 
 
-@pytest.mark.parametrize("name", ["etcd-member-kill", "etcd-member-pause", "etcd-member-restart"])
+@pytest.mark.parametrize("name", ["control.etcd_member_kill", "control.etcd_member_pause",
+                                  "control.etcd_member_restart"])
 async def test_an_etcd_member_fault_and_the_fleet_keeps_serving(fleet: TestFleet, ctx: FleetContext,
                                                                name: str) -> None:
     await cycle(ctx, name, Target(kind="etcd", ids=("etcd-1",)))
@@ -85,14 +86,14 @@ async def test_an_etcd_member_fault_and_the_fleet_keeps_serving(fleet: TestFleet
 
 
 async def test_losing_the_etcd_leader_elects_another(fleet: TestFleet, ctx: FleetContext) -> None:
-    fault = await cycle(ctx, "etcd-leader-loss", Target(kind="etcd", pick="all"))
+    fault = await cycle(ctx, "control.etcd_leader_loss", Target(kind="etcd", pick="all"))
     assert fault.detail["new_leader"] != fault.targets[0]
     await fleet_serves(fleet, "leader loss")
 
 
 async def test_partitioning_the_agent_from_etcd_expires_its_lease_and_it_registers_again(
         fleet: TestFleet, ctx: FleetContext) -> None:
-    fault = await cycle(ctx, "lease-expiry", Target(kind="link", ids=("agent->etcd",)))
+    fault = await cycle(ctx, "control.lease_expiry", Target(kind="link", ids=("agent->etcd",)))
     assert fault.detail["keys"] == [fleet.keys.worker(w) for w in fleet.worker_ids]
     await fleet.wait_workers_routable(2)
     await fleet_serves(fleet, "agent lease")
@@ -100,23 +101,23 @@ async def test_partitioning_the_agent_from_etcd_expires_its_lease_and_it_registe
 
 async def test_partitioning_a_router_from_etcd_expires_its_lease_and_it_registers_again(
         ctx: FleetContext) -> None:
-    await cycle(ctx, "lease-expiry", Target(kind="router", ids=("r0",)), recover_timeout_s=5)
+    await cycle(ctx, "control.lease_expiry", Target(kind="router", ids=("r0",)), recover_timeout_s=5)
 
 
 async def test_a_broker_restart(fleet: TestFleet, ctx: FleetContext) -> None:
-    await cycle(ctx, "broker-restart", Target(kind="broker", pick="all"))
+    await cycle(ctx, "control.broker_restart", Target(kind="broker", pick="all"))
     await fleet_serves(fleet, "broker restart")
 
 
 async def test_a_router_restart_comes_back_on_the_same_address(fleet: TestFleet, ctx: FleetContext) -> None:
     url = fleet.routers[0].url
-    await cycle(ctx, "router-restart", Target(kind="router", ids=("r0",)))
+    await cycle(ctx, "control.router_restart", Target(kind="router", ids=("r0",)))
     assert fleet.routers[0].url == url
     await fleet_serves(fleet, "router restart")
 
 
 async def test_the_supervisor_leader_kill_needs_the_supervisor_service(ctx: FleetContext) -> None:
-    spec = CATALOGUE["supervisor-leader-kill"]
+    spec = CATALOGUE["control.supervisor_leader_kill"]
     with pytest.raises(FaultUnavailable, match="supervisor"):
         await spec.factory(spec.params(), Target(kind="supervisor")).inject(ctx)
 
@@ -130,8 +131,8 @@ def transfer(i: int) -> KvTransfer:
 
 
 @pytest.mark.parametrize(("name", "params"), [
-    ("kv-drop", {}), ("kv-delay", {"delay_ms": 1}), ("kv-corrupt", {}), ("kv-truncate", {"keep": 0.5}),
-    ("kv-stall", {}), ("kv-prefill-dies", {"blocks_before": 2})])
+    ("kv.drop", {}), ("kv.delay", {"delay_ms": 1}), ("kv.corrupt", {}), ("kv.truncate", {"keep": 0.5}),
+    ("kv.stall", {}), ("kv.prefill_dies", {"blocks_before": 2})])
 async def test_a_kv_fault_hits_transfers_until_recovered(ctx: FleetContext, name: str, params: dict[str, Any]) -> None:
     hook: FaultyKvTransfer = ctx.service("kv")
     spec = CATALOGUE[name]
@@ -153,11 +154,11 @@ async def test_a_kv_fault_hits_transfers_until_recovered(ctx: FleetContext, name
     await path
     assert await fault.verify_recovered(ctx)
     got = outcome[0]
-    if name in ("kv-drop", "kv-prefill-dies"):
+    if name in ("kv.drop", "kv.prefill_dies"):
         assert isinstance(got, KvTransferError)
-        assert got.kind == ("dropped" if name == "kv-drop" else "prefill_died")
-    elif name in ("kv-corrupt", "kv-truncate"):
+        assert got.kind == ("dropped" if name == "kv.drop" else "prefill_died")
+    elif name in ("kv.corrupt", "kv.truncate"):
         assert not got.intact
-        assert (len(got.blocks) == 2) if name == "kv-truncate" else (len(got.blocks) == 4)
+        assert (len(got.blocks) == 2) if name == "kv.truncate" else (len(got.blocks) == 4)
     else:
         assert got.intact and got == transfer(1)

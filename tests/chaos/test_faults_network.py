@@ -77,17 +77,17 @@ async def steady(fleet: TestFleet, tag: str) -> None:
 
 
 BYTE_FAULTS = [
-    ("net-latency", {"latency_ms": 100, "jitter_ms": 20}),
-    ("net-bandwidth", {"rate_bps": 4096}),
-    ("net-slicer", {"average_size": 16, "size_variation": 8, "delay_ms": 1}),
-    ("net-reset", {}),
-    ("net-blackhole", {"timeout_ms": 200}),
-    ("net-limit-data", {"bytes": 512}),
-    ("net-slow-close", {"delay_ms": 50, "direction": "both"}),
-    ("net-partition", {"direction": "both"}),
-    ("net-partition", {"direction": "upstream"}),
-    ("net-partition", {"direction": "downstream"}),
-    ("net-down", {}),
+    ("network.latency", {"latency_ms": 100, "jitter_ms": 20}),
+    ("network.bandwidth", {"rate_bps": 4096}),
+    ("network.slicer", {"average_size": 16, "size_variation": 8, "delay_ms": 1}),
+    ("network.reset", {}),
+    ("network.blackhole", {"timeout_ms": 200}),
+    ("network.limit_data", {"bytes": 512}),
+    ("network.slow_close", {"delay_ms": 50, "direction": "both"}),
+    ("network.partition", {"direction": "both"}),
+    ("network.partition", {"direction": "upstream"}),
+    ("network.partition", {"direction": "downstream"}),
+    ("network.down", {}),
 ]
 
 
@@ -98,10 +98,11 @@ async def test_a_link_fault_takes_effect_and_the_fleet_serves_after_recovery(
     await steady(fleet, name)
 
 
-@pytest.mark.parametrize("name", ["sse-cut", "sse-stall", "sse-corrupt", "sse-drop-done"])
+@pytest.mark.parametrize("name", ["network.sse_cut", "network.sse_stall", "network.sse_corrupt",
+                                  "network.sse_drop_done"])
 async def test_an_sse_fault_takes_effect_on_a_worker_link(fleet: TestFleet, ctx: FleetContext, name: str) -> None:
     fault = await run_fault(ctx, name, Target(kind="worker", ids=("node-w2",)), streams=1,
-                            **({"after_events": 2} if name != "sse-drop-done" else {}))
+                            **({"after_events": 2} if name != "network.sse_drop_done" else {}))
     assert fault.targets == ["router->worker:node-w2"]
     await steady(fleet, name)
 
@@ -125,7 +126,7 @@ async def test_a_router_through_a_cut_worker_link_migrates_and_the_stream_stays_
 
 async def test_a_corrupted_event_between_client_and_router_shows_as_one_wrong_token(
         fleet: TestFleet, ctx: FleetContext) -> None:
-    spec = CATALOGUE["sse-corrupt"]
+    spec = CATALOGUE["network.sse_corrupt"]
     fault = spec.factory(spec.params(after_events=5, streams=1, probe=False), Target(kind="router", ids=("r0",)))
     await fault.inject(ctx)
     try:
@@ -141,7 +142,7 @@ async def test_a_corrupted_event_between_client_and_router_shows_as_one_wrong_to
 
 
 async def test_a_link_probe_fails_while_it_is_partitioned(fleet: TestFleet, ctx: FleetContext) -> None:
-    spec = CATALOGUE["net-partition"]
+    spec = CATALOGUE["network.partition"]
     fault = spec.factory(spec.params(), Target(kind="link", ids=("client->router:r0",)))
     await fault.inject(ctx)
     try:
@@ -156,12 +157,12 @@ async def test_the_kernel_partition_cuts_a_worker_off_and_heals(fleet: TestFleet
     reason = IptablesFilter.unavailable_reason()
     if reason:
         pytest.skip(reason)
-    await run_fault(ctx, "net-partition-kernel", Target(kind="link", ids=("router->worker:node-w0",)))
+    await run_fault(ctx, "network.partition_kernel", Target(kind="link", ids=("router->worker:node-w0",)))
     await steady(fleet, "kernel partition")
 
 
 async def test_an_unknown_link_is_refused(ctx: FleetContext) -> None:
-    spec = CATALOGUE["net-reset"]
+    spec = CATALOGUE["network.reset"]
     fault = spec.factory(spec.params(), Target(kind="link", ids=("router->worker:nobody",)))
     with pytest.raises(ValueError, match="outside the fleet"):
         await fault.inject(ctx)

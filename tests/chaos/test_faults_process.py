@@ -72,39 +72,39 @@ async def fleet_serves(fleet: TestFleet, tag: str) -> None:
 @pytest.mark.parametrize("scope", ["tree", "root"])
 async def test_kill_worker(fleet: TestFleet, ctx: FleetContext, scope: str) -> None:
     old = fleet.handle("node-w0").process.pid
-    await fault_cycle(ctx, "kill-worker", "node-w0", scope=scope)
+    await fault_cycle(ctx, "process.kill_worker", "node-w0", scope=scope)
     assert fleet.handle("node-w0").process.pid != old
-    await fleet_serves(fleet, f"kill-worker {scope}")
+    await fleet_serves(fleet, f"process.kill_worker {scope}")
 
 
 async def test_kill_engine_on_the_sim_kills_its_one_process(fleet: TestFleet, ctx: FleetContext) -> None:
     old = fleet.handle("node-w1").process.pid
-    fault = await fault_cycle(ctx, "kill-engine", "node-w1")
+    fault = await fault_cycle(ctx, "process.kill_engine", "node-w1")
     assert fault.detail["engine_pids"] == {"node-w1": [old]}
-    await fleet_serves(fleet, "kill-engine")
+    await fleet_serves(fleet, "process.kill_engine")
 
 
 async def test_a_silent_hang_keeps_health_green_and_clears(fleet: TestFleet, ctx: FleetContext) -> None:
-    fault = await fault_cycle(ctx, "hang-worker", "node-w2", mode="silent")
+    fault = await fault_cycle(ctx, "process.hang", "node-w2", mode="silent")
     assert fault.detail["switched"] == ["node-w2"]
     assert not (await fleet.state("node-w2"))["hung"]
     await fleet_serves(fleet, "silent hang")
 
 
 async def test_a_frozen_worker_stops_answering_and_resumes(fleet: TestFleet, ctx: FleetContext) -> None:
-    fault = await fault_cycle(ctx, "hang-worker", "node-w2", mode="freeze")
+    fault = await fault_cycle(ctx, "process.hang", "node-w2", mode="freeze")
     assert fault.detail["stopped_pids"]["node-w2"]
     await fleet_serves(fleet, "freeze")
 
 
 async def test_a_crash_loop_fails_every_start_until_recovered(fleet: TestFleet, ctx: FleetContext) -> None:
-    fault = await fault_cycle(ctx, "crash-loop", "node-w1", verify_timeout_s=20)
+    fault = await fault_cycle(ctx, "process.crash_loop", "node-w1", verify_timeout_s=20)
     assert fault.detail["starts"]["node-w1"] >= 1, "it was started, and that start failed"
     await fleet_serves(fleet, "crash loop")
 
 
 async def test_a_slow_start_is_seen_starting_and_then_serves(fleet: TestFleet, ctx: FleetContext) -> None:
-    await fault_cycle(ctx, "slow-start", "node-w0", delay_s=2.0)
+    await fault_cycle(ctx, "process.slow_start", "node-w0", delay_s=2.0)
     await fleet_serves(fleet, "slow start")
 
 
@@ -113,7 +113,7 @@ async def test_the_oom_killer_kills_the_worker_in_its_memory_cgroup_only(fleet: 
     if reason:
         pytest.skip(reason)
     others = {w: fleet.handle(w).process.pid for w in ("node-w0", "node-w2")}
-    fault = await fault_cycle(ctx, "oom-kill", "node-w1", verify_timeout_s=30)
+    fault = await fault_cycle(ctx, "process.oom_kill", "node-w1", verify_timeout_s=30)
     assert fault.detail["oom_kills"]["node-w1"] >= 1
     assert {w: fleet.handle(w).process.pid for w in others} == others, "nothing else was killed"
     assert not leftover_groups(fault), "the cgroup is gone"

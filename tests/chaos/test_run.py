@@ -29,15 +29,14 @@ def experiment(**over: Any) -> dict[str, Any]:
                      "osl": {"dist": "uniform", "min": 8, "max": 40}, "drain_s": 20},
         "method": [
             # Longer than the router's allowance for a first token (stall floor + 1 s): streams move away.
-            {"name": "hang", "fault": "test.sim_hang", "at": 0.8, "duration": 2.5,
+            {"name": "hang", "fault": "process.double_hang", "at": 0.8, "duration": 2.5,
              "target": {"kind": "worker", "pick": "serving"}},
             {"name": "burst", "fault": "load.burst", "at": 3.5, "params": {"count": 12}},
             {"name": "cancel", "fault": "load.mass_cancel", "at": 1.0, "duration": 1.0,
              "params": {"share": 0.5, "after_tokens": 2}},
             {"name": "retries", "fault": "load.retry_storm", "at": 0.8, "duration": 2.5},
         ],
-        # sse_ids is left out: the router's event ids run ahead of the tokens sent (see docs/chaos.md).
-        "checkers": ["stream_exactness", "availability", "migration_limit", "fault_verification"],
+        "checkers": ["stream_exactness", "sse_ids", "availability", "migration_limit", "fault_verification"],
     }
     exp.update(over)
     return exp
@@ -57,8 +56,8 @@ async def test_a_run_writes_its_folder_and_chaos_check_reproduces_its_verdicts(
     run = result.run_dir
     assert result.status == "completed" and not result.deviated, result.failures()
     assert statuses([v.to_json() for v in result.verdicts]) == {
-        "stream_exactness": "pass", "availability": "pass", "migration_limit": "pass", "fault_verification": "pass"
-    }, result.failures()
+        "stream_exactness": "pass", "sse_ids": "pass", "availability": "pass", "migration_limit": "pass",
+        "fault_verification": "pass"}, result.failures()
     assert result.exit_code == 0
     journal = json.loads((run / "journal.json").read_text())
     assert journal["steady_states"]["before"]["steady_state_met"] and journal["steady_states"]["after"][
@@ -89,7 +88,7 @@ def test_a_run_that_corrupts_streams_exits_1_and_chaos_check_agrees(tmp_path: Pa
                                                                    broker_endpoint: str,
                                                                    doubles_env: dict[str, str]) -> None:
     exp = experiment(title="wrong tokens", method=[
-        {"name": "sdc", "fault": "test.sim_wrong_tokens", "at": 0.5, "duration": 2.0, "params": {"after": 3},
+        {"name": "sdc", "fault": "process.double_wrong_tokens", "at": 0.5, "duration": 2.0, "params": {"after": 3},
          "target": {"kind": "worker", "ids": ["node-w0"]}}], checkers=["stream_exactness", "fault_verification"])
     exp["workload"]["duration_s"] = 3
     path = tmp_path / "wrong.yaml"
@@ -124,7 +123,7 @@ async def test_an_attached_run_uses_the_fleet_that_is_already_running(fleetward_
             "cluster": fleet.cluster, "etcd": fleet.etcd_endpoints[0], "mqtt": fleet.mqtt, "router": router.url,
             "workers": {w: fleet.url(w) for w in fleet.worker_ids}}))
         exp = experiment(title="attached", method=[
-            {"name": "hang", "fault": "test.sim_hang", "at": 0.5, "duration": 1.0,
+            {"name": "hang", "fault": "process.double_hang", "at": 0.5, "duration": 1.0,
              "target": {"kind": "worker", "ids": ["node-w1"]}}],
             checkers=["stream_exactness", "fault_verification", "availability"])
         exp["workload"]["duration_s"] = 2.5
@@ -164,7 +163,7 @@ def test_the_safety_rule_is_enforced_again_on_the_targets_a_run_resolves() -> No
     exp = validate_experiment(experiment())
     runner = Runner(exp)
     runner._declared = {"worker": ["node-w0", "node-w1", "node-w2"], "fleet": ["fleet"]}
-    spec = runner.catalogue["test.sim_hang"]
+    spec = runner.catalogue["process.double_hang"]
     picked = runner.resolve(Target(kind="worker", pick="random"), rng=__import__("random").Random(1))
     runner.active["first"] = ("worker", picked)
     second = runner.resolve(Target(kind="worker", pick="first"), rng=__import__("random").Random(1))
@@ -207,9 +206,9 @@ async def test_a_runtime_safety_breach_aborts_the_method_and_faults_in_recovery_
     # Statically the two hangs do not overlap; at run time the first is still recovering (slowly) when the
     # second would start: 2 of 2 workers. The second is refused, the method aborts, the first recovers.
     exp = experiment(title="abort", method=[
-        {"name": "slow", "fault": "test.sim_hang", "at": 0.3, "duration": 0.2, "params": {"recover_delay_s": 1.5},
+        {"name": "slow", "fault": "process.double_hang", "at": 0.3, "duration": 0.2, "params": {"recover_delay_s": 1.5},
          "target": {"kind": "worker", "ids": ["node-w0"]}},
-        {"name": "second", "fault": "test.sim_hang", "at": 1.0, "duration": 0.5,
+        {"name": "second", "fault": "process.double_hang", "at": 1.0, "duration": 0.5,
          "target": {"kind": "worker", "ids": ["node-w1"]}},
     ], checkers=["fault_verification"])
     result = await fleetward_experiment(exp)

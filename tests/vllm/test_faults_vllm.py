@@ -1,29 +1,39 @@
-"""Process faults on real vLLM (CPU): the engine kill and vLLM's silent hang (SIGSTOP of EngineCore)."""
+"""Process faults on real vLLM (CPU): the engine kill, vLLM's silent hang (SIGSTOP of EngineCore), and the
+library's vLLM experiment."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
+import yaml
 
 from fleetward.chaos import faults
+from fleetward.chaos.experiment import validate_experiment
 from fleetward.chaos.fault import CATALOGUE, Target
 from fleetward.chaos.harness import TestFleet
+from fleetward.chaos.runner import Runner, RunOptions
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 assert faults.process  # importing the package fills the catalogue
+LIBRARY = Path(__file__).resolve().parents[2] / "chaos" / "experiments"
 
 
 async def test_a_silent_hang_stops_the_engine_while_health_stays_200_and_sigcont_resumes_it(
         vllm_fleet: TestFleet) -> None:
     ctx = vllm_fleet.fault_context()
     worker = vllm_fleet.worker_ids[0]
-    spec = CATALOGUE["hang-worker"]
+    # Read before the fault: once the supervisor sees the hang it restarts the worker, and until the new
+    # process is up the agent holds no handle for it.
+    api_server = vllm_fleet.handle(worker).process.pid
+    spec = CATALOGUE["process.hang"]
     fault = spec.factory(spec.params(mode="silent", recover_timeout_s=120), Target(kind="worker", ids=(worker,)))
     try:
         await fault.inject(ctx)
         assert await fault.verify(ctx), fault.describe()
         stopped = fault.detail["stopped_pids"][worker]
-        assert vllm_fleet.handle(worker).process.pid not in stopped, "the API server itself keeps running"
+        assert api_server not in stopped, "the API server itself keeps running"
     finally:
         await fault.recover(ctx)
     assert await fault.verify_recovered(ctx), fault.describe()
@@ -32,8 +42,9 @@ async def test_a_silent_hang_stops_the_engine_while_health_stays_200_and_sigcont
 async def test_killing_the_engine_core_is_seen_and_the_worker_serves_again(vllm_fleet: TestFleet) -> None:
     ctx = vllm_fleet.fault_context()
     worker = vllm_fleet.worker_ids[1]
-    api_server = vllm_fleet.handle(worker).process.pid
-    spec = CATALOGUE["kill-engine"]
+    api_server = vllm_fleet.handle(worker).process.pid  # read before the supervisor restarts the worker
+    url = vllm_fleet.bind_url(worker)
+    spec = CATALOGUE["process.kill_engine"]
     fault = spec.factory(spec.params(recover_timeout_s=240), Target(kind="worker", ids=(worker,)))
     try:
         await fault.inject(ctx)
@@ -41,7 +52,7 @@ async def test_killing_the_engine_core_is_seen_and_the_worker_serves_again(vllm_
         assert api_server not in fault.detail["engine_pids"][worker], "only the engine was killed"
         async with httpx.AsyncClient(timeout=10) as client:
             try:
-                r = await client.post(vllm_fleet.bind_url(worker) + "/v1/completions",
+                r = await client.post(url + "/v1/completions",
                                       json={"model": "tiny", "prompt": [40], "max_tokens": 1})
                 assert r.status_code >= 500, "an API server without its engine cannot complete"
             except httpx.HTTPError:
@@ -50,3 +61,20 @@ async def test_killing_the_engine_core_is_seen_and_the_worker_serves_again(vllm_
         await fault.recover(ctx)
     assert await fault.verify_recovered(ctx), fault.describe()
     assert vllm_fleet.handle(worker).process.pid != api_server
+
+
+async def test_the_vllm_kill_and_hang_experiment_passes_on_the_session_workers(vllm_fleet: TestFleet,
+                                                                               tmp_path: Path) -> None:
+    """The library's vLLM experiment end to end (kill, then freeze, the busiest worker), on this session's
+    two workers instead of two more: a greedy reference run after the method, every checker passes."""
+    data = yaml.safe_load((LIBRARY / "vllm-kill-and-hang.yaml").read_text())
+    data["fleet"]["node"] = "cpu"  # the session fleet's node
+    # The freeze starts 5 s after the killed worker is back (a vLLM restart takes 30-60 s here) and lasts 10 s.
+    data["workload"]["duration_s"] = 100
+    result = await Runner(validate_experiment(data), RunOptions(out=tmp_path / "run", fleet=vllm_fleet,
+                                                                report=False)).run()
+    assert result.ok, result.failures()
+    assert {v.checker: v.status for v in result.verdicts} == dict.fromkeys(
+        ["stream_exactness", "sse_ids", "availability", "detection", "migration_limit", "fault_verification"],
+        "pass")
+    assert [a["activity"]["name"] for a in result.journal["run"]] == ["kill", "freeze"]
