@@ -46,7 +46,7 @@ from fleetward.fleet.bus import EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import SupervisorConfig
 from fleetward.fleet.errors import FleetwardError, StoreError
-from fleetward.fleet.etcd import Compare, Election, LeaseKeeper, Put, StateStore
+from fleetward.fleet.etcd import Compare, Delete, Election, LeaseKeeper, Put, StateStore
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.worker import HealthRecord, HealthState, WorkerRecord
 from fleetward.supervisor.detectors import GoldenBook, MetricsDetector, StreamProgressDetector, parse_prometheus
@@ -59,6 +59,7 @@ from fleetward.supervisor.health import (
     Event,
     HealthMachine,
     HealthPolicy,
+    LiftQuarantine,
     Load,
     Publish,
     Quarantine,
@@ -328,6 +329,9 @@ class Controller:
                     body = orjson.dumps({"worker": action.worker, "reason": action.reason, "since": self.clock.wall()})
                     await self._fenced([], [Put(self.keys.quarantine_of(action.node, g), body) for g in gpus])
                     self.metrics.quarantines.inc()
+                case LiftQuarantine():
+                    gpus = action.gpus or (f"worker-{action.worker}",)
+                    await self._fenced([], [Delete(self.keys.quarantine_of(action.node, g)) for g in gpus])
                 case Publish():
                     if action.kind == "hang.detected":
                         self.metrics.hangs.inc()

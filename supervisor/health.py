@@ -24,7 +24,8 @@ Every transition is a :class:`SetHealth` action: the controller persists it to `
 reason, detector and restart history, then publishes ``health.changed``. Remediation is an
 :class:`AgentAction` (restart, stop, selftest) carried out by the worker's node agent. Its id is
 deterministic (``<worker>.restart.<n>``), so a new leader that replays the same decision writes the same
-action and nothing is done twice.
+action and nothing is done twice. A quarantine is written to ``quarantine/<node>/<gpu>`` (:class:`Quarantine`)
+and lifted (:class:`LiftQuarantine`) once an operator cleared it and the GPU passed its self-test.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ __all__ = [
     "DrainRequested",
     "HealthMachine",
     "HealthPolicy",
+    "LiftQuarantine",
     "Load",
     "Publish",
     "Quarantine",
@@ -166,12 +168,21 @@ class Quarantine:
 
 
 @dataclass(frozen=True)
+class LiftQuarantine:
+    """The GPUs passed their self-test after an operator cleared the quarantine: back in service."""
+
+    worker: str
+    node: str
+    gpus: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Publish:
     kind: str
     data: dict[str, Any]
 
 
-Action = SetHealth | RunCanary | AgentAction | Quarantine | Publish
+Action = SetHealth | RunCanary | AgentAction | Quarantine | LiftQuarantine | Publish
 
 
 @dataclass(frozen=True)
@@ -440,7 +451,8 @@ class HealthMachine:
             if e.ok:
                 ws.restart_count += 1
                 act = self._agent(ws, "restart", "back from quarantine")
-                return [*self._set(ws, S.RESTARTING, "self-test passed: restarting", "selftest"), *act]
+                return [*self._set(ws, S.RESTARTING, "self-test passed: restarting", "selftest"),
+                        LiftQuarantine(ws.id, ws.node, ws.gpus), *act]
             return self._set(ws, S.QUARANTINED, f"self-test failed: {e.reason}", "selftest")
         if e.kind == "stop" and ws.draining_stop:
             ws.draining_stop = False

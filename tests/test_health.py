@@ -16,6 +16,7 @@ from fleetward.supervisor.health import (
     DrainRequested,
     HealthMachine,
     HealthPolicy,
+    LiftQuarantine,
     Load,
     Publish,
     Quarantine,
@@ -154,10 +155,12 @@ def test_a_gpu_that_must_be_retired_is_quarantined_then_tested_before_it_returns
     assert selftest.kind == "selftest"
     out = machine.observe(ActionDone("w", selftest.action_id, "selftest", ok=False, reason="3 wrong entries"))
     assert states(out) == [S.QUARANTINED] and "self-test failed" in machine.workers["w"].reason
+    assert not of(out, LiftQuarantine), "a GPU that failed its self-test stays quarantined"
     out = machine.observe(QuarantineCleared("w"))
     (selftest,) = of(out, AgentAction)
     out = machine.observe(ActionDone("w", selftest.action_id, "selftest", ok=True))
     assert states(out) == [S.RESTARTING] and of(out, AgentAction)[0].kind == "restart"
+    assert of(out, LiftQuarantine) == [LiftQuarantine("w", "n1", (0,))]
 
 
 def test_wrong_tokens_make_a_worker_unhealthy_at_once(machine: HealthMachine) -> None:

@@ -1,9 +1,10 @@
 """The fault catalogue: importing this package registers every fault in
 :data:`fleetward.chaos.fault.CATALOGUE`.
 
-Families and modules: ``process`` (:mod:`.process`), ``network`` (:mod:`.network`, through
-:mod:`fleetward.chaos.proxy`), ``control`` (:mod:`.control`), ``kv`` (:mod:`.kv`). GPU faults and the
-supervisor's own come from the supervisor side. Build a fault from the catalogue::
+Families and modules: ``process`` (:mod:`.process`), ``gpu`` (:mod:`.gpu`, through the fleet's GPU health
+source), ``network`` (:mod:`.network`, through :mod:`fleetward.chaos.proxy`), ``control`` (:mod:`.control`),
+``kv`` (:mod:`.kv`); the ``load`` family lives with the workload (:mod:`fleetward.chaos.workload`). Build a
+fault from the catalogue::
 
     spec = CATALOGUE["process.kill_worker"]
     fault = spec.factory(spec.params(scope="tree"), Target(kind="worker", ids=("node-w0",)))
@@ -15,7 +16,7 @@ supervisor's own come from the supervisor side. Build a fault from the catalogue
 
 from __future__ import annotations
 
-from fleetward.chaos.faults import control, kv, network, process
+from fleetward.chaos.faults import control, gpu, kv, network, process
 from fleetward.chaos.faults._base import BaseFault, FaultParams, FaultUnavailable
 from fleetward.chaos.faults.kv import FaultyKvTransfer, KvTransfer, KvTransferError, KvTransferHook, PassThrough
 from fleetward.chaos.faults.network import probe_link
@@ -30,6 +31,7 @@ __all__ = [
     "KvTransferHook",
     "PassThrough",
     "control",
+    "gpu",
     "kv",
     "network",
     "probe_link",
