@@ -291,10 +291,18 @@ async def test_the_standby_takes_over_when_the_leader_is_killed_mid_action(
             victim = fleet.worker_ids[0]
             snapshot = await fleet.store.get_prefix(fleet.keys.root)
             fleet.kill(victim)
-            async for ev in fleet.store.watch_prefix(fleet.keys.actions, start_revision=snapshot.revision + 1):
-                if ev.kind == "put" and orjson.loads(ev.value)["status"] == "pending":
-                    leader.kill()  # right after it issued the restart, before the worker is back
-                    break
+            try:
+                async with asyncio.timeout(60):
+                    async for ev in fleet.store.watch_prefix(fleet.keys.actions,
+                                                             start_revision=snapshot.revision + 1):
+                        if ev.kind == "put" and orjson.loads(ev.value)["status"] == "pending":
+                            leader.kill()  # right after it issued the restart, before the worker is back
+                            break
+            except TimeoutError:
+                state = await fleet.store.get_prefix(fleet.keys.root)
+                pytest.fail(f"no restart was issued for {victim}; the key space: "
+                            f"{[(kv.key, kv.value[:200]) for kv in state.items]}; the leader's log: "
+                            f"{(tmp_path / 'leader.log').read_text()[-3000:]}")
             async with asyncio.timeout(20):
                 await standby.leading.wait()
             await fleet.wait_healthy(timeout=30)
