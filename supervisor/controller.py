@@ -214,6 +214,20 @@ class Controller:
         for e in boot:
             await self._apply(machine.observe(e))
         # Pending actions the old leader wrote stay as they are: the agent carries them out once.
+        try:
+            await self._lead_tasks(machine, revision, lease)
+        except ExceptionGroup as group:
+            # A task lost the lead (its lease expired, a fenced write failed) or the store: the TaskGroup
+            # wraps that in a group, which ``run`` must see as itself to campaign again rather than die.
+            lost, other = group.split((LeadershipLost, StoreError))
+            if other is not None or lost is None:
+                raise
+            first: BaseException = lost
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from None
+
+    async def _lead_tasks(self, machine: HealthMachine, revision: int, lease: LeaseKeeper) -> None:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._brain(machine))
             tg.create_task(self._watch(self.keys.workers, revision + 1, self._on_worker))

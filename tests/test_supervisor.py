@@ -314,6 +314,30 @@ async def test_the_standby_takes_over_when_the_leader_is_killed_mid_action(
             await leader.stop()
 
 
+async def test_a_leader_whose_lease_expires_campaigns_again_instead_of_dying(
+        etcd_endpoint: str, broker_endpoint: str, tmp_path: Path, wait_until: Any) -> None:
+    """What a starved machine does to a leader: its lease runs out. It must step down and lead again (nobody
+    else campaigns here), still deciding: a crash afterwards is acted on."""
+    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="lease-lost", run_dir=tmp_path, workers=1,
+                         sim=SIM, supervisor=SUPERVISOR) as fleet:
+        ctl, task = fleet.controllers[0]
+        assert ctl.leading.is_set() and ctl.election is not None
+        old_key = ctl.election.key
+        await fleet.store.revoke(ctl.election.lease.id)  # the lease is gone, as if keepalives never arrived
+        await wait_until(lambda: ctl.election is not None and ctl.election.key != old_key and ctl.leading.is_set(),
+                         timeout=30)
+        assert not task.done(), "the controller survived losing its lease"
+        victim = fleet.worker_ids[0]
+        fleet.kill(victim)
+        await wait_until(lambda: _restarted(fleet, victim), timeout=30)
+        await fleet.wait_healthy(timeout=30)
+
+
+async def _restarted(fleet: TestFleet, worker: str) -> bool:
+    h = (await read_fleet(fleet.store, fleet.keys)).health.get(worker)
+    return h is not None and h.extra.get("restart_count", 0) >= 1
+
+
 async def test_a_backend_that_fails_to_start_or_never_gets_ready_is_dead_with_a_reason(
         etcd_endpoint: str, broker_endpoint: str, tmp_path: Path, wait_until: Any) -> None:
     class Broken(SimBackend):
