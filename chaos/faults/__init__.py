@@ -11,18 +11,23 @@ fault from the catalogue::
     await fault.inject(ctx); assert await fault.verify(ctx)
     await fault.recover(ctx); assert await fault.verify_recovered(ctx)
 
+or all of that in one call, which raises :class:`FaultCheckFailed` when a verification fails::
+
+    fault = await cycle(ctx, "process.kill_worker", Target(kind="worker", ids=("node-w0",)), scope="tree")
+
 ``ctx`` is a :class:`~fleetward.chaos.fault.FaultContext`; ``TestFleet.fault_context()`` makes one.
 """
 
 from __future__ import annotations
 
 from fleetward.chaos.faults import control, gpu, kv, network, process
-from fleetward.chaos.faults._base import BaseFault, FaultParams, FaultUnavailable
+from fleetward.chaos.faults._base import BaseFault, FaultCheckFailed, FaultParams, FaultUnavailable, cycle
 from fleetward.chaos.faults.kv import FaultyKvTransfer, KvTransfer, KvTransferError, KvTransferHook, PassThrough
 from fleetward.chaos.faults.network import probe_link
 
 __all__ = [
     "BaseFault",
+    "FaultCheckFailed",
     "FaultParams",
     "FaultUnavailable",
     "FaultyKvTransfer",
@@ -31,6 +36,7 @@ __all__ = [
     "KvTransferHook",
     "PassThrough",
     "control",
+    "cycle",
     "gpu",
     "kv",
     "network",

@@ -12,10 +12,10 @@ from typing import Any, ClassVar
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleetward.chaos.fault import Family, FaultContext, FaultSpec, Target, register
+from fleetward.chaos.fault import CATALOGUE, Family, FaultContext, FaultSpec, Target, register
 from fleetward.fleet.errors import FleetwardError
 
-__all__ = ["BaseFault", "FaultParams", "FaultUnavailable", "catalogued", "eventually"]
+__all__ = ["BaseFault", "FaultCheckFailed", "FaultParams", "FaultUnavailable", "catalogued", "cycle", "eventually"]
 
 log = logging.getLogger("fleetward.chaos.faults")
 
@@ -102,3 +102,28 @@ def fleet_of(ctx: FaultContext) -> Any:
 
 def suppress_all() -> contextlib.AbstractContextManager[None]:
     return contextlib.suppress(Exception)
+
+
+class FaultCheckFailed(AssertionError):
+    """A fault driven by :func:`cycle` took no effect, or its target did not recover (a failed test)."""
+
+
+async def cycle(ctx: FaultContext, name: str, target: Target, **params: Any) -> Any:
+    """Drive the catalogue's fault ``name`` through its whole life on ``target``: inject, verify it took
+    effect, recover (always, even when verification failed), verify recovery. Returns the fault, whose
+    ``detail`` says what it did; raises :class:`FaultCheckFailed` (an ``AssertionError``, so pytest shows
+    it as a failed check) with the fault's description when a verification fails::
+
+        fault = await cycle(ctx, "process.kill_worker", Target(kind="worker", ids=("node-w0",)), scope="tree")
+    """
+    spec = CATALOGUE[name]
+    fault = spec.factory(spec.params(**params), target)
+    try:
+        await fault.inject(ctx)
+        if not await fault.verify(ctx):
+            raise FaultCheckFailed(f"{name} took no effect: {fault.describe()}")
+    finally:
+        await fault.recover(ctx)
+    if not await fault.verify_recovered(ctx):
+        raise FaultCheckFailed(f"{name} did not recover: {fault.describe()}")
+    return fault

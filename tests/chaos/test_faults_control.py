@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 
 from fleetward.chaos.fault import CATALOGUE, Target
-from fleetward.chaos.faults import FaultUnavailable
+from fleetward.chaos.faults import FaultUnavailable, cycle
 from fleetward.chaos.faults.control import etcd_leader
 from fleetward.chaos.faults.kv import FaultyKvTransfer, KvTransfer, KvTransferError
 from fleetward.chaos.harness import FleetContext, TestFleet
@@ -42,18 +42,6 @@ async def ctx(fleet: TestFleet) -> AsyncIterator[FleetContext]:
     yield fleet.fault_context(services={"kv": FaultyKvTransfer()})
     for link in fleet.proxies:
         link.clear()
-
-
-async def cycle(ctx: FleetContext, name: str, target: Target, **params: Any) -> Any:
-    spec = CATALOGUE[name]
-    fault = spec.factory(spec.params(**params), target)
-    try:
-        await fault.inject(ctx)
-        assert await fault.verify(ctx), f"{name} took no effect: {fault.describe()}"
-    finally:
-        await fault.recover(ctx)
-    assert await fault.verify_recovered(ctx), f"{name} did not recover: {fault.describe()}"
-    return fault
 
 
 async def fleet_serves(fleet: TestFleet, tag: str) -> None:

@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 
 from fleetward.chaos.fault import CATALOGUE, Target
-from fleetward.chaos.faults import FaultUnavailable
+from fleetward.chaos.faults import FaultUnavailable, cycle
 from fleetward.chaos.harness import FleetContext, TestFleet
 from fleetward.fleet.config import SimConfig, SupervisorConfig
 from fleetward.fleet.registry import read_fleet
@@ -43,16 +43,8 @@ async def ctx(fleet: TestFleet) -> AsyncIterator[FleetContext]:
     await fleet.wait_workers_routable(len(fleet.worker_ids), timeout=60)
 
 
-async def cycle(ctx: FleetContext, name: str, worker: str = "node-w0", **params: Any) -> Any:
-    spec = CATALOGUE[name]
-    fault = spec.factory(spec.params(**params), Target(kind="worker", ids=(worker,)))
-    try:
-        await fault.inject(ctx)
-        assert await fault.verify(ctx), f"{name} took no effect: {fault.describe()}"
-    finally:
-        await fault.recover(ctx)
-    assert await fault.verify_recovered(ctx), f"{name} did not recover: {fault.describe()}"
-    return fault
+async def gpu_cycle(ctx: FleetContext, name: str, worker: str = "node-w0", **params: Any) -> Any:
+    return await cycle(ctx, name, Target(kind="worker", ids=(worker,)), **params)
 
 
 async def health(fleet: TestFleet, worker: str) -> Any:
@@ -62,7 +54,7 @@ async def health(fleet: TestFleet, worker: str) -> Any:
 @pytest.mark.parametrize("code", RESTART_XIDS)
 async def test_an_application_xid_restarts_the_worker(fleet: TestFleet, ctx: FleetContext, code: int) -> None:
     before = (await health(fleet, "node-w0")).extra.get("restart_count", 0)
-    fault = await cycle(ctx, "gpu.xid", code=code)
+    fault = await gpu_cycle(ctx, "gpu.xid", code=code)
     assert fault.detail["expected"] == "restart_worker"
     assert (await health(fleet, "node-w0")).extra["restart_count"] > before
 
@@ -70,7 +62,7 @@ async def test_an_application_xid_restarts_the_worker(fleet: TestFleet, ctx: Fle
 @pytest.mark.parametrize("code", QUARANTINE_XIDS)
 async def test_a_hardware_xid_quarantines_the_gpu_until_an_operator_clears_it(fleet: TestFleet, ctx: FleetContext,
                                                                               code: int) -> None:
-    fault = await cycle(ctx, "gpu.xid", "node-w1", code=code)
+    fault = await gpu_cycle(ctx, "gpu.xid", "node-w1", code=code)
     assert fault.detail["expected"] == "drain_and_quarantine"
     assert fault.detail["unquarantine"] == {"node-w1": 200}
     gpu = fault.detail["gpus"]["node-w1"]
@@ -78,27 +70,27 @@ async def test_a_hardware_xid_quarantines_the_gpu_until_an_operator_clears_it(fl
 
 
 async def test_a_double_bit_ecc_error_quarantines_the_gpu(ctx: FleetContext) -> None:
-    fault = await cycle(ctx, "gpu.ecc_dbe")
+    fault = await gpu_cycle(ctx, "gpu.ecc_dbe")
     assert fault.detail["expected"] == "drain_and_quarantine"
 
 
 @pytest.mark.parametrize("off_bus", [False, True])
 async def test_a_lost_gpu_quarantines_it(ctx: FleetContext, off_bus: bool) -> None:
-    fault = await cycle(ctx, "gpu.lost", "node-w1", off_bus=off_bus)
+    fault = await gpu_cycle(ctx, "gpu.lost", "node-w1", off_bus=off_bus)
     assert fault.detail["expected"] == "drain_and_quarantine"
 
 
 async def test_thermal_throttling_makes_the_worker_suspect_and_slower_but_never_restarts_it(
         fleet: TestFleet, ctx: FleetContext) -> None:
     before = (await health(fleet, "node-w0")).extra.get("restart_count", 0)
-    fault = await cycle(ctx, "gpu.thermal_throttle", slowdown=4)
+    fault = await gpu_cycle(ctx, "gpu.thermal_throttle", slowdown=4)
     assert fault.detail["expected"] == "degraded" and fault.detail["slowed"] == ["node-w0"]
     assert (await health(fleet, "node-w0")).extra.get("restart_count", 0) == before
     assert float((await fleet.state("node-w0"))["faults"]["slowdown"]) == 1.0
 
 
 async def test_silent_corruption_gives_wrong_tokens_with_200_until_recovered(ctx: FleetContext) -> None:
-    fault = await cycle(ctx, "gpu.silent_corruption", "node-w1")
+    fault = await gpu_cycle(ctx, "gpu.silent_corruption", "node-w1")
     probe = fault.detail["probe"]["node-w1"]
     assert probe["got"] == probe["expected"], "the last probe (after recovery) is right again"
 

@@ -11,7 +11,7 @@ import pytest
 import pytest_asyncio
 
 from fleetward.chaos.fault import CATALOGUE, Target
-from fleetward.chaos.faults import probe_link
+from fleetward.chaos.faults import cycle, probe_link
 from fleetward.chaos.harness import FleetContext, TestFleet
 from fleetward.chaos.proxy import IptablesFilter, SseCut
 from fleetward.chaos.workload import sse_lines
@@ -58,18 +58,6 @@ async def stream(url: str, prompt: list[int], n: int) -> tuple[list[int], list[d
     return tokens, events
 
 
-async def run_fault(ctx: FleetContext, name: str, target: Target, **params: Any) -> Any:
-    spec = CATALOGUE[name]
-    fault = spec.factory(spec.params(**params), target)
-    try:
-        await fault.inject(ctx)
-        assert await fault.verify(ctx), f"{name} took no effect: {fault.describe()}"
-    finally:
-        await fault.recover(ctx)
-    assert await fault.verify_recovered(ctx), f"{name} did not recover: {fault.describe()}"
-    return fault
-
-
 async def steady(fleet: TestFleet, tag: str) -> None:
     prompt = encode(f"steady after {tag}: ")
     tokens, _ = await stream(fleet.routers[0].client_url, prompt, 24)
@@ -94,14 +82,14 @@ BYTE_FAULTS = [
 @pytest.mark.parametrize(("name", "params"), BYTE_FAULTS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(BYTE_FAULTS)])
 async def test_a_link_fault_takes_effect_and_the_fleet_serves_after_recovery(
         fleet: TestFleet, ctx: FleetContext, name: str, params: dict[str, Any]) -> None:
-    await run_fault(ctx, name, Target(kind="link", ids=("router->worker:node-w1",)), **params)
+    await cycle(ctx, name, Target(kind="link", ids=("router->worker:node-w1",)), **params)
     await steady(fleet, name)
 
 
 @pytest.mark.parametrize("name", ["network.sse_cut", "network.sse_stall", "network.sse_corrupt",
                                   "network.sse_drop_done"])
 async def test_an_sse_fault_takes_effect_on_a_worker_link(fleet: TestFleet, ctx: FleetContext, name: str) -> None:
-    fault = await run_fault(ctx, name, Target(kind="worker", ids=("node-w2",)), streams=1,
+    fault = await cycle(ctx, name, Target(kind="worker", ids=("node-w2",)), streams=1,
                             **({"after_events": 2} if name != "network.sse_drop_done" else {}))
     assert fault.targets == ["router->worker:node-w2"]
     await steady(fleet, name)
@@ -157,7 +145,7 @@ async def test_the_kernel_partition_cuts_a_worker_off_and_heals(fleet: TestFleet
     reason = IptablesFilter.unavailable_reason()
     if reason:
         pytest.skip(reason)
-    await run_fault(ctx, "network.partition_kernel", Target(kind="link", ids=("router->worker:node-w0",)))
+    await cycle(ctx, "network.partition_kernel", Target(kind="link", ids=("router->worker:node-w0",)))
     await steady(fleet, "kernel partition")
 
 

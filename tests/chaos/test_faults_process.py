@@ -10,7 +10,8 @@ import orjson
 import pytest
 import pytest_asyncio
 
-from fleetward.chaos.fault import CATALOGUE, Target
+from fleetward.chaos.fault import Target
+from fleetward.chaos.faults import cycle
 from fleetward.chaos.faults.process import MemoryGroup
 from fleetward.chaos.harness import FleetContext, TestFleet
 from fleetward.chaos.workload import sse_lines
@@ -44,15 +45,7 @@ async def ctx(fleet: TestFleet) -> AsyncIterator[FleetContext]:
 
 
 async def fault_cycle(ctx: FleetContext, name: str, worker: str, **params: Any) -> Any:
-    spec = CATALOGUE[name]
-    fault = spec.factory(spec.params(**params), Target(kind="worker", ids=(worker,)))
-    try:
-        await fault.inject(ctx)
-        assert await fault.verify(ctx), f"{name} took no effect: {fault.describe()}"
-    finally:
-        await fault.recover(ctx)
-    assert await fault.verify_recovered(ctx), f"{name} did not recover: {fault.describe()}"
-    return fault
+    return await cycle(ctx, name, Target(kind="worker", ids=(worker,)), **params)
 
 
 async def fleet_serves(fleet: TestFleet, tag: str) -> None:
