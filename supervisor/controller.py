@@ -32,10 +32,10 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -76,6 +76,7 @@ from fleetward.supervisor.signals import Signal
 __all__ = ["Controller", "LeadershipLost"]
 
 log = logging.getLogger(__name__)
+_HTTP_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 
 
 class LeadershipLost(FleetwardError):
@@ -128,7 +129,10 @@ class Controller:
         self._canaries: dict[str, asyncio.Task[None]] = {}
         self._last_canary: dict[str, float] = {}
         self._canary_done: dict[str, float] = {}
-        self._http = httpx.AsyncClient(timeout=config.canary_timeout_s, limits=httpx.Limits(max_connections=256))
+        self._signal_revision: dict[str, int] = {}  # signals/ key -> mod revision already submitted
+        # aiohttp, not httpx: with a connection per worker, httpx's pool scans every connection on each request
+        # (two thirds of the controller's CPU at 1,000 workers, see docs/benchmarks.md); aiohttp keys by origin.
+        self._http: aiohttp.ClientSession | None = None
         self.on_action: Callable[[Any], None] | None = None  # tests and benchmarks observe decisions
 
     # -- election ---------------------------------------------------------------------------------------
@@ -158,7 +162,8 @@ class Controller:
                         await self.election.resign()
                     await lease.aclose()
         finally:
-            await self._http.aclose()
+            if self._http is not None:
+                await self._http.close()
 
     async def leader(self) -> dict[str, Any] | None:
         if self.election is None:
@@ -186,6 +191,7 @@ class Controller:
         actions: list[dict[str, Any]] = []
         self.workers.clear()
         self.routers.clear()
+        self._signal_revision.clear()
         for kv in items:
             key = kv.key
             try:
@@ -195,6 +201,7 @@ class Controller:
                     health[key[len(self.keys.health):]] = HealthRecord.from_json(kv.value)
                 elif key.startswith(self.keys.signals):
                     signals.append(Signal.from_json(kv.value))
+                    self._signal_revision[key[len(self.keys.signals):]] = kv.mod_revision
                 elif key.startswith(self.keys.actions):
                     actions.append(orjson.loads(kv.value))
                 elif key.startswith(self.keys.routers):
@@ -259,15 +266,24 @@ class Controller:
     def submit(self, event: Event) -> None:
         self._events.put_nowait(event)
 
-    async def _watch(self, prefix: str, start: int, handle: Callable[[str, str, bytes], None]) -> None:
+    async def _watch(self, prefix: str, start: int,
+                     handle: Callable[[str, str, bytes, int], Awaitable[None] | None]) -> None:
         async for ev in self.store.watch_prefix(prefix, start_revision=start):
             try:
-                handle(ev.kind, ev.key[len(prefix):], ev.value)
+                pending = handle(ev.kind, ev.key[len(prefix):], ev.value, ev.revision)
+                if pending is not None:
+                    await pending
             except (ValueError, KeyError) as exc:
                 log.warning("ignoring malformed %s: %s", ev.key, exc)
 
-    def _on_worker(self, kind: str, wid: str, value: bytes) -> None:
+    async def _on_worker(self, kind: str, wid: str, value: bytes, _: int) -> None:
         if kind == "delete":
+            # Each prefix has its own watch stream, so this deletion can arrive before the signal its agent wrote
+            # just before it ("process exited": restart it) and turn a crash into "deregistered" (dead). Read
+            # the worker's signals first: as of now they include everything written before the deletion.
+            snap = await self.store.get_prefix(f"{self.keys.signals}{wid}/")
+            for kv in sorted(snap.items, key=lambda kv: kv.mod_revision):
+                self._on_signal("put", kv.key[len(self.keys.signals):], kv.value, kv.mod_revision)
             self.workers.pop(wid, None)
             self.metrics_detector.forget(wid)
             self.submit(Deregistered(wid))
@@ -276,20 +292,22 @@ class Controller:
         self.workers[wid] = rec
         self.submit(Registered(wid, rec.node, rec.gpus))
 
-    def _on_signal(self, kind: str, _: str, value: bytes) -> None:
-        if kind == "put":
-            sig = Signal.from_json(value)
-            self.metrics.signals.labels(sig.detector, sig.severity.value).inc()
-            self.submit(SignalSeen(sig))
+    def _on_signal(self, kind: str, key: str, value: bytes, revision: int) -> None:
+        if kind != "put" or revision <= self._signal_revision.get(key, 0):
+            return  # already seen (read ahead of its watch event by _on_worker)
+        self._signal_revision[key] = revision
+        sig = Signal.from_json(value)
+        self.metrics.signals.labels(sig.detector, sig.severity.value).inc()
+        self.submit(SignalSeen(sig))
 
-    def _on_action(self, kind: str, _: str, value: bytes) -> None:
+    def _on_action(self, kind: str, _: str, value: bytes, __: int) -> None:
         if kind != "put":
             return
         body = orjson.loads(value)
         if body.get("status") in ("done", "failed"):
             self.submit(self._action_event(body))
 
-    def _on_router(self, kind: str, rid: str, value: bytes) -> None:
+    def _on_router(self, kind: str, rid: str, value: bytes, _: int) -> None:
         if kind == "delete":
             self.routers.pop(rid, None)
             self.progress.router_gone(rid)
@@ -360,10 +378,10 @@ class Controller:
 
             async def one(rid: str, url: str) -> None:
                 try:
-                    r = await self._http.get(f"{url}/fleetward/v1/progress", timeout=1.0)
-                    if r.status_code == 200:
-                        self.progress.observe(rid, r.json())
-                except (httpx.HTTPError, ValueError):
+                    status, body = await self._fetch("GET", f"{url}/fleetward/v1/progress", timeout=1.0)
+                    if status == 200:
+                        self.progress.observe(rid, orjson.loads(body))
+                except (*_HTTP_ERRORS, ValueError):
                     pass  # a router that does not answer ages out of the view
 
             await asyncio.gather(*(one(rid, url) for rid, url in routers if url))
@@ -383,11 +401,13 @@ class Controller:
             async def one(wid: str, url: str) -> None:
                 async with limit:
                     try:
-                        r = await self._http.get(f"{url}/metrics", timeout=2.0)
-                        r.raise_for_status()
-                        signals = self.metrics_detector.scraped(wid, parse_prometheus(r.text, MetricsDetector.wanted))
-                    except httpx.HTTPError as exc:
+                        status, body = await self._fetch("GET", f"{url}/metrics", timeout=2.0)
+                    except _HTTP_ERRORS as exc:
                         signals = self.metrics_detector.failed(wid, f"{type(exc).__name__}: {exc}")
+                    else:
+                        text = body.decode(errors="replace")
+                        signals = (self.metrics_detector.scraped(wid, parse_prometheus(text, MetricsDetector.wanted))
+                                   if status == 200 else self.metrics_detector.failed(wid, f"HTTP {status}"))
                 for sig in signals:
                     self.submit(SignalSeen(sig))
 
@@ -441,11 +461,12 @@ class Controller:
         ok, reason, wrong = False, "", False
         try:
             async with asyncio.timeout(deadline):
-                r = await self._http.post(f"{rec.url}/v1/completions", json=body, timeout=deadline + 1)
-            if r.status_code != 200:
-                reason = f"HTTP {r.status_code}: {r.text[:200]}"
+                status, answer = await self._fetch("POST", f"{rec.url}/v1/completions", body=body,
+                                                   timeout=deadline + 1)
+            if status != 200:
+                reason = f"HTTP {status}: {answer[:200].decode(errors='replace')}"
             else:
-                tokens = r.json()["choices"][0].get("token_ids") or []
+                tokens = orjson.loads(answer)["choices"][0].get("token_ids") or []
                 verdict = self.golden.check(rec.model, tokens)
                 if verdict is False:
                     wrong = True
@@ -456,10 +477,18 @@ class Controller:
                     self.metrics.canary_latency.observe(self.clock.monotonic() - started)
         except TimeoutError:
             reason = f"no answer within {deadline:.2f}s"
-        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+        except (*_HTTP_ERRORS, ValueError, KeyError, IndexError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
         self.metrics.canaries.labels("ok" if ok else ("wrong" if wrong else "failed")).inc()
         self.submit(CanaryDone(worker, ok, reason, wrong_tokens=wrong, silent=self.progress.silent(worker)))
+
+    async def _fetch(self, method: str, url: str, *, timeout: float, body: Any = None) -> tuple[int, bytes]:
+        """One HTTP request to a worker or router: its status and body."""
+        if self._http is None:
+            self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256, limit_per_host=8),
+                                               json_serialize=lambda o: orjson.dumps(o).decode())
+        async with self._http.request(method, url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            return r.status, await r.read()
 
     # -- control API ------------------------------------------------------------------------------------
 
