@@ -93,6 +93,33 @@ def test_bench_checkpoints_compares_on_and_off(tmp_path: Path, etcd_endpoint: st
             assert {"tokens_per_s", "router_txns_per_s", "etcd_txns_per_s", "etcd_grpc_bytes_per_s"} <= set(s[case])
 
 
+def test_bench_detect_reports_latency_false_positives_and_controller_cpu(tmp_path: Path, etcd_endpoint: str,
+                                                                         broker_endpoint: str) -> None:
+    data = bench("detect", tmp_path, etcd_endpoint, broker_endpoint)
+    trials = data["latency"]["trials"]
+    assert [(t["backend"], t["fault"]) for t in trials] == [("sim", "crash"), ("sim", "hang")]
+    for trial in trials:
+        assert {"victim", "injected_wall", "verdict", "requests_failed"} <= set(trial)
+    for key in ("sim/crash", "sim/hang"):
+        s = data["latency"]["summary"][key]
+        assert {"p50_ms", "p99_ms", "max_ms"} <= set(s["verdict"])
+        assert {"p50_ms", "p99_ms"} <= set(s["observed"])
+    assert {"p50_ms", "p99_ms"} <= set(data["latency"]["summary"]["sim/hang"]["after_first_miss"])
+    soak = data["soak"]
+    assert is_number(soak["capacity"]["requests_per_s"])
+    assert is_number(soak["soak"]["rate_per_s"])
+    for phase in ("capacity", "soak"):
+        fp = soak[phase]["false_positives"]
+        assert {"hang.detected", "restart", "quarantine", "health_changed", "events"} <= set(fp)
+        assert isinstance(soak[phase]["migrations"], dict)
+    steps = data["cpu"]["steps"]
+    assert [s["workers"] for s in steps] == sorted(data["config"]["cpu_workers"])
+    for step in steps:
+        assert {"controller", "workers host", "routers", "etcd"} <= set(step["cpu_cores"])
+        assert is_number(step["cpu_cores"]["controller"])
+        assert isinstance(step["health"], dict)
+
+
 def test_bench_without_the_extra_names_what_to_install(tmp_path: Path) -> None:
     code = ("import sys, importlib.util as u; find = u.find_spec\n"
             "u.find_spec = lambda name, *a: None if name == 'matplotlib' else find(name, *a)\n"

@@ -1,4 +1,4 @@
-"""Benchmarks of the router (``fleetward bench router|migration|restart|checkpoints``).
+"""Benchmarks (``fleetward bench router|migration|restart|checkpoints|detect``).
 
 Each benchmark starts what it measures (etcd, an MQTT broker, simulated workers, routers, client
 processes), measures its baseline in the same run, interleaved with the candidate, prints ratios, writes
@@ -35,8 +35,8 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fleetward bench", description="Benchmarks of the router; results and "
-                                "plots go to --out (see docs/benchmarks.md).")
+    p = argparse.ArgumentParser(prog="fleetward bench", description="Benchmarks of the router and the supervisor; "
+                                "results and plots go to --out (see docs/benchmarks.md).")
     sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
 
     def common(sp: argparse.ArgumentParser) -> None:
@@ -79,6 +79,27 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--duration", type=float, default=8.0)
     c.add_argument("--warmup", type=float, default=2.0)
     c.add_argument("--max-tokens", dest="max_tokens", type=int, default=256)
+
+    d = sub.add_parser("detect", help="supervisor: detection latency per fault, false positives in a soak, "
+                       "controller CPU at many workers")
+    common(d)
+    d.add_argument("--parts", type=_names, default=("latency", "soak", "cpu"),
+                   help="which parts to run (default latency,soak,cpu)")
+    d.add_argument("--trials", type=int, default=10, help="trials per fault type on simulated workers (default 10)")
+    d.add_argument("--streams", type=int, default=24, help="streams running during sim trials (default 24)")
+    d.add_argument("--vllm", action="store_true", help="also measure detection on real vLLM (the tiny model, CPU)")
+    d.add_argument("--vllm-trials", dest="vllm_trials", type=int, default=2,
+                   help="trials per fault type on vLLM (default 2; each costs a ~40 s restart)")
+    d.add_argument("--soak-s", dest="soak_s", type=float, default=600.0, help="soak length in seconds (default 600)")
+    d.add_argument("--load", type=float, default=0.9, help="soak arrival rate as a share of capacity (default 0.9)")
+    d.add_argument("--calib-s", dest="calib_s", type=float, default=30.0,
+                   help="measured seconds of the capacity run (default 30, after 10 s warm-up)")
+    d.add_argument("--workers", type=_ints, default=(100, 1000),
+                   help="registered workers for the controller CPU part, in turn (default 100,1000)")
+    d.add_argument("--cpu-window-s", dest="cpu_window_s", type=float, default=60.0,
+                   help="measured seconds per size (default 60)")
+    d.add_argument("--routers", type=int, default=2, help="routers the controller polls (default 2)")
+    d.add_argument("--profile", action="store_true", help="profile the controller with py-spy after the CPU part")
     return p
 
 
@@ -112,6 +133,21 @@ def main(argv: Sequence[str]) -> int:
                             repeats=1 if args.quick else args.repeats, plots=args.plots, etcd=args.etcd,
                             mqtt=args.mqtt)
         res = asyncio.run(run_restart_bench(rcfg))
+    elif args.bench == "detect":
+        from fleetward.chaos.bench._detect import DetectBench, run_detect_bench
+
+        q = args.quick
+        dcfg = DetectBench(out=out, parts=args.parts, sim_trials=1 if q else args.trials,
+                           streams=6 if q else args.streams, max_tokens=120 if q else 300,
+                           prompt_len=32 if q else 128, fault_after_s=1.0 if q else 2.0, vllm=args.vllm,
+                           vllm_trials=1 if q else args.vllm_trials, soak_s=8.0 if q else args.soak_s,
+                           calib_s=4.0 if q else args.calib_s, calib_warmup_s=2.0 if q else 10.0,
+                           calib_streams=24 if q else 384, load=args.load,
+                           cpu_workers=(5, 20) if q else args.workers, cpu_window_s=3.0 if q else args.cpu_window_s,
+                           cpu_settle_s=1.0 if q else None, cpu_routers=1 if q else args.routers,
+                           profile=args.profile, profile_s=3.0 if q else 20.0, plots=args.plots, etcd=args.etcd,
+                           mqtt=args.mqtt)
+        res = asyncio.run(run_detect_bench(dcfg))
     else:
         from fleetward.chaos.bench._checkpoints import CheckpointBench, run_checkpoint_bench
 
