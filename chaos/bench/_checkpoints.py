@@ -29,8 +29,9 @@ from fleetward.chaos.bench._common import (
     scrape,
     summarize,
     table,
+    wait_idle,
 )
-from fleetward.chaos.bench._router import SIM, wait_idle
+from fleetward.chaos.bench._router import SIM
 from fleetward.chaos.harness import TestFleet
 from fleetward.fleet.config import RouterConfig
 

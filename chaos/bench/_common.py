@@ -14,7 +14,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -201,11 +201,13 @@ class Infra:
         return self._etcd.process.pid if self._etcd is not None and self._etcd.process is not None else None
 
 
-async def _one_client(spec: dict[str, Any]) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="fleetward-load-") as tmp:
+async def run_client(module: str, spec: dict[str, Any], what: str) -> dict[str, Any]:
+    """Run the client process ``python -m <module>`` on ``spec`` (JSON on its stdin; see :func:`client_main`)
+    and return its result; a client that fails raises :class:`BenchError` naming ``what`` with its stderr."""
+    with tempfile.TemporaryDirectory(prefix="fleetward-client-") as tmp:
         path = Path(tmp) / "result.json"
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "fleetward.chaos.bench._loadgen", stdin=asyncio.subprocess.PIPE,
+            sys.executable, "-m", module, stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
             env={**os.environ, "PYTHONSAFEPATH": "1"})
         try:
@@ -216,9 +218,38 @@ async def _one_client(spec: dict[str, Any]) -> dict[str, Any]:
             await proc.wait()
             raise
         if proc.returncode != 0 or not path.exists():
-            raise BenchError(f"the load generator failed (exit {proc.returncode}): {err.decode()[-2000:]}")
+            raise BenchError(f"{what} failed (exit {proc.returncode}): {err.decode()[-2000:]}")
         result: dict[str, Any] = json.loads(path.read_bytes())
     return result
+
+
+def client_main(run: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> None:
+    """The body of a client process: read the spec from stdin, run it on uvloop, write the result where the
+    spec says (``result_path``), exit without interpreter teardown (nothing is left to flush)."""
+    import orjson
+    import uvloop
+
+    spec = json.loads(sys.stdin.read())
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        result = runner.run(run(spec))
+    with open(spec["result_path"], "wb") as f:
+        f.write(orjson.dumps(result))
+    os._exit(0)
+
+
+async def wait_idle(fleet: Any, timeout: float = 10.0, interval: float = 0.1) -> None:
+    """Until no worker of ``fleet`` (a TestFleet of simulated workers) runs or queues anything, or ``timeout``."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            while True:
+                states = [await fleet.state(w) for w in fleet.worker_ids]
+                if all(s["running"] == 0 and s["waiting"] == 0 for s in states):
+                    return
+                await asyncio.sleep(interval)
+
+
+async def _one_client(spec: dict[str, Any]) -> dict[str, Any]:
+    return await run_client("fleetward.chaos.bench._loadgen", spec, "the load generator")
 
 
 async def client_load(spec: dict[str, Any], *, procs: int = 1, lead_s: float = 1.0) -> dict[str, Any]:

@@ -56,7 +56,6 @@ import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -77,8 +76,10 @@ from fleetward.chaos.bench._common import (
     fmt,
     quantile,
     require_extras,
+    run_client,
     scrape,
     table,
+    wait_idle,
 )
 from fleetward.chaos.harness import TestFleet
 from fleetward.fleet.bus import Event, MqttBus
@@ -239,24 +240,8 @@ def _stats_ms(values: Sequence[float]) -> dict[str, Any]:
 
 async def _openloop(spec: dict[str, Any], *, lead_s: float = 1.0) -> dict[str, Any]:
     """Run ``_openloop`` (its own process) on ``spec``; its result."""
-    with tempfile.TemporaryDirectory(prefix="fleetward-openloop-") as tmp:
-        path = Path(tmp) / "result.json"
-        full = {**spec, "start_at": time.monotonic() + lead_s, "result_path": str(path)}
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "fleetward.chaos.bench._openloop", stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, "PYTHONSAFEPATH": "1"})
-        try:
-            _, err = await proc.communicate(json.dumps(full).encode())
-        except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-            raise
-        if proc.returncode != 0 or not path.exists():
-            raise BenchError(f"the open-loop client failed (exit {proc.returncode}): {err.decode()[-2000:]}")
-        result: dict[str, Any] = json.loads(path.read_bytes())
-    return result
+    return await run_client("fleetward.chaos.bench._openloop", {**spec, "start_at": time.monotonic() + lead_s},
+                            "the open-loop client")
 
 
 # -- part 1: detection latency ------------------------------------------------------------------------------
@@ -604,7 +589,7 @@ async def _soak(cfg: DetectBench, infra: Infra, res: Results) -> None:
             console.print(f"  capacity {capacity:.1f} requests/s ({calib['tokens_in_window'] / cfg.calib_s:.0f} "
                           "tokens/s)")
             await fleet.wait_healthy(timeout=90)
-            await _wait_workers_idle(fleet)
+            await wait_idle(fleet, timeout=30.0, interval=0.2)
             rate = cfg.load * capacity
             console.print(f"  soak: Poisson arrivals at {rate:.1f}/s ({cfg.load:.0%} of capacity) for "
                           f"{cfg.soak_s:.0f}s…")
@@ -637,16 +622,6 @@ async def _soak(cfg: DetectBench, infra: Infra, res: Results) -> None:
                 await events.aclose()
             if ctl is not None:
                 await ctl.stop(grace=5)
-
-
-async def _wait_workers_idle(fleet: TestFleet, timeout: float = 30.0) -> None:
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(timeout):
-            while True:
-                states = [await fleet.state(w) for w in fleet.worker_ids]
-                if all(s["running"] == 0 and s["waiting"] == 0 for s in states):
-                    return
-                await asyncio.sleep(0.2)
 
 
 def _summarize_soak(res: Results) -> None:

@@ -22,10 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
-import os
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -222,14 +219,9 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    import uvloop
+    from fleetward.chaos.bench._common import client_main
 
-    spec = json.loads(sys.stdin.read())
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        result = runner.run(run(spec))
-    with open(spec["result_path"], "wb") as f:
-        f.write(orjson.dumps(result))
-    os._exit(0)  # skip interpreter teardown: nothing is left to flush
+    client_main(run)
 
 
 if __name__ == "__main__":

@@ -38,8 +38,8 @@ from fleetward.chaos.bench._common import (
     require_extras,
     scrape,
     table,
+    wait_idle,
 )
-from fleetward.chaos.bench._router import wait_idle
 from fleetward.chaos.harness import TestFleet
 from fleetward.fleet.config import RouterConfig, SimConfig
 

@@ -9,7 +9,6 @@ noise) and the median over rounds is reported.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import statistics
 import uuid
@@ -34,6 +33,7 @@ from fleetward.chaos.bench._common import (
     summarize,
     table,
     vllm_router_argv,
+    wait_idle,
 )
 from fleetward.chaos.harness import TestFleet
 from fleetward.fleet.config import RouterConfig, SimConfig
@@ -65,17 +65,6 @@ class RouterBench:
     plots: bool = True
     etcd: str | None = None
     mqtt: str | None = None
-
-
-async def wait_idle(fleet: TestFleet, timeout: float = 10.0) -> None:
-    """Until no worker runs or queues anything (what the previous run cancelled is gone)."""
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(timeout):
-            while True:
-                states = [await fleet.state(w) for w in fleet.worker_ids]
-                if all(s["running"] == 0 and s["waiting"] == 0 for s in states):
-                    return
-                await asyncio.sleep(0.1)
 
 
 @contextlib.asynccontextmanager
