@@ -224,6 +224,9 @@ class MqttBus:
                                             keepalive=10)) as client,
                     asyncio.TaskGroup() as tg,
                 ):
+                    # _send publishes a batch at once on purpose: aiomqtt's "pending publish calls" warning
+                    # would fire on every busy batch.
+                    client.pending_calls_threshold = _BATCH
                     self._connected.set()
                     backoff = 0.1
                     tg.create_task(_until_disconnected(client))
