@@ -282,12 +282,19 @@ class TestFleet:
         return self.agent.handles[worker]
 
     def url(self, worker: str) -> str:
-        """The registered (advertised) URL: what routers use."""
-        return self.handle(worker).url
+        """The registered (advertised) URL: what routers use. Known while the worker restarts, too."""
+        return self._spec(worker).url
 
     def bind_url(self, worker: str) -> str:
-        """The worker process itself, bypassing any proxy in front of it."""
-        return self.handle(worker).bind_url
+        """The worker process itself, bypassing any proxy in front of it. Known while it restarts, too (the
+        agent holds no handle for a worker between its old process and its new one)."""
+        return self._spec(worker).bind_url
+
+    def _spec(self, worker: str) -> WorkerSpec:
+        spec = self.agent.specs.get(worker)
+        if spec is None:
+            raise KeyError(f"no worker {worker!r} in this fleet (workers: {', '.join(self.worker_ids)})")
+        return spec
 
     async def fault(self, worker: str, **switches: Any) -> dict[str, Any]:
         """Set a simulated worker's fault switches (``POST /admin/faults``)."""

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from fleetward.chaos.fault import CATALOGUE, FaultContext, FaultSpec, Target, register
+from fleetward.chaos.faults._base import eventually, quietly
 from fleetward.fleet.config import Frozen
 
 
@@ -54,12 +55,17 @@ class _Switch:
         return all([self.took(await ctx.fleet.state(w)) for w in self.targets])
 
     async def recover(self, ctx: FaultContext) -> None:
+        # The supervisor may be restarting the worker meanwhile (it saw the hang): then there is nothing to
+        # switch off, and the new process starts without the switch.
         await asyncio.sleep(getattr(self.params, "recover_delay_s", 0.0))
         for w in self.targets:
-            await ctx.fleet.fault(w, **self.off())
+            await quietly(f"switch {self.name} off on {w}", ctx.fleet.fault(w, **self.off()))
 
     async def verify_recovered(self, ctx: FaultContext) -> bool:
-        return not any([self.took(await ctx.fleet.state(w)) for w in self.targets])
+        async def off() -> bool:
+            return not any([self.took(await ctx.fleet.state(w)) for w in self.targets])
+
+        return await eventually(off, 30.0, 0.1)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "family": self.family, "targets": self.targets,
