@@ -27,7 +27,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from fleetward.fleet.errors import ConfigError, FleetwardError
+from fleetward.fleet.errors import ConfigError
 
 __all__ = ["main"]
 
@@ -257,7 +257,7 @@ def _validate(args: argparse.Namespace) -> int:
         try:
             exp = load_experiment(f)
         except ConfigError as exc:
-            err.print(f"[red]error:[/] {exc}")
+            err.print(f"[red]error:[/] {escape(str(exc))}")
             bad += 1
             continue
         out.print(f"{f}: ok ({exp.title}: {len(exp.method)} fault(s), {exp.workload.duration_s:g} s)")
@@ -265,26 +265,20 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``fleetward chaos ...``: called by the fleetward CLI, which turns errors into messages and exit codes."""
     args = _parser().parse_args(argv)
-    try:
-        if args.command == "run":
-            return asyncio.run(_run(args))
-        if args.command == "check":
-            return _check(args)
-        if args.command == "faults":
-            return _faults(args)
-        if args.command == "validate":
-            return _validate(args)
-    except ConfigError as exc:
-        err.print(f"[red]error:[/] {exc}")
-        return 2
-    except FleetwardError as exc:
-        err.print(f"[red]error:[/] {exc}")
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    if args.command == "run":
+        return asyncio.run(_run(args))
+    if args.command == "check":
+        return _check(args)
+    if args.command == "faults":
+        return _faults(args)
+    if args.command == "validate":
+        return _validate(args)
     raise AssertionError(f"unhandled command {args.command}")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fleetward.fleet.cli import main as fleetward_main
+
+    sys.exit(fleetward_main(["chaos", *sys.argv[1:]]))
