@@ -100,6 +100,15 @@ def fleet_of(ctx: FaultContext) -> Any:
     return fleet
 
 
+def running_handle(fleet: Any, worker: str) -> Any:
+    """The node agent's handle of ``worker``'s process; :class:`FaultUnavailable` while it has none (the worker
+    is not running, e.g. the supervisor is restarting it)."""
+    handle = fleet.agent.handles.get(worker)
+    if handle is None:
+        raise FaultUnavailable(f"worker {worker} is not running")
+    return handle
+
+
 def suppress_all() -> contextlib.AbstractContextManager[None]:
     return contextlib.suppress(Exception)
 

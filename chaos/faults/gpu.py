@@ -85,6 +85,7 @@ from fleetward.chaos.faults._base import (
     eventually,
     fleet_of,
     quietly,
+    running_handle,
 )
 from fleetward.fleet.errors import FleetwardError
 from fleetward.fleet.registry import read_fleet
@@ -399,9 +400,7 @@ class ThermalThrottle(GpuFault):
         if self._dcgm is not None:
             self._reinject = asyncio.create_task(self._keep_injecting(), name=f"{self.name}-dcgm")  # owned: recover
         for w in self.targets:
-            handle = fleet.agent.handles.get(w)
-            if handle is None:
-                raise FaultUnavailable(f"worker {w} is not running")
+            handle = running_handle(fleet, w)
             if handle.backend == "sim":
                 await fleet.fault(w, slowdown=p.slowdown)
             else:

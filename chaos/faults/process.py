@@ -52,6 +52,7 @@ from fleetward.chaos.faults._base import (
     eventually,
     fleet_of,
     quietly,
+    running_handle,
 )
 from fleetward.fleet.procs import ManagedProcess, kill_tree
 
@@ -131,9 +132,7 @@ class KillWorker(_WorkerFault):
     async def inject(self, ctx: FaultContext) -> None:
         fleet = self._resolve(ctx)
         for w in self.targets:
-            h = _handle(fleet, w)
-            if h is None:
-                raise FaultUnavailable(f"worker {w} is not running")
+            h = running_handle(fleet, w)
             tree = h.process.tree()
             self._killed[w] = (h.process, tree)
             if self.params.scope == "tree":
@@ -175,9 +174,7 @@ class KillEngine(_WorkerFault):
     async def inject(self, ctx: FaultContext) -> None:
         fleet = self._resolve(ctx)
         for w in self.targets:
-            h = _handle(fleet, w)
-            if h is None:
-                raise FaultUnavailable(f"worker {w} is not running")
+            h = running_handle(fleet, w)
             engines = h.engine_processes()
             self._engines[w] = engines
             kill_tree(engines, signal.SIGKILL)
@@ -216,9 +213,7 @@ class HangWorker(_WorkerFault):
     async def inject(self, ctx: FaultContext) -> None:
         fleet = self._resolve(ctx)
         for w in self.targets:
-            h = _handle(fleet, w)
-            if h is None:
-                raise FaultUnavailable(f"worker {w} is not running")
+            h = running_handle(fleet, w)
             self._urls[w] = h.bind_url
             if self.params.mode == "silent" and h.backend == "sim":
                 self._switched.append(w)
