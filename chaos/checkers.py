@@ -27,40 +27,36 @@ fault_verification  every fault verified that it took effect and that it was rec
 
 Time is the run clock of the history (``t``). A fault is *in effect* from its ``start`` record until its
 ``recover`` record (the moment the runner began undoing it).
+
+One module (over 600 lines) because the checkers share the history's views and the alignment of a
+delivered stream with its reference; each checker is a registered function.
 """
 
 from __future__ import annotations
 
 import bisect
-import hashlib
-import json
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 from fleetward.chaos.history import Record
+from fleetward.chaos.reference import Reference
 from fleetward.fleet.config import Frozen
-from fleetward.fleet.simmodel import SimModel
 
 __all__ = [
     "CHECKERS",
     "CheckContext",
     "Checker",
     "FaultWindow",
-    "ModelReference",
-    "NoReference",
-    "RecordedReference",
-    "Reference",
     "RequestView",
     "RunView",
     "Verdict",
     "align",
     "combine",
-    "reference_key",
     "run_checkers",
 ]
 
@@ -296,94 +292,6 @@ def _fold_fault(faults: dict[str, FaultWindow], r: Record) -> None:
         w.error = str(r.get("detail") or r.get("error") or "failed")
     elif phase == "refused":
         w.refused = str(r.get("detail") or "refused")
-
-
-# -- references ---------------------------------------------------------------------------------------------
-
-
-def reference_key(prompt: Sequence[int], max_tokens: int, ignore_eos: bool) -> str:
-    body = json.dumps([list(prompt), int(max_tokens), bool(ignore_eos)], separators=(",", ":"))
-    return hashlib.sha256(body.encode()).hexdigest()[:32]
-
-
-class Reference(Protocol):
-    """The fault-free continuation of a request, where one is known."""
-
-    kind: str
-
-    def expected(self, r: RequestView) -> list[int] | None:
-        """The tokens a fault-free run delivers for ``r``; ``None`` when not known (see :meth:`why`)."""
-        ...
-
-    def why(self, r: RequestView) -> str: ...
-
-    def follows(self, prefix: Sequence[int], rest: Sequence[int]) -> bool:
-        """Whether ``rest`` is what the engine generates after ``prefix`` (False when it cannot tell)."""
-        ...
-
-
-@dataclass
-class ModelReference:
-    """The simulated worker's model: any continuation is a pure function of the prefix."""
-
-    seed: int = 0
-    eos_probability: float = 0.0
-    kind: str = "model"
-    _cache: dict[str, list[int]] = field(default_factory=dict)
-
-    def expected(self, r: RequestView) -> list[int] | None:
-        prompt, p = r.prompt, r.params
-        if prompt is None or "max_tokens" not in p:
-            return None
-        key = reference_key(prompt, p["max_tokens"], bool(p.get("ignore_eos")))
-        if key not in self._cache:
-            model = SimModel(self.seed, self.eos_probability)
-            self._cache[key] = model.continuation(prompt, int(p["max_tokens"]), ignore_eos=bool(p.get("ignore_eos")))
-        return self._cache[key]
-
-    def why(self, r: RequestView) -> str:
-        return "the invoke record lacks the prompt or max_tokens"
-
-    def follows(self, prefix: Sequence[int], rest: Sequence[int]) -> bool:
-        model = SimModel(self.seed, self.eos_probability)
-        return model.continuation(prefix, len(rest), ignore_eos=True) == list(rest)
-
-
-@dataclass
-class RecordedReference:
-    """Tokens from a fault-free run of the same requests (greedy decoding only)."""
-
-    entries: Mapping[str, list[int]]
-    kind: str = "recorded"
-
-    def expected(self, r: RequestView) -> list[int] | None:
-        prompt, p = r.prompt, r.params
-        if prompt is None or float(p.get("temperature", 1.0)) != 0.0:
-            return None
-        return self.entries.get(reference_key(prompt, int(p.get("max_tokens", 16)), bool(p.get("ignore_eos"))))
-
-    def why(self, r: RequestView) -> str:
-        if float(r.params.get("temperature", 1.0)) != 0.0:
-            return "the request samples (temperature > 0): its continuation is not determined"
-        return "the fault-free reference run has no answer for this request"
-
-    def follows(self, prefix: Sequence[int], rest: Sequence[int]) -> bool:
-        return False
-
-
-@dataclass
-class NoReference:
-    reason: str
-    kind: str = "none"
-
-    def expected(self, r: RequestView) -> list[int] | None:
-        return None
-
-    def why(self, r: RequestView) -> str:
-        return self.reason
-
-    def follows(self, prefix: Sequence[int], rest: Sequence[int]) -> bool:
-        return False
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
 from rich.console import Console, Group
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from fleetward.fleet.errors import ConfigError
+from fleetward.fleet.shutdown import install_stop_handlers
 
 __all__ = ["main"]
 
@@ -91,7 +93,7 @@ class _Display:
             err.print(line)
 
     def render(self) -> Group:
-        snap = self.runner.snapshot() if self.runner is not None else {"phase": "starting"}
+        snap: dict[str, Any] = self.runner.snapshot() if self.runner is not None else {"phase": "starting"}
         head = Text.assemble(("phase ", "dim"), (snap["phase"], "bold"))
         rows: list[Any] = [head]
         if "elapsed" in snap:
@@ -108,10 +110,7 @@ class _Display:
 
 
 def _install_stop(stop: asyncio.Event) -> None:
-    # The composition root's handler: the first Ctrl-C records, the main loop acts; a second one forces.
-    from fleetward.fleet.cli import _install_signal_handlers
-
-    _install_signal_handlers(stop)
+    install_stop_handlers(stop, say=lambda text: err.print(escape(text)))
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -201,7 +200,7 @@ def _params(model: Any) -> list[dict[str, Any]]:
     rows = []
     for name, f in model.model_fields.items():
         default = None if f.is_required() else f.get_default(call_default_factory=True)
-        if hasattr(default, "model_dump"):
+        if isinstance(default, BaseModel):
             default = default.model_dump(mode="json", exclude_defaults=True)
         rows.append({"name": name, "type": getattr(f.annotation, "__name__", str(f.annotation)).replace(
             "typing.", ""), "default": default, "required": f.is_required(), "description": f.description or ""})
@@ -213,15 +212,16 @@ _NEEDS = {"gpus": "needs fleet.gpus_per_worker > 0", "standby": "needs fleet.con
 
 
 def _faults(args: argparse.Namespace) -> int:
-    from fleetward.chaos.experiment import fault_catalogue, target_kinds
+    from fleetward.chaos.experiment import backends_for, fault_catalogue, target_kinds
     from fleetward.chaos.fault import FAMILIES
+    from fleetward.fleet.backends import BACKENDS
 
     catalogue, problems = fault_catalogue()
     specs = [s for s in catalogue.values() if args.family in (None, s.family)]
     if args.json:
         print(json.dumps({"faults": [{"name": s.name, "family": s.family, "summary": s.summary,
                                       "targets": list(target_kinds(s)), "needs_root": s.needs_root,
-                                      "backends": list(s.backends), "params": _params(s.params)} for s in specs],
+                                      "backends": backends_for(s), "params": _params(s.params)} for s in specs],
                           "problems": problems}, indent=2, default=str))
         return 0
     for family in FAMILIES:
@@ -234,7 +234,8 @@ def _faults(args: argparse.Namespace) -> int:
         for s in mine:
             params = ", ".join(f"{p['name']}={json.dumps(p['default'], default=str)}" if not p["required"]
                                else f"{p['name']} (required)" for p in _params(s.params) if p["name"] not in _COMMON)
-            notes = [*([] if s.backends == ("sim", "vllm") else [f"{'/'.join(s.backends)} only"]),
+            works = backends_for(s)
+            notes = [*([] if len(works) == len(BACKENDS) else [f"{'/'.join(works)} only"]),
                      *(["needs root"] if s.needs_root else []),
                      *(["hook only: no P/D path calls it yet"] if s.extra.get("hook_only") else []),
                      *(_NEEDS[r] for r in s.extra.get("requires", ()))]
@@ -277,8 +278,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _validate(args)
     raise AssertionError(f"unhandled command {args.command}")
 
-
-if __name__ == "__main__":
-    from fleetward.fleet.cli import main as fleetward_main
-
-    sys.exit(fleetward_main(["chaos", *sys.argv[1:]]))

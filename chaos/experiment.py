@@ -20,17 +20,19 @@ The format (a commented example is in ``docs/chaos.md``)::
     checkers:    [name | {name, params}]
     safety:      {max_fault_share, per_kind}
     reference:   auto | model | run | none
+
+One module (over 600 lines) because the file format and the rules of meaning that go with its fields
+are read together: a field and what makes its value wrong stay side by side.
 """
 
 from __future__ import annotations
 
 import difflib
-import fnmatch
 import importlib
 import logging
 import os
 import pkgutil
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -39,6 +41,8 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from fleetward.chaos.fault import CATALOGUE, FaultSpec, Target
+from fleetward.chaos.targets import match_ids
+from fleetward.fleet.backends import BACKENDS, Backend, backend_capabilities, make_backend
 from fleetward.fleet.config import (
     Frozen,
     RouterConfig,
@@ -69,7 +73,6 @@ __all__ = [
     "default_target",
     "fault_catalogue",
     "load_experiment",
-    "match_ids",
     "resolve_trace",
     "target_kinds",
     "validate_experiment",
@@ -157,7 +160,8 @@ class WorkloadSpec(Frozen):
     max_in_flight: int = Field(512, ge=1, description="the client's cap; arrivals beyond it are shed and noted")
     drain_s: float = Field(30.0, ge=0, description="after duration_s, how long open requests may finish")
     resume: bool = Field(False, description="a client refused by a router tries the next one, and one whose stream "
-                         "breaks resumes on the next router with Last-Event-ID, as DESIGN.md's clients do")
+                         "breaks resumes on the next router with Last-Event-ID (docs/architecture.md, request life, "
+                         "step 7)")
     max_resumes: int = Field(3, ge=0)
 
 
@@ -188,7 +192,7 @@ class FleetSpec(Frozen):
                              "run as `fleetward supervisor --role controller` processes, one leader and standbys "
                              "(control.supervisor_leader_kill needs 2)")
     gpus_per_worker: int = Field(0, ge=0, le=8, description="> 0: the node agent watches a fake GPU health source "
-                                 "(supervisor.gpu.FakeGpuSource) and worker i owns GPUs [i*k, (i+1)*k) of it; the gpu "
+                                 "(chaos.fakegpu.FakeGpuSource) and worker i owns GPUs [i*k, (i+1)*k) of it; the gpu "
                                  "fault family acts through it")
     lease_ttl_s: int = Field(10, ge=2, le=3600)
     proxies: ProxySpec = ProxySpec()
@@ -200,7 +204,11 @@ class FleetSpec(Frozen):
 
     @property
     def max_model_len(self) -> int:
-        return self.sim.max_model_len if self.backend == "sim" else self.vllm.max_model_len
+        return self.worker_backend().max_model_len
+
+    def worker_backend(self, *, model_path: Path | None = None, run_dir: Path = Path(".fleetward")) -> Backend:
+        """The backend of the fleet's workers, from its config section."""
+        return make_backend(self.backend, sim=self.sim, vllm=self.vllm, model_path=model_path, run_dir=run_dir)
 
 
 class Range(Frozen):
@@ -217,14 +225,13 @@ Tolerance = bool | float | Range
 class Probe(Frozen):
     """A steady-state probe: a built-in measurement and the tolerance its value must meet.
 
-    Probes: ``workers_routable`` (how many workers etcd says take work), ``routers_healthy`` (routers
-    answering ``/health`` 200), ``requests`` (share of ``count`` probe requests that complete, and exactly
-    where the engine is deterministic). A tolerance is a value (``true``, ``3``) or ``{min, max}``. With
-    ``within_s`` the probe is repeated until its tolerance holds (a restarted worker takes a while).
+    Probes are registered in :mod:`fleetward.chaos.probes` (``workers_routable``, ``routers_healthy``,
+    ``requests``, ...). A tolerance is a value (``true``, ``3``) or ``{min, max}``. With ``within_s`` the
+    probe is repeated until its tolerance holds (a restarted worker takes a while).
     """
 
     name: str
-    probe: Literal["workers_routable", "routers_healthy", "requests"]
+    probe: str
     args: dict[str, Any] = Field(default_factory=dict)
     tolerance: Tolerance
     within_s: float = Field(0.0, ge=0, le=3600, description="probe again until the tolerance holds, for up to "
@@ -237,21 +244,6 @@ class Probe(Frozen):
         if isinstance(t, bool):
             return value is t
         return isinstance(value, (int, float)) and not isinstance(value, bool) and float(value) == t
-
-
-class RequestsProbeArgs(Frozen):
-    count: int = Field(4, ge=1, le=256)
-    max_tokens: int = Field(16, ge=1)
-    prompt_tokens: int = Field(16, ge=1)
-    timeout_s: float = Field(30.0, gt=0)
-
-
-class NoArgs(Frozen):
-    pass
-
-
-PROBE_ARGS: dict[str, type[Frozen]] = {"workers_routable": NoArgs, "routers_healthy": NoArgs,
-                                       "requests": RequestsProbeArgs}
 
 
 class Hypothesis(Frozen):
@@ -284,11 +276,11 @@ class Activity(Frozen):
 
 
 class Rollback(Frozen):
-    """Run after the method whatever happened: ``restore_fleet`` (restart dead workers and routers, clear
-    simulated workers' fault switches, wait until every worker is routable), or one of its parts."""
+    """Run after the method whatever happened: a rollback of :mod:`fleetward.chaos.rollbacks`
+    (``restore_fleet``: back to healthy; or one of its parts)."""
 
     name: str | None = None
-    action: Literal["restore_fleet", "restart_dead", "clear_sim_faults", "wait_routable"]
+    action: str
     args: dict[str, float] = Field(default_factory=dict)
 
     @field_validator("args")
@@ -326,7 +318,7 @@ class Safety(Frozen):
         return value
 
     def limit(self, kind: str) -> float:
-        return self.per_kind.get(kind, self.max_fault_share)  # type: ignore[call-overload]
+        return float(self.per_kind.get(kind, self.max_fault_share))  # type: ignore[call-overload]
 
 
 class Experiment(Frozen):
@@ -374,15 +366,14 @@ _LOADED = False
 def fault_catalogue() -> tuple[dict[str, FaultSpec], dict[str, str]]:
     """The fault catalogue with every fault module imported, and the modules that failed to import.
 
-    Faults register themselves when their module is imported: the ``load`` family from
-    :mod:`fleetward.chaos.workload`, the others from the modules of :mod:`fleetward.chaos.faults`, and
-    your own from the modules named in ``FLEETWARD_FAULT_MODULES`` (comma-separated import names).
+    Faults register themselves when their module is imported: every family from the modules of
+    :mod:`fleetward.chaos.faults`, and your own from the modules named in ``FLEETWARD_FAULT_MODULES``
+    (comma-separated import names).
     A module that fails to import is reported (``chaos faults`` shows it) rather than hiding the others.
     """
     global _LOADED
     if not _LOADED:
         _LOADED = True
-        importlib.import_module("fleetward.chaos.workload")
         try:
             pkg = importlib.import_module("fleetward.chaos.faults")
         except ModuleNotFoundError as exc:
@@ -437,6 +428,11 @@ def _unknown_fault(name: str, catalogue: Mapping[str, FaultSpec], problems: Mapp
 # -- the fleet as declared ----------------------------------------------------------------------------------
 
 
+def backends_for(spec: FaultSpec) -> list[str]:
+    """The backends whose workers a fault works on."""
+    return [name for name, cls in BACKENDS.items() if spec.works_on(cls.capabilities)]
+
+
 def declared_ids(fleet: FleetSpec, kind: str) -> list[str] | None:
     """Ids of the components of ``kind`` the experiment declares; ``None`` when they are not enumerable
     here (GPUs: the gpu family targets the workers that own them)."""
@@ -467,18 +463,6 @@ def declared_ids(fleet: FleetSpec, kind: str) -> list[str] | None:
             links += [f"{r}->etcd" for r in routers]  # a router reaches a multi-member cluster through one
         return links
     return None
-
-
-def match_ids(ids: Iterable[str], universe: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(the ids of ``universe`` that ``ids`` name, globs such as ``*->etcd`` allowed; the ids naming none)."""
-    found: list[str] = []
-    missing: list[str] = []
-    for i in ids:
-        hits = fnmatch.filter(universe, i) if any(c in i for c in "*?[") else [i] if i in universe else []
-        if not hits:
-            missing.append(i)
-        found += [h for h in hits if h not in found]
-    return found, missing
 
 
 def target_kinds(spec: FaultSpec) -> tuple[str, ...]:
@@ -556,9 +540,16 @@ class _Window:
     end: float
 
 
+def _near(name: str, known: Iterable[str]) -> str:
+    near = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {near[0]}?)" if near else ""
+
+
 def _meaning(exp: Experiment, *, base: Path | None) -> list[InitErrorDetails]:
     """Every problem of meaning in ``exp`` (empty when it is runnable)."""
     from fleetward.chaos.checkers import CHECKERS
+    from fleetward.chaos.probes import PROBES
+    from fleetward.chaos.rollbacks import ROLLBACKS
 
     catalogue, broken = fault_catalogue()
     problems: list[InitErrorDetails] = []
@@ -581,9 +572,9 @@ def _meaning(exp: Experiment, *, base: Path | None) -> list[InitErrorDetails]:
             spec.params.model_validate(act.params)
         except ValidationError as exc:
             problems.extend(_nested(exc, (*here, "params")))
-        if fleet.backend not in spec.backends:
+        if not spec.works_on(backend_capabilities(fleet.backend)):
             problems.append(_problem((*here, "fault"), f"{act.fault} does not work on {fleet.backend} workers "
-                                     f"(only {', '.join(spec.backends)})"))
+                                     f"(it needs {', '.join(spec.needs)}: {', '.join(backends_for(spec))} only)"))
         problems.extend(_requirements(spec, fleet, here))
         kinds = tuple(k for k in target_kinds(spec) if k in _TARGET_KINDS)
         target = act.target or default_target(spec)
@@ -626,17 +617,25 @@ def _meaning(exp: Experiment, *, base: Path | None) -> list[InitErrorDetails]:
     problems.extend(_safety(exp, windows))
     problems.extend(_workload_meaning(exp, base=base))
     for i, probe in enumerate(exp.hypothesis().probes if exp.steady_state_hypothesis else ()):
+        found = PROBES.get(probe.probe)
+        if found is None:
+            problems.append(_problem(("steady-state-hypothesis", "probes", i, "probe"),
+                                     f"unknown probe {probe.probe!r}{_near(probe.probe, PROBES)}; probes: "
+                                     f"{', '.join(PROBES)}", probe.probe))
+            continue
         try:
-            PROBE_ARGS[probe.probe].model_validate(probe.args)
+            found.args.model_validate(probe.args)
         except ValidationError as exc:
             problems.extend(_nested(exc, ("steady-state-hypothesis", "probes", i, "args")))
+    for i, rb in enumerate(exp.rollbacks):
+        if rb.action not in ROLLBACKS:
+            problems.append(_problem(("rollbacks", i, "action"), f"unknown rollback {rb.action!r}"
+                                     f"{_near(rb.action, ROLLBACKS)}; rollbacks: {', '.join(ROLLBACKS)}", rb.action))
     for i, chk in enumerate(exp.checkers or ()):
         checker = CHECKERS.get(chk.name)
         if checker is None:
-            near = difflib.get_close_matches(chk.name, list(CHECKERS), n=1)
-            hint = f" (did you mean {near[0]}?)" if near else ""
-            problems.append(_problem(("checkers", i, "name"), f"unknown checker {chk.name!r}{hint}; checkers: "
-                                     f"{', '.join(CHECKERS)}", chk.name))
+            problems.append(_problem(("checkers", i, "name"), f"unknown checker {chk.name!r}"
+                                     f"{_near(chk.name, CHECKERS)}; checkers: {', '.join(CHECKERS)}", chk.name))
             continue
         try:
             checker.params.model_validate(chk.params)
@@ -723,8 +722,8 @@ def validate_experiment(data: Any, *, file: str = "<experiment>", lines: Mapping
             raise validation_error(exc, file=file, lines=lines) from None
     problems = _meaning(exp, base=base)
     if problems:
-        exc = ValidationError.from_exception_data("Experiment", problems)
-        raise validation_error(exc, file=file, lines=lines) from None
+        meaning = ValidationError.from_exception_data("Experiment", problems)
+        raise validation_error(meaning, file=file, lines=lines) from None
     return exp
 
 

@@ -18,18 +18,25 @@ any other name.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
+from fleetward.fleet.handle import Fleet
+from fleetward.fleet.infra import LocalBroker, LocalEtcd
+
 __all__ = [
     "CATALOGUE",
     "FAMILIES",
+    "EtcdCluster",
     "Fault",
     "FaultContext",
     "FaultSpec",
+    "Launcher",
+    "OwnBroker",
     "Target",
     "register",
 ]
@@ -60,7 +67,7 @@ class FaultContext(Protocol):
     """What a fault may touch. The runner provides it; faults never reach around it."""
 
     @property
-    def fleet(self) -> Any: ...  # the running fleet harness (workers, routers, infrastructure)
+    def fleet(self) -> Fleet | None: ...  # the running fleet (None: a fault that needs none, e.g. kv hooks)
 
     def resolve(self, target: Target) -> list[str]:
         """Concrete ids for ``target`` within the declared fleet (raises when outside it)."""
@@ -71,7 +78,37 @@ class FaultContext(Protocol):
         ...
 
     def service(self, name: str) -> Any:
-        """An optional collaborator by name: ``proxy:<link>``, ``gpu``, ``etcd-cluster``, ``workload``."""
+        """An optional collaborator by name (``KeyError`` when the run has none): ``proxy:<link>``,
+        ``proxies``, ``gpu``, ``kv``, ``workload``, ``history``, ``supervisor``, and the levers of a fleet
+        the testbed started itself: ``etcd-cluster`` (:class:`EtcdCluster`), ``broker``
+        (:class:`OwnBroker`), ``launcher`` (:class:`Launcher`)."""
+        ...
+
+
+class EtcdCluster(Protocol):
+    """The ``etcd-cluster`` service: the fleet's own etcd members (control faults stop and start them)."""
+
+    etcd_cluster: list[LocalEtcd]
+    log_dir: Path
+
+    def etcd_member(self, name: str) -> LocalEtcd: ...
+
+
+class OwnBroker(Protocol):
+    """The ``broker`` service: the fleet's own MQTT broker, which it can start again on the same port."""
+
+    broker_impl: LocalBroker | None
+
+    async def restart_broker(self) -> None: ...
+
+
+class Launcher(Protocol):
+    """The ``launcher`` service: how a worker's process is started from its next (re)start on."""
+
+    log_dir: Path
+
+    def wrap_launch(self, worker: str, prefix: Sequence[str] | None) -> None:
+        """Start ``worker`` as ``prefix + its usual argv`` (None: as usual again)."""
         ...
 
 
@@ -114,8 +151,12 @@ class FaultSpec:
     params: type[BaseModel]
     factory: Callable[[BaseModel, Target], Fault]
     needs_root: bool = False
-    backends: tuple[str, ...] = ("sim", "vllm")
+    needs: tuple[str, ...] = ()  # backend capabilities (fleetward.fleet.backends), e.g. ("fault_switches",)
     extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def works_on(self, capabilities: frozenset[str]) -> bool:
+        """Whether the fault can act on workers of a backend with these capabilities."""
+        return set(self.needs) <= capabilities
 
 
 CATALOGUE: dict[str, FaultSpec] = {}

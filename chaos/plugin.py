@@ -1,13 +1,16 @@
-"""fleetward's pytest plugin (entry point ``pytest11``): thin and lazy.
+"""fleetward's pytest plugin: opt-in, thin and lazy.
 
-Loading it imports nothing but pytest; fleets, proxies and experiments are imported when a test asks.
+Installing fleetward does not load it into every pytest run. Ask for it: ``pytest -p fleetward.chaos.plugin``
+(or ``addopts = "-p fleetward.chaos.plugin"`` in the pytest config), or ``pytest_plugins =
+["fleetward.chaos.plugin"]`` in the top-level conftest. Loading it imports nothing but pytest; fleets,
+proxies and experiments are imported when a test asks.
 
 Fixtures
     ``fleetward_etcd`` / ``fleetward_mqtt`` (session): ``host:port`` of an etcd and an MQTT broker started
     for the session (override either in a conftest to use your own).
     ``fleetward_fleet``: a factory of :class:`~fleetward.chaos.harness.TestFleet` on them, each used as
     ``async with fleetward_fleet(workers=2) as fleet:`` (a unique cluster and run folder per fleet).
-    ``fleetward_proxy``: a factory of :class:`fleetward.chaos.proxy.Proxy` (``async with
+    ``fleetward_proxy``: a factory of :class:`fleetward.chaos.net.Proxy` (``async with
     fleetward_proxy("name", ("127.0.0.1", port), http=True) as proxy:``).
     ``fleetward_gpu``: a factory of the fake GPU health source (skips while there is none).
     ``fleetward_experiment``: ``result = await fleetward_experiment("exp.yaml", **options)`` runs an
@@ -184,9 +187,9 @@ def fleetward_fleet(fleetward_etcd: str, fleetward_mqtt: str, tmp_path: Path) ->
 
 @pytest.fixture
 def fleetward_proxy() -> Callable[..., Any]:
-    """A factory of fault proxies (``fleetward.chaos.proxy.Proxy``), each an async context manager."""
+    """A factory of fault proxies (``fleetward.chaos.net.Proxy``), each an async context manager."""
     try:
-        from fleetward.chaos import proxy
+        from fleetward.chaos import net as proxy
     except ImportError as exc:
         pytest.skip(f"the fault proxy is not available: {exc}")
 
@@ -200,10 +203,10 @@ def fleetward_proxy() -> Callable[..., Any]:
 def fleetward_gpu() -> Callable[..., Any]:
     """A factory of fake GPU health sources (fault-injectable), for node agents under test."""
     try:
-        from fleetward.supervisor.gpu import FakeGpuSource
+        from fleetward.chaos.fakegpu import FakeGpuSource
     except ImportError as exc:
         pytest.skip(f"the fake GPU health source is not available: {exc}")
-    return FakeGpuSource  # type: ignore[no-any-return]
+    return FakeGpuSource
 
 
 @pytest.fixture

@@ -105,7 +105,8 @@ def _throughput(view: RunView) -> str | None:
 
 
 def _split(view: RunView, settle: float = 1.0) -> tuple[list[Any], list[Any]]:
-    base, faulty = [], []
+    base: list[Any] = []
+    faulty: list[Any] = []
     for r in view.workload_requests():
         (faulty if view.faults_of(r, settle) else base).append(r)
     return base, faulty

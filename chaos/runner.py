@@ -17,15 +17,20 @@ One run, in order (Chaos Toolkit's life of an experiment, with a workload and ti
 7. the checkers, on the history; then ``journal.json`` and ``report.html``.
 
 The run folder holds ``journal.json``, ``history.jsonl``, ``report.html``, ``reference.jsonl`` (when
-recorded) and ``logs/``. :func:`check_run` re-runs the checkers on a saved folder. The exit code is 1 when
-the run did not complete, the hypothesis deviated or a checker failed; else 0.
+recorded) and ``logs/``. :func:`~fleetward.chaos.judge.check_run` re-runs the checkers on a saved folder.
+The exit code is 1 when the run did not complete, the hypothesis deviated or a checker failed; else 0.
+
+The stages live in their own modules: the fleet (:mod:`.provision`), targets (:mod:`.targets`), probes
+(:mod:`.probes`), rollbacks (:mod:`.rollbacks`) and judging (:mod:`.judge`); this module drives them.
+
+One module (over 600 lines) because driving a fault shares the run's live state (history, activities
+in effect, the safety share) with the rest of the orchestration.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -33,7 +38,6 @@ import platform
 import random
 import re
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -41,38 +45,32 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+from pydantic import BaseModel
 
-from fleetward.chaos.checkers import (
-    CheckContext,
-    ModelReference,
-    NoReference,
-    RecordedReference,
-    Reference,
-    RunView,
-    Verdict,
-    combine,
-    reference_key,
-    run_checkers,
-)
 from fleetward.chaos.experiment import (
     Activity,
     Experiment,
     Probe,
-    RequestsProbeArgs,
     counts_toward_share,
-    declared_ids,
     default_target,
     fault_catalogue,
     load_experiment,
-    match_ids,
     validate_experiment,
 )
 from fleetward.chaos.fault import Fault, FaultSpec, Target
-from fleetward.chaos.history import History, Record, read_history
-from fleetward.chaos.workload import Live, Planned, Workload, make_prompt
+from fleetward.chaos.harness import FleetContext, TestFleet
+from fleetward.chaos.history import History, read_history
+from fleetward.chaos.judge import RunResult, check_run, finish_journal, judge
+from fleetward.chaos.probes import PROBES, ProbeContext
+from fleetward.chaos.provision import Provisioned, attached_fleet, given_fleet, own_fleet, worker_backend
+from fleetward.chaos.reference import record_reference
+from fleetward.chaos.rollbacks import ROLLBACKS, RollbackContext
+from fleetward.chaos.targets import TargetError, resolve
+from fleetward.chaos.workload import Workload
 from fleetward.fleet.errors import ConfigError, FleetwardError
+from fleetward.fleet.handle import Fleet
 
-__all__ = ["AttachedFleet", "RunOptions", "RunResult", "Runner", "check_run", "run_experiment"]
+__all__ = ["RunOptions", "RunResult", "Runner", "check_run", "experiment_of", "run_experiment"]
 
 log = logging.getLogger(__name__)
 
@@ -103,48 +101,7 @@ class RunOptions:
     report: bool = True
     # A running TestFleet to use as it is (neither started nor stopped here; missing routers are started for
     # the run and stopped after it): e.g. a test session's vLLM workers, which take a minute to start.
-    fleet: Any = None
-
-
-@dataclass
-class RunResult:
-    run_dir: Path
-    journal: dict[str, Any]
-    verdicts: list[Verdict]
-
-    @property
-    def status(self) -> str:
-        return str(self.journal["status"])
-
-    @property
-    def deviated(self) -> bool:
-        return bool(self.journal["deviated"])
-
-    @property
-    def check_status(self) -> str:
-        return str(self.journal["checks"]["status"])
-
-    @property
-    def exit_code(self) -> int:
-        return int(self.journal["exit_code"])
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0
-
-    def failures(self) -> list[str]:
-        """One line per reason the run is not ok (for test failure messages)."""
-        out = []
-        if self.status != "completed":
-            out.append(f"run {self.status}: {self.journal.get('reason') or ''}".rstrip(": "))
-        if self.deviated:
-            out.append("the steady-state hypothesis deviated after the method")
-        out += [f"{v.checker}: {v.status}: {v.summary}" for v in self.verdicts if v.status == "fail"]
-        return out
-
-
-def exit_code(status: str, deviated: bool, checks: str) -> int:
-    return 0 if status == "completed" and not deviated and checks != "fail" else 1
+    fleet: TestFleet | None = None
 
 
 def _iso(ts: float) -> str:
@@ -153,99 +110,6 @@ def _iso(ts: float) -> str:
 
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:40] or "experiment"
-
-
-# -- an attached fleet --------------------------------------------------------------------------------------
-
-
-@dataclass
-class RouterRef:
-    id: str
-    url: str
-    is_running: bool = True
-
-
-class AttachedFleet:
-    """The levers of :class:`~fleetward.chaos.harness.TestFleet` that work on a fleet someone else runs:
-    simulated workers' fault switches, the fleet's state; process control is not ours to take."""
-
-    def __init__(self, state: Mapping[str, Any], admin_token: str) -> None:
-        from fleetward.fleet.etcd import EtcdStore
-        from fleetward.fleet.keys import Keys
-
-        self.cluster = str(state["cluster"])
-        self.etcd = str(state["etcd"])
-        self.mqtt = str(state["mqtt"])
-        self.workers_urls: dict[str, str] = dict(state.get("workers") or {})
-        self.keys = Keys(self.cluster)
-        self.store = EtcdStore(self.etcd)
-        self.admin_token = admin_token
-        self.routers: list[RouterRef] = []
-        self.bus: Any = None
-        self._http = httpx.AsyncClient(timeout=10.0, trust_env=False)
-
-    async def start(self) -> None:
-        from fleetward.fleet.bus import MqttBus
-        from fleetward.fleet.registry import read_fleet
-
-        self.bus = await MqttBus(self.mqtt, self.cluster).start()
-        fleet = await read_fleet(self.store, self.keys)
-        self.routers = [RouterRef(rid, str(r.get("url"))) for rid, r in sorted(fleet.routers.items())]
-        for wid, rec in fleet.workers.items():
-            self.workers_urls.setdefault(wid, rec.url)
-
-    async def aclose(self) -> None:
-        if self.bus is not None:
-            await self.bus.aclose()
-        await self.store.aclose()
-        await self._http.aclose()
-
-    @property
-    def worker_ids(self) -> list[str]:
-        return sorted(self.workers_urls)
-
-    def url(self, worker: str) -> str:
-        return self.workers_urls[worker]
-
-    bind_url = url
-
-    async def fault(self, worker: str, **switches: Any) -> dict[str, Any]:
-        r = await self._http.post(f"{self.url(worker)}/admin/faults", json=switches,
-                                  headers={"Authorization": f"Bearer {self.admin_token}"})
-        r.raise_for_status()
-        return dict(r.json())
-
-    async def state(self, worker: str) -> dict[str, Any]:
-        r = await self._http.get(f"{self.url(worker)}/admin/state",
-                                 headers={"Authorization": f"Bearer {self.admin_token}"})
-        r.raise_for_status()
-        return dict(r.json())
-
-    async def fleet_status(self) -> dict[str, Any]:
-        from fleetward.fleet.registry import read_fleet
-
-        return (await read_fleet(self.store, self.keys)).to_status()
-
-    async def wait_workers_routable(self, n: int, timeout: float = 30.0) -> None:
-        from fleetward.fleet.registry import read_fleet
-
-        async with asyncio.timeout(timeout):
-            while True:
-                if len((await read_fleet(self.store, self.keys)).routable()) >= n:
-                    return
-                await asyncio.sleep(0.1)
-
-    def _not_here(self, what: str) -> FleetwardError:
-        return FleetwardError(f"{what} is not available on an attached fleet (its processes are not ours)")
-
-    def kill(self, worker: str) -> None:
-        raise self._not_here("killing a worker")
-
-    async def restart(self, worker: str) -> None:
-        raise self._not_here("restarting a worker")
-
-    def signal_engine(self, worker: str, sig: int) -> None:
-        raise self._not_here("signalling a worker")
 
 
 # -- the fault context --------------------------------------------------------------------------------------
@@ -260,13 +124,16 @@ class _Context:
         self._ids = ids
 
     @property
-    def fleet(self) -> Any:
+    def fleet(self) -> Fleet:
         return self._runner.fleet
 
     def resolve(self, target: Target) -> list[str]:
         if target == self._target:
             return list(self._ids)
-        return self._runner.resolve(target, rng=random.Random(f"{self._runner.exp.seed}:{target}"))
+        try:
+            return self._runner.resolve(target, rng=random.Random(f"{self._runner.exp.seed}:{target}"))
+        except SafetyAbort as exc:
+            raise TargetError(str(exc)) from None
 
     def record(self, kind: str, **data: Any) -> None:
         self._runner.history.add(kind, **data)
@@ -284,7 +151,7 @@ class Runner:
         self.opts = options or RunOptions()
         self.names = exp.activity_names()
         self.catalogue, _ = fault_catalogue()
-        self.fleet: Any = None
+        self.fleet: Fleet
         self.services: dict[str, Any] = {}
         self.history: History
         self.workload: Workload | None = None
@@ -294,7 +161,7 @@ class Runner:
         self.activities: list[dict[str, Any]] = []
         self.supervised: bool | None = None
         self.method_started: float | None = None
-        self.fleet_ctx: Any = None  # the harness's FaultContext (proxies, etcd cluster, ...), when it has one
+        self.fleet_ctx: FleetContext | None = None  # the harness's fault context (proxies, etcd cluster, ...)
         self._declared: dict[str, list[str]] = {}
 
     def _say(self, kind: str, text: str) -> None:
@@ -328,15 +195,17 @@ class Runner:
         reason = ""
         self._say("phase", f"run folder {run_dir}")
         try:
-            async with self._fleet(run_dir) as fleet:
-                self.fleet = fleet
+            async with self._fleet(run_dir) as provisioned:
+                self.fleet = fleet = provisioned.fleet
+                self.fleet_ctx, self.supervised = provisioned.context, provisioned.supervised
+                self._declared = provisioned.declared
                 journal["fleet"] = await self._describe_fleet()
                 async with self._recording(), Workload(
                         exp.workload, seed=exp.seed, recorder=self.history, routers=self._router_urls(),
                         model=journal["fleet"]["model"], max_model_len=exp.fleet.max_model_len,
                         base=self.opts.base) as workload:
                     self.workload = workload
-                    self.services.update(workload=workload, history=self.history, bus=getattr(fleet, "bus", None))
+                    self.services.update(workload=workload, history=self.history, bus=fleet.bus)
                     if self.fleet_ctx is None:  # an attached fleet: a KV hook of the run's own (hook-level faults)
                         from fleetward.chaos.faults.kv import FaultyKvTransfer
 
@@ -381,7 +250,7 @@ class Runner:
         self._say("phase", "checking the history")
         records = list(read_history(run_dir / "history.jsonl"))
         verdicts = judge(journal, records, run_dir)
-        _finish_journal(journal, verdicts)
+        finish_journal(journal, verdicts)
         (run_dir / "journal.json").write_text(json.dumps(journal, indent=2, default=str) + "\n")
         if self.opts.report:
             from fleetward.chaos.report import write_report
@@ -410,85 +279,25 @@ class Runner:
     # -- the fleet --------------------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def _fleet(self, run_dir: Path) -> AsyncIterator[Any]:
-        if self.opts.attach:
-            async with self._attached() as fleet:
-                yield fleet
-            return
+    async def _fleet(self, run_dir: Path) -> AsyncIterator[Provisioned]:
+        def say(text: str) -> None:
+            self._say("phase", text)
+
         if self.opts.fleet is not None:
-            async with self._given(self.opts.fleet) as fleet:
-                yield fleet
+            async with given_fleet(self.exp, self.opts.fleet, say=say, history=self.history,
+                                   services=self.opts.services) as provisioned:
+                yield provisioned
             return
-        from fleetward.chaos.harness import TestFleet
-
-        spec = self.exp.fleet
-        known = {f.name for f in dataclasses.fields(TestFleet)}
-        gpu = None
-        if spec.gpus_per_worker:
-            from fleetward.supervisor.gpu import FakeGpuSource
-
-            gpu = FakeGpuSource(spec.workers * spec.gpus_per_worker)
-        kw: dict[str, Any] = dict(
-            etcd=self.opts.etcd or "", mqtt=self.opts.mqtt or "", run_dir=run_dir / "fleet",
-            cluster=spec.cluster or f"chaos-{uuid.uuid4().hex[:6]}", workers=spec.workers, backend=spec.backend,
-            sim=spec.sim, vllm=spec.vllm, routing=spec.routing, supervisor=spec.supervisor, node=spec.node,
-            lease_ttl=spec.lease_ttl_s,
-            model_path=self._model_path(),
-            # One controller runs in this process; more run as processes (a leader and standbys).
-            controller=spec.controllers == 1, controller_processes=spec.controllers if spec.controllers > 1 else 0,
-            gpu=gpu, gpus_per_worker=spec.gpus_per_worker,
-            # The fleet owns what was not given: a private etcd (cluster) and broker, so faults may stop them.
-            etcd_members=0 if self.opts.etcd else spec.etcd_members, own_broker=not self.opts.mqtt,
-            proxy_workers=spec.proxies.workers, proxy_clients=spec.proxies.clients,
-            proxy_control=spec.proxies.control)
-        lacking = [k for k, v in kw.items() if k not in known and v not in (False, 0, None, "")]
-        if lacking:
-            raise ConfigError(f"this harness cannot do {', '.join(lacking)}; give --etcd and --mqtt, or leave "
-                              "those fleet settings out", field="fleet")
-        self.supervised = True  # the harness runs the supervisor (it makes workers ready)
-        self._say("phase", f"starting {spec.workers} {spec.backend} worker(s) and {spec.routers} router(s)")
-        async with contextlib.AsyncExitStack() as stack:
-            fleet = TestFleet(**{k: v for k, v in kw.items() if k in known})
-            await self._unless_stopped(stack.enter_async_context(fleet), "starting the fleet")
-            for i in range(spec.routers):
-                await self._unless_stopped(fleet.start_router(f"router-{i}"), "starting the routers")
-            await self._unless_stopped(fleet.wait_workers_routable(
-                spec.workers, timeout=max(60.0, spec.vllm.start_timeout_s)), "waiting for the workers")
-            self._harness(fleet)
-            yield fleet
-
-    def _harness(self, fleet: Any) -> None:
-        """The fault context and the declared ids of a harness fleet (its own, or one given to the run)."""
-        self.fleet_ctx = fleet.fault_context(history=self.history, seed=self.exp.seed,
-                                             services=dict(self.opts.services))
-        self._declared = {"worker": fleet.worker_ids, "router": [r.id for r in fleet.routers],
-                          "supervisor": fleet.supervisor_control().ids if fleet.supervised else [],
-                          "kv": ["kv"], "fleet": ["fleet"]}
-
-    @contextlib.asynccontextmanager
-    async def _given(self, fleet: Any) -> AsyncIterator[Any]:
-        """A running harness fleet: check it is the declared one, add the routers it lacks for this run."""
-        spec = self.exp.fleet
-        declared = declared_ids(spec, "worker") or []
-        missing = [w for w in declared if w not in fleet.worker_ids]
-        if missing or fleet.backend != spec.backend:
-            raise ConfigError(f"the given fleet has {fleet.backend} workers {', '.join(fleet.worker_ids) or 'none'}; "
-                              f"the experiment declares {spec.backend} workers {', '.join(declared)} (set "
-                              "fleet.backend, fleet.node and fleet.workers to match)", field="fleet.workers")
-        self.supervised = fleet.supervised
-        started = []
-        try:
-            for i in range(len(fleet.routers), spec.routers):
-                started.append(await fleet.start_router(f"router-{i}"))
-            await fleet.wait_workers_routable(spec.workers, timeout=max(60.0, spec.vllm.start_timeout_s))
-            self._say("phase", f"using the given fleet {fleet.cluster} ({len(fleet.worker_ids)} workers)")
-            self._harness(fleet)
-            self._declared["worker"] = declared
-            self._declared["router"] = [r.id for r in fleet.routers][:spec.routers]
-            yield fleet
-        finally:
-            for r in started:
-                await fleet.stop_router(r)
+        backend = worker_backend(self.exp, base=self.opts.base, run_dir=self.opts.run_dir, say=say)
+        if self.opts.attach:
+            async with attached_fleet(self.exp, run_dir=self.opts.run_dir, cluster=self.opts.cluster,
+                                      backend=backend, say=say) as provisioned:
+                yield provisioned
+            return
+        async with own_fleet(self.exp, run_dir=run_dir, backend=backend, etcd=self.opts.etcd, mqtt=self.opts.mqtt,
+                             say=say, guard=self._unless_stopped, history=self.history,
+                             services=self.opts.services) as provisioned:
+            yield provisioned
 
     async def _unless_stopped(self, aw: Awaitable[T], what: str) -> T:
         """``aw``, unless the operator stops the run first (then it is cancelled: :class:`Stopped`)."""
@@ -507,67 +316,25 @@ class Runner:
             raise Stopped(f"stopped by the operator while {what}")
         return task.result()
 
-    def _model_path(self) -> Path | None:
-        spec = self.exp.fleet
-        if spec.backend != "vllm":
-            return None
-        # Absolute: workers run in their own folders, and vLLM takes a relative path it cannot find for a
-        # model id on the hub.
-        if spec.model:
-            beside = self.opts.base / spec.model if self.opts.base is not None else None
-            return (beside if beside is not None and beside.exists() else Path(spec.model)).resolve()
-        from fleetward.fleet.compose import default_model_path
-
-        path = default_model_path(self.opts.run_dir).resolve()
-        if not (path / "model.safetensors").exists():
-            from fleetward.fleet.tinymodel import write_tiny_model
-
-            self._say("phase", f"writing the tiny local model to {path}")
-            write_tiny_model(path)
-        return path
-
-    @contextlib.asynccontextmanager
-    async def _attached(self) -> AsyncIterator[AttachedFleet]:
-        cluster = self.opts.cluster or self.exp.fleet.cluster or "local"
-        state, token = _local_fleet(self.opts.run_dir / cluster / "fleet.json")
-        fleet = AttachedFleet(state, token)
-        try:
-            await fleet.start()
-            declared = declared_ids(self.exp.fleet, "worker") or []
-            missing = [w for w in declared if w not in fleet.worker_ids]
-            if missing:
-                raise ConfigError(f"the attached fleet's workers are {', '.join(fleet.worker_ids) or 'none'}; the "
-                                  f"experiment declares {', '.join(declared)} (set fleet.node and fleet.workers to "
-                                  "match)", field="fleet.workers")
-            if len(fleet.routers) < self.exp.fleet.routers:
-                raise ConfigError(f"the attached fleet has {len(fleet.routers)} router(s); the experiment declares "
-                                  f"{self.exp.fleet.routers}", field="fleet.routers")
-            self._declared = {"worker": declared, "router": [r.id for r in fleet.routers][:self.exp.fleet.routers],
-                              "kv": ["kv"], "fleet": ["fleet"]}
-            self._say("phase", f"attached to fleet {fleet.cluster} ({len(fleet.worker_ids)} workers)")
-            yield fleet
-        finally:
-            await fleet.aclose()
-
     def _router_urls(self) -> list[str]:
         """Where clients connect: each router's client proxy when there is one."""
         ids = set(self._declared.get("router", []))
-        return [getattr(r, "client_url", "") or r.url for r in self.fleet.routers if r.id in ids]
+        return [r.client_url or r.url for r in self.fleet.routers if r.id in ids]
 
     async def _describe_fleet(self) -> dict[str, Any]:
         status = await self.fleet.fleet_status()
         models = sorted({w["model"] for w in status["workers"] if w.get("model")})
-        return {"cluster": status["cluster"], "backend": self.exp.fleet.backend, "attached": self.opts.attach,
+        return {"cluster": status["cluster"], "backend": self.fleet.backend.name, "attached": self.opts.attach,
                 "workers": self._declared.get("worker", []),
                 "routers": [{"id": r.id, "url": r.url} for r in self.fleet.routers],
-                "model": models[0] if models else self.exp.fleet.sim.model_name, "supervisor": self.supervised}
+                "model": models[0] if models else self.fleet.backend.model_name, "supervisor": self.supervised}
 
     @contextlib.asynccontextmanager
     async def _recording(self) -> AsyncIterator[None]:
         """Record every event of the cluster into the history while the block runs."""
         from fleetward.fleet.bus import MqttBus
 
-        endpoint = self.fleet.mqtt
+        endpoint = self.fleet.mqtt_endpoint
         subscriber = MqttBus(endpoint, self.fleet.cluster)
         subscribed = asyncio.Event()
 
@@ -580,9 +347,7 @@ class Runner:
             async with asyncio.timeout(15):
                 await subscribed.wait()
             yield
-            bus = getattr(self.fleet, "bus", None)
-            if bus is not None:
-                await bus.flush(2.0)
+            await self.fleet.bus.flush(2.0)
             await asyncio.sleep(0.2)  # let the last events (published by other processes) arrive
 
     # -- steady state -----------------------------------------------------------------------------------
@@ -616,49 +381,10 @@ class Runner:
         return {"title": hyp.title, "steady_state_met": all(p["tolerance_met"] for p in probes), "probes": probes}
 
     async def _probe(self, probe: Probe, when: str) -> Any:
-        if probe.probe == "workers_routable":
-            from fleetward.fleet.registry import read_fleet
-
-            fleet = await read_fleet(self.fleet.store, self.fleet.keys)
-            return sum(1 for w in fleet.routable() if w.id in self._declared.get("worker", []))
-        if probe.probe == "routers_healthy":
-            async with httpx.AsyncClient(timeout=3.0, trust_env=False) as http:
-                n = 0
-                for url in self._router_urls():
-                    with contextlib.suppress(httpx.HTTPError):
-                        n += (await http.get(f"{url}/health")).status_code == 200
-                return n
-        args = RequestsProbeArgs.model_validate(probe.args)
-        assert self.workload is not None
-        w = self.workload
-        reference = self._model_reference()
-        results: list[bool] = []
-
-        async def one(k: int) -> None:
-            p = w.new_request("probe", prompt=make_prompt(self.exp.seed, f"probe-{when}-{probe.name}", k,
-                                                           args.prompt_tokens), max_tokens=args.max_tokens)
-            live = Live(f"p-{when}-{p.index:04d}", "probe", p)
-            async with asyncio.timeout(args.timeout_s):
-                out = await w.client.run(p, live, router_index=k)
-            exact = True
-            if reference is not None and out.ok:
-                prompt = w.client.reference_prompt(p)
-                exact = list(out.tokens) == reference.continuation(prompt, p.max_tokens,
-                                                                   ignore_eos=self.exp.workload.ignore_eos)
-            results.append(out.ok and exact)
-
-        async with asyncio.TaskGroup() as tg:
-            for k in range(args.count):
-                tg.create_task(one(k))
-        return round(sum(results) / len(results), 4)
-
-    def _model_reference(self) -> Any:
-        if self.exp.fleet.backend != "sim":
-            return None
-        from fleetward.fleet.simmodel import SimModel
-
-        sim = self.exp.fleet.sim
-        return SimModel(sim.seed, sim.eos_probability)
+        spec = PROBES[probe.probe]
+        ctx = ProbeContext(self.fleet, self._declared.get("worker", []), self._router_urls(), self.workload,
+                           self.exp.seed, probe.name, when, ignore_eos=self.exp.workload.ignore_eos)
+        return await spec.fn(ctx, spec.args.model_validate(probe.args))
 
     # -- the method -------------------------------------------------------------------------------------
 
@@ -750,8 +476,8 @@ class Runner:
         await self._publish("fault.start", name, act, spec, ids)
         self._say("activity", f"{name}: inject {act.fault} on {', '.join(ids)}")
         verified = recovered = None
-        verify_s = act.verify_timeout_s or float(getattr(params, "verify_timeout_s", 25.0)) + 5.0
-        recover_s = act.verify_timeout_s or float(getattr(params, "recover_timeout_s", 25.0)) + 5.0
+        verify_s = act.verify_timeout_s or float(params.model_dump().get("verify_timeout_s", 25.0)) + 5.0
+        recover_s = act.verify_timeout_s or float(params.model_dump().get("recover_timeout_s", 25.0)) + 5.0
         try:
             try:
                 await fault.inject(ctx)
@@ -803,9 +529,7 @@ class Runner:
                                      "fault": _describe(fault), "steps": steps})
 
     async def _publish(self, kind: str, name: str, act: Activity, spec: FaultSpec, ids: list[str]) -> None:
-        bus = getattr(self.fleet, "bus", None)
-        if bus is None:
-            return
+        bus = self.fleet.bus
         worker = ids[0] if len(ids) == 1 and (act.target is not None and act.target.kind == "worker") else None
         with contextlib.suppress(Exception):
             await bus.publish(kind, activity=name, fault=act.fault, family=spec.family, targets=ids, worker=worker)
@@ -829,28 +553,11 @@ class Runner:
 
     def resolve(self, target: Target, *, rng: random.Random) -> list[str]:
         """Concrete ids for ``target`` within the fleet; :class:`SafetyAbort` when outside it."""
-        known = self.universe(target.kind)
-        if known is None:
-            if target.ids:
-                return list(target.ids)  # e.g. kv hooks: the fault family knows its ids
-            raise SafetyAbort(f"cannot pick {target.kind}s here: name them in target.ids")
-        if target.ids:
-            found, outside = match_ids(target.ids, known)
-            if outside:
-                raise SafetyAbort(f"{', '.join(outside)} not in the fleet ({target.kind}s: "
-                                  f"{', '.join(known) or 'none'})")
-            return found
-        if target.pick == "all":
-            return list(known)
-        if target.count > len(known):
-            raise SafetyAbort(f"the fleet has {len(known)} {target.kind}(s), not {target.count}")
-        free = [k for k in sorted(known) if k not in self._busy_ids(target.kind)] or sorted(known)
-        if target.pick == "first":
-            return free[:target.count]
-        if target.pick == "serving" and target.kind == "worker" and self.workload is not None:
-            load = self.workload.in_flight_by_worker()
-            return sorted(free, key=lambda w: (-load.get(w, 0), w))[:target.count]
-        return sorted(rng.sample(free, min(target.count, len(free))))
+        load = self.workload.in_flight_by_worker() if self.workload is not None and target.kind == "worker" else None
+        try:
+            return resolve(target, self.universe(target.kind), rng=rng, busy=self._busy_ids(target.kind), load=load)
+        except TargetError as exc:
+            raise SafetyAbort(str(exc)) from None
 
     def _busy_ids(self, kind: str) -> set[str]:
         return {i for k, ids in self.active.values() if k == kind for i in ids}
@@ -891,115 +598,30 @@ class Runner:
         return out
 
     async def _rollback(self, action: str, timeout: float) -> dict[str, Any]:
-        done: dict[str, Any] = {}
-        if action in ("restore_fleet", "restart_dead") and not self.opts.attach:
-            restarted = []
-            quarantined = await self._unquarantine()
-            if quarantined:
-                done["unquarantined"] = quarantined
-            for wid in self._declared.get("worker", []):
-                if wid in quarantined:
-                    continue  # the supervisor restarts it after the self-test
-                h = self.fleet.agent.handles.get(wid)
-                if h is None or not h.process.is_running:
-                    await self.fleet.restart(wid)
-                    restarted.append(wid)
-            for r in list(self.fleet.routers):
-                if not r.is_running:
-                    if hasattr(self.fleet, "restart_router"):  # same port, same links
-                        await self.fleet.restart_router(r)
-                    else:
-                        await self.fleet.stop_router(r)
-                        await self.fleet.start_router(r.id)
-                    restarted.append(r.id)
+        def routers_changed() -> None:
             if self.workload is not None:
                 self.workload.routers[:] = self._router_urls()
-            done["restarted"] = restarted
-        if action in ("restore_fleet", "clear_sim_faults") and self.exp.fleet.backend == "sim":
-            cleared = []
-            for wid in self._declared.get("worker", []):
-                with contextlib.suppress(httpx.HTTPError, KeyError):
-                    await self.fleet.fault(wid, clear=True)
-                    cleared.append(wid)
-            done["cleared"] = cleared
-        if action in ("restore_fleet", "wait_routable"):
-            await self.fleet.wait_workers_routable(len(self._declared.get("worker", [])), timeout=timeout)
-            done["routable"] = True
-        return done
 
-    async def _unquarantine(self) -> list[str]:
-        """Reset the fake GPUs and clear every quarantine through the supervisor leader (a self-test, then a
-        restart, as an operator would); returns the workers that were quarantined."""
-        fleet = self.fleet
-        gpu = getattr(fleet, "gpu", None)
-        if gpu is not None:
-            for info in gpu.gpus():
-                gpu.clear(info.index)
-        if not getattr(fleet, "supervised", False):
-            return []
-        from fleetward.fleet.registry import read_fleet
-
-        health = (await read_fleet(fleet.store, fleet.keys)).health
-        out = [w for w in self._declared.get("worker", []) if w in health and health[w].state.value == "quarantined"]
-        for w in out:
-            (await fleet.supervisor_command(w, "quarantine/clear")).raise_for_status()
-        return out
+        ctx = RollbackContext(self.fleet, self._declared.get("worker", []), routers_changed)
+        return await ROLLBACKS[action].fn(ctx, timeout)
 
     async def _reference(self, run_dir: Path) -> dict[str, Any]:
         exp = self.exp
         mode = exp.reference
         if mode == "none":
             return {"kind": "none", "reason": "the experiment asks for no reference"}
-        if exp.fleet.backend == "sim" and mode in ("auto", "model"):
-            return {"kind": "model", "seed": exp.fleet.sim.seed, "eos_probability": exp.fleet.sim.eos_probability}
+        known = self.fleet.backend.reference()
+        if known is not None and mode in ("auto", "model"):
+            return dict(known)
         if mode == "model":
-            return {"kind": "none", "reason": "only the simulated worker's model is known without a run"}
+            return {"kind": "none", "reason": f"the output of {self.fleet.backend.name} workers is not known without "
+                    "a run"}
         if exp.workload.temperature > 0:
             return {"kind": "none", "reason": "the workload samples (temperature > 0): streams are not determined"}
-        return await self._record_reference(run_dir)
-
-    async def _record_reference(self, run_dir: Path) -> dict[str, Any]:
-        """Run every distinct request again, fault-free, and keep what it returns."""
         assert self.workload is not None
         self.phase = "reference run"
-        wanted: dict[str, tuple[list[int], int]] = {}
-        for rec in self.history.records:
-            if rec.type == "invoke" and isinstance(rec.get("prompt"), list):
-                p = rec.get("params") or {}
-                key = reference_key(rec["prompt"], int(p.get("max_tokens", 16)), bool(p.get("ignore_eos")))
-                wanted.setdefault(key, (rec["prompt"], int(p.get("max_tokens", 16))))
-        self._say("phase", f"recording the fault-free reference ({len(wanted)} requests)")
-        client = self.workload.client_for(_Memory(), self.exp.workload.model_copy(update={"api": "completion"}))
-        got: dict[str, list[int]] = {}
-        sem = asyncio.Semaphore(4)
-
-        async def one(key: str, prompt: list[int], max_tokens: int, k: int) -> None:
-            async with sem:
-                p = Planned(k, 0.0, tuple(prompt), max_tokens, source="reference")
-                out = await client.run(p, Live(f"ref-{k}", "reference", p), router_index=k)
-                if out.ok:
-                    got[key] = list(out.tokens)
-
-        async with asyncio.TaskGroup() as tg:
-            for k, (key, (prompt, n)) in enumerate(wanted.items()):
-                tg.create_task(one(key, prompt, n, k))
-        with (run_dir / "reference.jsonl").open("w") as f:
-            for key, tokens in got.items():
-                f.write(json.dumps({"key": key, "tokens": tokens}, separators=(",", ":")) + "\n")
-        return {"kind": "recorded", "file": "reference.jsonl", "requests": len(wanted), "answered": len(got)}
-
-
-def _local_fleet(path: Path) -> tuple[dict[str, Any], str]:
-    """The state file of a fleet that ``fleetward up`` runs, and its admin token."""
-    try:
-        state = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"no running local fleet at {path}: start one with `fleetward up` (or run without "
-                          "--attach)", field="attach") from None
-    token_file = Path(state.get("admin_token_file") or path.parent / "admin-token")
-    token = os.environ.get("FLEETWARD_ADMIN_TOKEN") or (token_file.read_text().strip() if token_file.exists()
-                                                        else "")
-    return state, token
+        return await record_reference(self.history.records, self.workload, self.exp.workload, run_dir,
+                                      say=lambda text: self._say("phase", text))
 
 
 def _describe(fault: Fault) -> dict[str, Any]:
@@ -1010,7 +632,7 @@ def _describe(fault: Fault) -> dict[str, Any]:
 
 def _tolerance(p: Probe) -> Any:
     t = p.tolerance
-    return t.model_dump() if hasattr(t, "model_dump") else t
+    return t.model_dump() if isinstance(t, BaseModel) else t
 
 
 async def _bounded(aw: Awaitable[bool], timeout: float) -> bool:
@@ -1033,19 +655,6 @@ async def _background(coro: Awaitable[None]) -> AsyncIterator[None]:
             await task
 
 
-class _Memory:
-    """A recorder that keeps nothing on disk (the reference run)."""
-
-    def __init__(self) -> None:
-        self._t0 = time.monotonic()
-
-    def now(self) -> float:
-        return time.monotonic() - self._t0
-
-    def add(self, type_: str, **data: Any) -> None:
-        return None
-
-
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -1053,53 +662,6 @@ def _version() -> str:
         return version("fleetward")
     except PackageNotFoundError:
         return "unknown"
-
-
-# -- judging ------------------------------------------------------------------------------------------------
-
-
-def _reference_of(info: Mapping[str, Any], run_dir: Path) -> Reference:
-    kind = info.get("kind")
-    if kind == "model":
-        return ModelReference(int(info.get("seed", 0)), float(info.get("eos_probability", 0.0)))
-    if kind == "recorded":
-        entries: dict[str, list[int]] = {}
-        path = run_dir / str(info.get("file", "reference.jsonl"))
-        if path.exists():
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    body = json.loads(line)
-                    entries[body["key"]] = body["tokens"]
-        return RecordedReference(entries)
-    return NoReference(str(info.get("reason") or "no fault-free reference for this run"))
-
-
-def judge(journal: Mapping[str, Any], records: list[Record], run_dir: Path) -> list[Verdict]:
-    """Run the experiment's checkers on ``records`` (pure but for reading ``reference.jsonl``)."""
-    ctxinfo = journal.get("context") or {}
-    ctx = CheckContext(_reference_of(journal.get("reference") or {}, run_dir),
-                       migration_limit=ctxinfo.get("migration_limit"), supervisor=ctxinfo.get("supervisor"))
-    specs = journal.get("experiment", {}).get("checkers")
-    chosen = None if specs is None else [(c["name"], c.get("params") or {}) for c in specs]
-    return run_checkers(RunView.of(records), ctx, chosen)
-
-
-def _finish_journal(journal: dict[str, Any], verdicts: list[Verdict]) -> None:
-    checks = combine(v.status for v in verdicts)
-    journal["checks"] = {"status": checks, "verdicts": [v.to_json() for v in verdicts]}
-    journal["exit_code"] = exit_code(str(journal["status"]), bool(journal["deviated"]), checks)
-
-
-def check_run(run_dir: Path) -> RunResult:
-    """Re-run the checkers on a saved run folder; the result's exit code follows the same rules."""
-    try:
-        journal = json.loads((run_dir / "journal.json").read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{run_dir} has no journal.json: not a run folder", field="run") from None
-    records = list(read_history(run_dir / "history.jsonl"))
-    verdicts = judge(journal, records, run_dir)
-    _finish_journal(journal, verdicts)
-    return RunResult(run_dir, journal, verdicts)
 
 
 async def run_experiment(experiment: Experiment | str | Path | Mapping[str, Any], *, out: str | Path | None = None,

@@ -18,9 +18,8 @@ records into the history:
   ``[DONE]``: a silent truncation), ``timeout``, ``cancelled`` (the client disconnected on purpose),
   ``abandoned`` (still open when the drain ended), ``aborted`` (the run was stopped).
 
-Load shapes are faults of the ``load`` family, registered here: ``load.burst``, ``load.long_prompt_storm``,
-``load.mass_cancel`` and ``load.retry_storm``. They reach the workload through
-``FaultContext.service("workload")``.
+Load shapes (bursts, storms, cancellations, retries) are faults of the ``load`` family
+(:mod:`fleetward.chaos.faults.load`); they reach the workload through ``FaultContext.service("workload")``.
 """
 
 from __future__ import annotations
@@ -31,25 +30,23 @@ import contextlib
 import csv
 import dataclasses
 import itertools
+import json
 import math
 import random
 import re
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 import httpx
 import orjson
-from pydantic import Field
 
 from fleetward.chaos.experiment import Lengths, WorkloadSpec, resolve_trace
-from fleetward.chaos.fault import CATALOGUE, FaultContext, FaultSpec, Target, register
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
-from fleetward.fleet.config import Frozen
 from fleetward.fleet.errors import ConfigError
-from fleetward.fleet.tokenizer import BYTE_OFFSET, decode, encode, render_chat
+from fleetward.sim.tokenizer import BYTE_OFFSET, decode, encode, render_chat
 
 __all__ = [
     "Live",
@@ -62,6 +59,7 @@ __all__ = [
     "plan_arrivals",
     "read_trace",
     "sample_length",
+    "sse_data",
     "sse_lines",
 ]
 
@@ -175,10 +173,10 @@ def plan_arrivals(spec: WorkloadSpec, *, seed: int, base: Path | None = None) ->
             times.append((t, None, None))
             t += 1.0 / a.rate if a.kind == "constant" else rng.expovariate(a.rate)
     plan = []
-    for i, (t, isl, osl) in enumerate(times):
+    for i, (t, given_in, given_out) in enumerate(times):
         rng = random.Random(f"{seed}:lengths:{i}")
-        n_in = isl if isl is not None else sample_length(spec.isl, rng)
-        n_out = osl if osl is not None else sample_length(spec.osl, rng)
+        n_in = given_in if given_in is not None else sample_length(spec.isl, rng)
+        n_out = given_out if given_out is not None else sample_length(spec.osl, rng)
         plan.append(Planned(i, t, make_prompt(seed, "workload", i, n_in), n_out))
     return plan
 
@@ -205,6 +203,14 @@ async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
             yield buf[start:m.start()].decode("utf-8", errors="replace")
             start = m.end()
         buf = buf[start:]
+
+
+async def sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[Any]:
+    """The ``data:`` payloads of an SSE body (:func:`sse_lines`), parsed: a JSON value, or ``"[DONE]"``."""
+    async for line in sse_lines(chunks):
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            yield payload if payload == "[DONE]" else json.loads(payload)
 
 
 @dataclass
@@ -562,202 +568,3 @@ class Workload:
         """Tokens per second over the last ``window_s`` seconds (finished requests, for progress displays)."""
         now = self.recorder.now()
         return sum(n for t, n in self.recent if t >= now - window_s) / window_s
-
-
-# -- load faults --------------------------------------------------------------------------------------------
-
-
-class BurstParams(Frozen):
-    count: int = Field(50, ge=1, le=10_000, description="requests sent at once")
-    spread_s: float = Field(0.0, ge=0, description="spread them evenly over this many seconds (0: all at once)")
-    isl: Lengths | None = Field(None, description="prompt lengths (default: the workload's)")
-    osl: Lengths | None = Field(None, description="output lengths (default: the workload's)")
-
-
-class StormParams(Frozen):
-    rate: float = Field(4.0, gt=0, le=1000, description="long prompts per second while the fault holds")
-    isl: Lengths = Field(Lengths(dist="uniform", min=1024, max=1536), description="prompt lengths")
-    osl: Lengths = Field(Lengths(value=8), description="output lengths")
-
-
-class MassCancelParams(Frozen):
-    share: float = Field(0.5, gt=0, le=1, description="share of open streams (and, while the fault holds, of "
-                         "new ones) whose client disconnects mid-stream")
-    after_tokens: int = Field(1, ge=1, description="a client disconnects once it has this many tokens")
-
-
-class RetryStormParams(Frozen):
-    max_retries: int = Field(5, ge=1, le=100, description="immediate retries per failed request")
-
-
-class _LoadFault:
-    name: ClassVar[str]
-    family: ClassVar[Any] = "load"
-
-    def __init__(self, params: Any, target: Target) -> None:
-        self.params = params
-        self.target = target
-        self.targets: list[str] = []
-        self.tag = ""
-
-    def _workload(self, ctx: FaultContext) -> Workload:
-        w = ctx.service("workload")
-        if not isinstance(w, Workload) or not w.running:
-            raise RuntimeError(f"{self.name} needs a running workload")
-        self.targets = ctx.resolve(self.target)
-        self.tag = f"{self.name}@{w.elapsed():.3f}"
-        return w
-
-    async def _until(self, ctx: FaultContext, predicate: Callable[[], bool]) -> bool:
-        """Poll ``predicate`` (the runner bounds verify with a deadline)."""
-        while True:
-            if predicate():
-                return True
-            await asyncio.sleep(0.02)
-
-    async def recover(self, ctx: FaultContext) -> None:
-        return None
-
-    async def verify_recovered(self, ctx: FaultContext) -> bool:
-        return True
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "family": self.family, "targets": self.targets,
-                "params": self.params.model_dump(mode="json")}
-
-
-class BurstFault(_LoadFault):
-    name = "load.burst"
-
-    async def inject(self, ctx: FaultContext) -> None:
-        w = self._workload(ctx)
-        self.workload = w
-        p = self.params
-        self.before = w.by_source[self.name]
-        if p.spread_s <= 0:
-            for _ in range(p.count):
-                w.launch(w.new_request(self.name, isl=p.isl, osl=p.osl))
-            return
-
-        async def spread() -> None:
-            for i in range(p.count):
-                if i:
-                    await w.clock.sleep(p.spread_s / p.count)
-                w.launch(w.new_request(self.name, isl=p.isl, osl=p.osl))
-
-        w.spawn(spread())
-
-    async def verify(self, ctx: FaultContext) -> bool:
-        return await self._until(ctx, lambda: self.workload.by_source[self.name] - self.before >= 1)
-
-
-class LongPromptStorm(_LoadFault):
-    name = "load.long_prompt_storm"
-
-    async def inject(self, ctx: FaultContext) -> None:
-        w = self._workload(ctx)
-        self.workload = w
-        self.stop = asyncio.Event()
-        self.before = w.by_source[self.name]
-        p = self.params
-        rng = random.Random(f"{w.seed}:{self.tag}")
-
-        async def storm() -> None:
-            while not self.stop.is_set() and w.running:
-                w.launch(w.new_request(self.name, isl=p.isl, osl=p.osl))
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(rng.expovariate(p.rate)):
-                        await self.stop.wait()
-
-        self.task = w.spawn(storm())
-
-    async def verify(self, ctx: FaultContext) -> bool:
-        return await self._until(ctx, lambda: self.workload.by_source[self.name] - self.before >= 1)
-
-    async def recover(self, ctx: FaultContext) -> None:
-        self.stop.set()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
-
-    async def verify_recovered(self, ctx: FaultContext) -> bool:
-        return self.task.done()
-
-    def describe(self) -> dict[str, Any]:
-        sent = self.workload.by_source[self.name] - self.before if hasattr(self, "workload") else 0
-        return {**super().describe(), "sent": sent}
-
-
-class MassCancel(_LoadFault):
-    name = "load.mass_cancel"
-
-    async def inject(self, ctx: FaultContext) -> None:
-        w = self._workload(ctx)
-        self.workload = w
-        p = self.params
-        rng = random.Random(f"{w.seed}:{self.tag}")
-        w.modes.cancel_share, w.modes.cancel_after = p.share, p.after_tokens
-        w.modes.cancel_rng, w.modes.cancel_tag = rng, self.tag
-        w.cancel_in_flight(p.share, p.after_tokens, rng, self.tag)
-
-    async def verify(self, ctx: FaultContext) -> bool:
-        return await self._until(ctx, lambda: self.workload.cancelled_by[self.tag] >= 1)
-
-    async def recover(self, ctx: FaultContext) -> None:
-        m = self.workload.modes
-        if m.cancel_tag == self.tag:
-            m.cancel_share, m.cancel_tag = 0.0, ""
-
-    async def verify_recovered(self, ctx: FaultContext) -> bool:
-        return self.workload.modes.cancel_tag != self.tag
-
-    def describe(self) -> dict[str, Any]:
-        done = self.workload.cancelled_by[self.tag] if hasattr(self, "workload") else 0
-        return {**super().describe(), "cancelled": done}
-
-
-class RetryStorm(_LoadFault):
-    name = "load.retry_storm"
-
-    async def inject(self, ctx: FaultContext) -> None:
-        w = self._workload(ctx)
-        self.workload = w
-        w.modes.retries, w.modes.retry_tag = self.params.max_retries, self.tag
-
-    async def verify(self, ctx: FaultContext) -> bool:
-        # The storm is armed: clients now retry every failure at once. It needs failures to amplify, so
-        # pair it with a fault that causes some.
-        return self.workload.modes.retry_tag == self.tag
-
-    async def recover(self, ctx: FaultContext) -> None:
-        m = self.workload.modes
-        if m.retry_tag == self.tag:
-            m.retries, m.retry_tag = 0, ""
-
-    async def verify_recovered(self, ctx: FaultContext) -> bool:
-        return self.workload.modes.retry_tag != self.tag
-
-    def describe(self) -> dict[str, Any]:
-        done = self.workload.retried_by[self.tag] if hasattr(self, "workload") else 0
-        return {**super().describe(), "retries": done}
-
-
-_LOAD = {"counts_toward_share": False, "target_kinds": ("fleet",)}
-
-
-def _factory(cls: type[_LoadFault]) -> Callable[[Any, Target], Any]:
-    return lambda params, target: cls(params, target)
-
-
-for _spec in (
-    FaultSpec("load.burst", "load", "a burst of requests at once (open loop, on top of the workload)", BurstParams,
-              _factory(BurstFault), extra=_LOAD),
-    FaultSpec("load.long_prompt_storm", "load", "long prompts arrive at a rate while the fault holds (prefill "
-              "pressure)", StormParams, _factory(LongPromptStorm), extra=_LOAD),
-    FaultSpec("load.mass_cancel", "load", "clients disconnect mid-stream: a share of open streams now, and of "
-              "new ones while the fault holds", MassCancelParams, _factory(MassCancel), extra=_LOAD),
-    FaultSpec("load.retry_storm", "load", "clients retry every failed request at once while the fault holds",
-              RetryStormParams, _factory(RetryStorm), extra=_LOAD),
-):
-    if _spec.name not in CATALOGUE:
-        register(_spec)
-

@@ -1,24 +1,37 @@
-"""Worker backends: how one worker process is started, signalled and stopped.
+"""Worker backends: how one worker process is started, signalled and stopped, and what its workers can do.
 
-:class:`WorkerBackend` is the boundary (a handful of methods). Two real backends:
+:class:`Backend` is the boundary (a handful of methods and capabilities). Code that needs to know what
+kind of worker it deals with asks the backend, never compares its name:
 
-- ``sim``: the simulated worker (``python -m fleetward.fleet.simworker``), one process;
+- :attr:`~Backend.model_name`, :attr:`~Backend.max_model_len`: what its workers serve;
+- :attr:`~Backend.fault_switches`: its workers take ``POST /admin/faults`` (hang, slowdown, wrong tokens,
+  ...); only the simulated worker does;
+- :meth:`~Backend.reference`: how fault-free output is known without a run (the simulated worker's model
+  is a pure function of the prefix), or ``None`` when it must be recorded from a fault-free run;
+- :meth:`~Backend.warm_up`: what a fresh worker needs before it serves at full speed (vLLM on a CPU
+  compiles kernels on first use of a shape).
+
+Two real backends, registered in :data:`BACKENDS` under their names:
+
+- ``sim``: the simulated worker (``python -m fleetward.sim.server``), one process;
 - ``vllm``: real vLLM (``python -m vllm.entrypoints.openai.api_server``), a tree of three processes:
   the API server, ``VLLM::EngineCore`` and ``VLLM::Worker``. :meth:`WorkerHandle.engine_processes`
   finds the engine so faults and detectors can target it (SIGSTOP on it is vLLM's silent hang).
+  Without a model folder it serves the tiny local model at :meth:`VllmBackend.default_model_path`
+  (written by ``fleetward model tiny``).
 
 Workers started by someone else are not launched here; they are registered by URL only.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, ClassVar, Protocol
 
 import httpx
 import psutil
@@ -28,7 +41,16 @@ from fleetward.fleet.errors import ConfigError
 from fleetward.fleet.procs import ManagedProcess
 from fleetward.fleet.worker import WorkerSpec
 
-__all__ = ["SimBackend", "VllmBackend", "WorkerBackend", "WorkerHandle", "make_backend", "worker_ready"]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "SimBackend",
+    "VllmBackend",
+    "WorkerHandle",
+    "backend_capabilities",
+    "make_backend",
+    "worker_ready",
+]
 
 
 @dataclass
@@ -62,19 +84,47 @@ class WorkerHandle:
         return engines or tree[:1]
 
 
-class WorkerBackend(Protocol):
-    """Starts and stops worker processes of one kind.
+class Backend(Protocol):
+    """A kind of worker: how one is started and stopped, and what its workers can do.
 
-    ``launch`` returns at once with a started process; ``wait_ready`` blocks until the worker answers
-    ``/health`` with 200 and lists its model, or raises :class:`~fleetward.fleet.errors.ProcessError`
-    (with the log tail) when it exits or times out first.
+    ``launch`` returns at once with a started process (``prefix`` is a launcher put before the worker's
+    own command line, which it must end by exec-ing: same pid); ``wait_ready`` blocks until the worker
+    answers ``/health`` with 200 and lists its model, or raises
+    :class:`~fleetward.fleet.errors.ProcessError` (with the log tail) when it exits or times out first.
     """
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The backend's name (``sim``, ``vllm``): what ``workers/<id>`` records and configs say."""
+        ...
 
-    def launch(self, spec: WorkerSpec, log_dir: Path, env: Mapping[str, str] | None = None) -> WorkerHandle: ...
+    @property
+    def capabilities(self) -> frozenset[str]:
+        """What its workers can do: ``fault_switches``, ``model_reference``."""
+        ...
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def fault_switches(self) -> bool: ...
+
+    def reference(self) -> dict[str, Any] | None: ...
+
+    def check(self) -> None:
+        """Raise :class:`~fleetward.fleet.errors.ConfigError` when workers cannot be launched as configured
+        (e.g. the model folder holds no model)."""
+        ...
+
+    def launch(self, spec: WorkerSpec, log_dir: Path, env: Mapping[str, str] | None = None, *,
+               prefix: Sequence[str] = ()) -> WorkerHandle: ...
 
     async def wait_ready(self, handle: WorkerHandle, *, timeout: float | None = None) -> None: ...
+
+    async def warm_up(self, url: str) -> None: ...
 
     async def stop(self, handle: WorkerHandle, *, grace: float = 10.0) -> None: ...
 
@@ -97,8 +147,12 @@ async def worker_ready(url: str, *, client: httpx.AsyncClient | None = None) -> 
 
 
 class _ProcessBackend:
-    name = ""
+    """What the process-based backends share: argv and environment make the worker, the rest is common."""
+
+    name: ClassVar[str] = ""
+    capabilities: ClassVar[frozenset[str]] = frozenset()
     start_timeout = 60.0
+    nice = 0
 
     def argv(self, spec: WorkerSpec) -> list[str]:
         raise NotImplementedError
@@ -106,11 +160,21 @@ class _ProcessBackend:
     def env(self, spec: WorkerSpec) -> dict[str, str]:
         return {"PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"}
 
-    nice = 0
+    @property
+    def fault_switches(self) -> bool:
+        return "fault_switches" in self.capabilities
 
-    def launch(self, spec: WorkerSpec, log_dir: Path, env: Mapping[str, str] | None = None) -> WorkerHandle:
-        proc = ManagedProcess(f"worker {spec.id}", self.argv(spec), log_path=log_dir / f"worker-{spec.id}.log",
-                              env={**self.env(spec), **(env or {})}, cwd=log_dir, nice=self.nice)
+    def reference(self) -> dict[str, Any] | None:
+        return None
+
+    def check(self) -> None:
+        return None
+
+    def launch(self, spec: WorkerSpec, log_dir: Path, env: Mapping[str, str] | None = None, *,
+               prefix: Sequence[str] = ()) -> WorkerHandle:
+        proc = ManagedProcess(f"worker {spec.id}", [*prefix, *self.argv(spec)],
+                              log_path=log_dir / f"worker-{spec.id}.log", env={**self.env(spec), **(env or {})},
+                              cwd=log_dir, nice=self.nice)
         proc.start()
         return WorkerHandle(spec, self.name, proc)
 
@@ -121,34 +185,94 @@ class _ProcessBackend:
 
             await handle.process.wait_ready(ready, timeout=timeout or self.start_timeout, interval=0.1)
 
+    async def warm_up(self, url: str) -> None:
+        return None
+
     async def stop(self, handle: WorkerHandle, *, grace: float = 10.0) -> None:
         await handle.process.stop(grace)
 
 
 class SimBackend(_ProcessBackend):
-    """The simulated worker, one process per worker."""
+    """The simulated worker, one process per worker. Its fault switches and its model are known: a
+    fault-free reference needs no run."""
 
     name = "sim"
+    capabilities = frozenset({"fault_switches", "model_reference"})
     start_timeout = 30.0
 
-    def __init__(self, config: SimConfig) -> None:
-        self.config = config
+    def __init__(self, config: SimConfig | None = None) -> None:
+        self.config = config or SimConfig()
+
+    @classmethod
+    def from_config(cls, *, sim: SimConfig | None = None, vllm: VllmConfig | None = None,
+                    model_path: Path | None = None, run_dir: Path = Path(".fleetward")) -> SimBackend:
+        return cls(sim)
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    def reference(self) -> dict[str, Any] | None:
+        """The simulated model (``fleetward.sim.model.SimModel``) by its parameters."""
+        return {"kind": "model", "seed": self.config.seed, "eos_probability": self.config.eos_probability}
 
     def argv(self, spec: WorkerSpec) -> list[str]:
-        return [sys.executable, "-m", "fleetward.fleet.simworker", "--host", spec.host, "--port", str(spec.port),
+        return [sys.executable, "-m", "fleetward.sim.server", "--host", spec.host, "--port", str(spec.port),
                 "--model-name", spec.model, "--config-json", self.config.model_dump_json()]
 
 
 class VllmBackend(_ProcessBackend):
-    """Real vLLM through its OpenAI-compatible API server."""
+    """Real vLLM through its OpenAI-compatible API server.
+
+    ``model_path`` is the model folder (default: :meth:`default_model_path` under ``run_dir``, the tiny
+    local model). It is checked when a worker is launched, so a backend can answer its capabilities
+    before the model exists.
+    """
 
     name = "vllm"
+    capabilities = frozenset()
 
-    def __init__(self, config: VllmConfig, model_path: Path) -> None:
-        self.config = config
-        self.model_path = model_path
-        self.start_timeout = config.start_timeout_s
-        self.nice = config.nice
+    def __init__(self, config: VllmConfig | None = None, model_path: Path | None = None, *,
+                 run_dir: Path = Path(".fleetward")) -> None:
+        self.config = config or VllmConfig()
+        # Absolute: workers run in their own folders, where a relative path is taken for a hub model id.
+        self.model_path = Path(model_path or self.config.model or self.default_model_path(run_dir)).resolve()
+        self.start_timeout = self.config.start_timeout_s
+        self.nice = self.config.nice
+
+    @classmethod
+    def from_config(cls, *, sim: SimConfig | None = None, vllm: VllmConfig | None = None,
+                    model_path: Path | None = None, run_dir: Path = Path(".fleetward")) -> VllmBackend:
+        return cls(vllm, model_path, run_dir=run_dir)
+
+    @staticmethod
+    def default_model_path(run_dir: Path) -> Path:
+        """Where the tiny local model lives under a run folder (``fleetward model tiny --out`` that)."""
+        return run_dir / "models" / "tiny-seed0"
+
+    @property
+    def model_name(self) -> str:
+        """The model folder's name when the config names one (``vllm.model``), else ``tiny``."""
+        return Path(self.config.model).name if self.config.model else "tiny"
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` unless the model folder holds a model."""
+        if not (self.model_path / "config.json").exists():
+            raise ConfigError(f"{self.model_path} is not a model folder (no config.json); make one with "
+                              "`fleetward model tiny --out DIR`", field="vllm.model")
+
+    def launch(self, spec: WorkerSpec, log_dir: Path, env: Mapping[str, str] | None = None, *,
+               prefix: Sequence[str] = ()) -> WorkerHandle:
+        self.check()
+        return super().launch(spec, log_dir, env, prefix=prefix)
 
     def argv(self, spec: WorkerSpec) -> list[str]:
         c = self.config
@@ -172,19 +296,32 @@ class VllmBackend(_ProcessBackend):
             "TOKENIZERS_PARALLELISM": "false",
         }
 
+    async def warm_up(self, url: str) -> None:
+        """One long generation and a small batch of prompt lengths: vLLM on a CPU compiles kernels lazily
+        on first use of a shape and stalls a small machine meanwhile; better before traffic than during."""
+        async with httpx.AsyncClient(timeout=180, trust_env=False) as client:
+            async def one(prompt: list[int], n: int) -> None:
+                await client.post(f"{url}/v1/completions", json={
+                    "model": self.model_name, "prompt": prompt, "max_tokens": n, "ignore_eos": True,
+                    "temperature": 0})
 
-def make_backend(kind: str, *, sim: SimConfig, vllm: VllmConfig, model_path: Path | None = None) -> WorkerBackend:
-    if kind == "sim":
-        return SimBackend(sim)
-    if kind == "vllm":
-        if model_path is None:
-            raise ConfigError("the vllm backend needs a model folder", field="vllm.model")
-        if not (model_path / "config.json").exists():
-            raise ConfigError(f"{model_path} is not a model folder (no config.json); make one with "
-                              "`fleetward model tiny --out DIR`", field="vllm.model")
-        return VllmBackend(vllm, model_path)
-    raise ConfigError(f"unknown backend {kind!r} (sim or vllm)", field="backend")
+            await one([40, 41, 42], 1500)
+            await asyncio.gather(*(one([50 + i] * (10 + 50 * i), 64) for i in range(8)))
 
 
-def describe(handle: WorkerHandle) -> str:
-    return json.dumps({"id": handle.spec.id, "url": handle.url, "pid": handle.process.pid})
+BACKENDS: dict[str, type[SimBackend] | type[VllmBackend]] = {"sim": SimBackend, "vllm": VllmBackend}
+
+
+def backend_capabilities(kind: str) -> frozenset[str]:
+    """What workers of the backend named ``kind`` can do (see :class:`Backend`)."""
+    try:
+        return BACKENDS[kind].capabilities
+    except KeyError:
+        raise ConfigError(f"unknown backend {kind!r} ({' or '.join(BACKENDS)})", field="backend") from None
+
+
+def make_backend(kind: str, *, sim: SimConfig | None = None, vllm: VllmConfig | None = None,
+                 model_path: Path | None = None, run_dir: Path = Path(".fleetward")) -> Backend:
+    """The backend named ``kind``, from its config section (``sim`` or ``vllm``)."""
+    backend_capabilities(kind)  # a ConfigError naming the known ones
+    return BACKENDS[kind].from_config(sim=sim, vllm=vllm, model_path=model_path, run_dir=run_dir)

@@ -22,7 +22,8 @@ Contract of :class:`EventBus`:
 Errors: :meth:`MqttBus.start` raises :class:`~fleetward.fleet.errors.BusUnavailable` when the broker cannot
 be reached after bounded retries; later disconnects are retried in the background, forever.
 
-Payload: ``{"v": 1, "id", "ts", "cluster", "kind", "worker"?, "request"?, ...}`` (see DESIGN.md).
+Payload: ``{"v": 1, "id", "ts", "cluster", "kind", "worker"?, "request"?, ...}`` (see docs/architecture.md,
+"MQTT topics").
 """
 
 from __future__ import annotations
@@ -285,7 +286,7 @@ class MqttBus:
                     backoff = 0.1
                     async for message in client.messages:
                         try:
-                            event = Event.from_json(bytes(message.payload))  # type: ignore[arg-type]
+                            event = Event.from_json(bytes(message.payload))
                         except (ValueError, KeyError, TypeError):
                             log.warning("ignoring malformed event on %s", message.topic)
                             continue

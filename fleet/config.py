@@ -29,6 +29,7 @@ __all__ = [
     "SupervisorConfig",
     "VllmConfig",
     "admin_token_from_env",
+    "admin_token_given",
     "load_fleet_config",
     "load_model",
     "parse_yaml",
@@ -65,19 +66,6 @@ class SimConfig(Frozen):
     kv_block_size: int = Field(16, ge=1, description="KV cache block size in tokens")
     max_num_batched_tokens: int = Field(
         8192, ge=1, description="tokens per step (one per running sequence plus admitted prompts)")
-    # Fault switches a worker starts with (chaos can start a worker already faulty); the admin endpoint
-    # of a running worker changes them (``POST /admin/faults``).
-    fault_hang: bool = Field(False, description="the engine does not step: streams stall, /health stays 200")
-    fault_slowdown: float = Field(1.0, gt=0, description="factor on every step's duration")
-    fault_error_rate: float = Field(0.0, ge=0, le=1, description="share of new requests failed with a 500")
-    fault_wrong_tokens_probability: float = Field(0.0, ge=0, le=1, description="chance a token is corrupted")
-    fault_wrong_tokens_after: int | None = Field(
-        None, ge=0, description="corrupt every token from this output index on")
-    fault_crash_after_tokens: int | None = Field(
-        None, ge=0, description="the process exits (137) once the engine has emitted this many tokens in total "
-                                "and they are handed to the HTTP server")
-    fault_reset_after_tokens: int | None = Field(
-        None, ge=0, description="cut each request's connection once it has this many output tokens")
 
 
 class VllmConfig(Frozen):
@@ -108,6 +96,8 @@ class RouterConfig(Frozen):
     stall_floor_s: float = Field(1.0, gt=0, description="least silence, with work in flight, that counts as a stall")
     itl_multiplier: float = Field(8.0, gt=1, description="allowed silence as a multiple of the fleet's p99 ITL")
     prefill_s_per_token: float = Field(0.002, ge=0, description="initial prefill estimate (learned at run time)")
+    policy: Literal["least_loaded_affinity", "least_loaded"] = Field(
+        "least_loaded_affinity", description="how a worker is picked (fleetward.migration.policy.POLICIES)")
     affinity_tokens: int = Field(64, ge=0, description="prompt prefix that picks the preferred worker; 0: off")
     affinity_slack: int = Field(4, ge=0, description="in-flight requests above the least loaded before affinity yields")
     drain_timeout_s: float = Field(30.0, ge=0, description="on shutdown, how long open streams may finish")
@@ -184,6 +174,12 @@ def admin_token_from_env() -> SecretStr:
     """
     raw = os.environ.get("FLEETWARD_ADMIN_TOKEN")
     return SecretStr(raw if raw else secrets.token_urlsafe(24))
+
+
+def admin_token_given() -> SecretStr | None:
+    """``FLEETWARD_ADMIN_TOKEN`` when set (None otherwise: the caller looks where its fleet keeps one)."""
+    raw = os.environ.get("FLEETWARD_ADMIN_TOKEN", "").strip()
+    return SecretStr(raw) if raw else None
 
 
 class _LineLoader(yaml.SafeLoader):

@@ -28,6 +28,9 @@ Contract of :class:`StateStore` (the only thing the rest of fleetward sees):
 
 Any other failure etcd reports becomes :class:`StoreError`; so does any call on a closed store. Several
 endpoints may be given (a 3-member cluster); an unavailable one makes the client move to the next.
+
+One module (over 600 lines) because the store, its leases and its elections share one client, its
+endpoint failover and its error translation.
 """
 
 from __future__ import annotations
@@ -308,7 +311,7 @@ class EtcdStore:
                 self._client = None
                 self._current = (self._current + 1) % len(self._endpoints)
                 with contextlib.suppress(Exception):
-                    await failed.close()
+                    await failed.close()  # type: ignore[union-attr]  # aetcd is untyped: Any
 
     def _retrying(self, transient: tuple[type[Exception], ...]) -> AsyncRetrying:
         return AsyncRetrying(
@@ -634,12 +637,7 @@ class Election:
 
     async def leader(self) -> str | None:
         """The current leader's candidate name, or None."""
-        snap = await self.store.get_prefix(self.prefix)
-        if not snap.items:
-            return None
-        first = min(snap.items, key=lambda kv: kv.create_revision)
-        candidate: str = first.json()["candidate"]
-        return candidate
+        return await election_leader(self.store, self.prefix)
 
     async def is_leader(self) -> bool:
         """Whether this candidate still leads (its key stands; nobody older can appear later)."""
@@ -653,6 +651,16 @@ class Election:
         if self.key and self.create_revision:
             await self.store.txn([self.fence], [Delete(self.key)])
         self.create_revision = 0
+
+
+async def election_leader(store: StateStore, prefix: str) -> str | None:
+    """The candidate name of whoever leads the election under ``prefix`` (see :class:`Election`), or None."""
+    snap = await store.get_prefix(prefix if prefix.endswith("/") else prefix + "/")
+    if not snap.items:
+        return None
+    first = min(snap.items, key=lambda kv: kv.create_revision)
+    candidate: str = first.json()["candidate"]
+    return candidate
 
 
 def dumps(obj: Any) -> bytes:

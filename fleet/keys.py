@@ -1,4 +1,7 @@
-"""The etcd key space, all under ``/fleetward/<cluster>/`` (see DESIGN.md for who writes what)."""
+"""The etcd key space, all under ``/fleetward/<cluster>/``.
+
+docs/architecture.md ("etcd key space") says who writes what, and for how long it lives.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""The fleet as etcd describes it: workers, their health, routers.
+"""The fleet as etcd describes it: workers, their health, routers, the supervisor's leader.
 
 :func:`read_fleet` takes one consistent snapshot (one revision). :class:`FleetView` keeps a live copy:
 it reads at revision R and watches from R+1, so it misses nothing (what a restarted router needs).
+:func:`read_leader` says who leads the supervisor and where its control API is.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetward.fleet.etcd import StateStore
+from fleetward.fleet.etcd import StateStore, election_leader
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.worker import HealthRecord, HealthState, WorkerRecord
 
-__all__ = ["FleetSnapshot", "FleetView", "read_fleet"]
+__all__ = ["FleetSnapshot", "FleetView", "Leader", "read_fleet", "read_leader"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,26 @@ async def read_fleet(store: StateStore, keys: Keys, *, revision: int | None = No
         for kv in snap.items:
             fleet.apply(keys, "put", kv.key, kv.value)
     return fleet
+
+
+@dataclass(frozen=True)
+class Leader:
+    """Who leads an election: the candidate's id and its control API (``url``; empty if it has none)."""
+
+    id: str
+    url: str = ""
+
+    def to_json(self) -> dict[str, str]:
+        return {"id": self.id, "url": self.url}
+
+
+async def read_leader(store: StateStore, keys: Keys, election: str = "supervisor") -> Leader | None:
+    """The leader of ``leader/<election>/`` (the supervisor's controllers campaign there), or None."""
+    candidate = await election_leader(store, keys.leader(election))
+    if candidate is None:
+        return None
+    body = json.loads(candidate)
+    return Leader(str(body["id"]), str(body.get("url") or ""))
 
 
 class FleetView:

@@ -1,15 +1,19 @@
 """The router: an OpenAI-compatible front door whose streams survive worker failures.
 
-Request life (see DESIGN.md): validate → journal → pick a healthy worker → stream tokens to the client,
-journaling each → on failure (connect error, reset, EOF without finish, 5xx, in-band error, worker
-silent past its adaptive allowance, worker turned unhealthy in etcd) resume on another worker from prompt
-+ emitted tokens, up to ``migration_limit`` times within the request's deadline. Journals are checkpointed
+Request life (docs/architecture.md, "Request life and migration"): validate → journal → pick a healthy
+worker → stream tokens to the client, journaling each → on failure (connect error, reset, EOF without
+finish, 5xx, in-band error, worker silent past its adaptive allowance, worker turned unhealthy in etcd)
+resume on another worker from prompt + emitted tokens, up to ``migration_limit`` times within the
+request's deadline. Journals are checkpointed
 to etcd by :class:`~fleetward.migration.checkpoint.Checkpointer`; a client that lost its connection (or
 its router) reconnects to any replica with ``Last-Event-ID`` and continues from the checkpoint.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
 ``GET /metrics``, and ``GET /fleetward/v1/progress`` (the per-worker token progress the supervisor's
 stream-progress detector reads).
+
+One module (over 600 lines) because the request life reads as one story: validation, routing,
+streaming, stitching and migration share the journal and the upstream attempt.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,13 +40,13 @@ from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import RouterConfig
 from fleetward.fleet.etcd import LeaseKeeper, StateStore
 from fleetward.fleet.keys import Keys
-from fleetward.fleet.progress import ProgressModel
 from fleetward.fleet.registry import FleetView
 from fleetward.fleet.worker import HealthState
 from fleetward.migration import wire
 from fleetward.migration.checkpoint import Checkpointer
 from fleetward.migration.journal import Journal, Kind, RequestRefused, new_request_id, validate_body
-from fleetward.migration.policy import LeastLoadedAffinity, RoutingPolicy, prefix_key
+from fleetward.migration.policy import RoutingPolicy, make_policy, prefix_key
+from fleetward.migration.progress import ProgressModel
 from fleetward.migration.upstream import Upstream, UpstreamError, UpstreamStream
 
 __all__ = ["Router", "RouterError"]
@@ -127,7 +131,7 @@ class Router:
         self.id = router_id or f"router-{uuid.uuid4().hex[:8]}"
         self.url = url
         self.clock = clock
-        self.policy = policy or LeastLoadedAffinity(config.affinity_slack)
+        self.policy = policy or make_policy(config.policy, slack=config.affinity_slack)
         self.view = FleetView(store, keys, on_change=self._on_fleet_change)
         self.upstream = Upstream()
         self.progress = ProgressModel(clock=clock, floor_s=config.stall_floor_s,
@@ -321,7 +325,7 @@ class Router:
 
     # -- generation -------------------------------------------------------------------------------------
 
-    async def generate(self, j: Journal) -> AsyncIterator[Out | None]:
+    async def generate(self, j: Journal) -> AsyncGenerator[Out | None, None]:
         """Attempts until the journal is finished. Yields ``None`` once the first upstream accepted.
 
         Raises :class:`RouterError` when the request cannot be served (before the first yield: the HTTP
@@ -588,7 +592,7 @@ class Router:
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": j.id})
 
-    async def _client_events(self, j: Journal, skip: int, trace: bool = False) -> AsyncIterator[bytes]:
+    async def _client_events(self, j: Journal, skip: int, trace: bool = False) -> AsyncGenerator[bytes, None]:
         """SSE bytes for the client: replay (on resume), then live tokens, then usage and ``[DONE]``.
 
         With ``trace`` (request header ``X-Fleetward-Trace: 1``) every chunk also carries

@@ -41,7 +41,7 @@ async def serve_router(config: RouterConfig, *, etcd: str, mqtt: str, cluster: s
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         watchdog = None
         if os.environ.get("FLEETWARD_LOOP_WATCHDOG"):
-            from fleetward.fleet.watchdog import LoopWatchdog
+            from fleetward.migration.watchdog import LoopWatchdog
 
             watchdog = asyncio.create_task(LoopWatchdog(float(os.environ["FLEETWARD_LOOP_WATCHDOG"])).run())
         await router.start()  # whole state loaded before uvicorn binds the port

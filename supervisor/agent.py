@@ -35,7 +35,7 @@ import orjson
 import psutil
 from tenacity import AsyncRetrying, RetryError, stop_after_attempt, wait_exponential
 
-from fleetward.fleet.backends import WorkerBackend, WorkerHandle
+from fleetward.fleet.backends import Backend, WorkerHandle
 from fleetward.fleet.bus import EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import SupervisorConfig
@@ -45,20 +45,31 @@ from fleetward.fleet.keys import Keys
 from fleetward.fleet.procs import free_port, port_is_free
 from fleetward.fleet.worker import HealthRecord, HealthState, WorkerRecord, WorkerSpec
 from fleetward.supervisor.detectors import RUNNING, EngineFrozenDetector, EngineSample, parse_prometheus
+from fleetward.supervisor.gpu import GpuHealthSource
 from fleetward.supervisor.signals import Severity, Signal
 
-__all__ = ["NodeAgent"]
+__all__ = ["NodeAgent", "launched_health", "running_signal"]
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str, str], None]  # (worker id, what happened)
 
 
+def launched_health(node: str, now: float) -> HealthRecord:
+    """The ``health/<id>`` record an agent writes (create-only) for a worker it has just launched."""
+    return HealthRecord(HealthState.STARTING, reason="launched", detector="agent", since=now, extra={"node": node})
+
+
+def running_signal(worker: str, pid: int, now: float) -> Signal:
+    """The process detector's ``ok`` for a worker that registers (``signals/<id>/process``)."""
+    return Signal(worker, "process", Severity.OK, f"running (pid {pid})", now)
+
+
 class NodeAgent:
-    def __init__(self, *, store: StateStore, bus: EventBus, keys: Keys, backend: WorkerBackend, node: str,
+    def __init__(self, *, store: StateStore, bus: EventBus, keys: Keys, backend: Backend, node: str,
                  log_dir: Path, lease_ttl: int = 10, clock: Clock = SYSTEM_CLOCK,
                  worker_env: Mapping[str, str] | None = None, supervisor: SupervisorConfig | None = None,
-                 gpu: Any | None = None) -> None:
+                 gpu: GpuHealthSource | None = None) -> None:
         self.store = store
         self.bus = bus
         self.keys = keys
@@ -85,7 +96,6 @@ class NodeAgent:
         self._http = httpx.AsyncClient(timeout=2.0)
         self._raised: dict[str, set[str]] = {}  # worker -> detectors whose last signal here was not ok
         self._degraded_gpus: set[int] = set()  # GPUs throttled right now
-        self.actions_done: list[str] = []  # ids carried out by this agent (tests check nothing ran twice)
 
     # -- life -------------------------------------------------------------------------------------------
 
@@ -161,12 +171,39 @@ class NodeAgent:
         self.handles.clear()
         await self._http.aclose()
 
+    # -- this node's processes --------------------------------------------------------------------------
+
+    def processes(self, worker_id: str) -> list[psutil.Process]:
+        """The worker's process tree, root first; empty while it does not run."""
+        handle = self.handles.get(worker_id)
+        return handle.process.tree() if handle is not None and handle.process.is_running else []
+
+    def kill(self, worker_id: str) -> None:
+        """SIGKILL the worker's whole process tree (what a crash does; the process detector reports it)."""
+        handle = self.handles.get(worker_id)
+        if handle is not None:
+            handle.process.kill()
+
+    def engine_processes(self, worker_id: str) -> list[psutil.Process]:
+        """The processes that run the worker's model (vLLM's EngineCore and its workers; the sim itself)."""
+        handle = self.handles.get(worker_id)
+        return handle.engine_processes() if handle is not None and handle.process.is_running else []
+
+    def signal_engine(self, worker_id: str, sig: int) -> None:
+        """Send ``sig`` to the processes that run the worker's model (vLLM's EngineCore, the sim itself)."""
+        for p in self.engine_processes(worker_id):
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(sig)
+
+    def is_restarting(self, worker_id: str) -> bool:
+        """Whether a restart of the worker is under way here (its process may be gone meanwhile)."""
+        return worker_id in self._restarting
+
     # -- registration and facts -------------------------------------------------------------------------
 
     async def _initial_health(self, worker_id: str) -> None:
         """``starting`` for a worker we launch, unless the leader already keeps a record of it."""
-        rec = HealthRecord(HealthState.STARTING, reason="launched", detector="agent", since=self.clock.wall(),
-                           extra={"node": self.node})
+        rec = launched_health(self.node, self.clock.wall())
         key = self.keys.health_of(worker_id)
         await self.store.txn([Compare(key, "create", "==", 0)], [Put(key, rec.to_json())])
 
@@ -190,7 +227,8 @@ class NodeAgent:
     async def _register(self, handle: WorkerHandle) -> None:
         spec = handle.spec
         self.failed.pop(spec.id, None)
-        await self.signal(spec.id, "process", Severity.OK, f"running (pid {handle.process.pid})")
+        ok = running_signal(spec.id, handle.process.pid, self.clock.wall())
+        await self.signal(spec.id, ok.detector, ok.severity, ok.reason)
         # A fresh process: what was said about the old one (its engine froze, its GPU raised an Xid or was
         # quarantined and has passed the self-test since, it failed to start) was acted on by this restart.
         # Left standing in etcd, a leader that takes over would read it again and act twice. A GPU that is
@@ -315,9 +353,12 @@ class NodeAgent:
         from fleetward.supervisor.gpu import Action, GpuEventKind, GpuPolicy
 
         policy = GpuPolicy()
+        source = self.gpu
+        assert source is not None
         while True:
             await self.clock.sleep(self.config.gpu_poll_interval_s)
-            for event in await asyncio.to_thread(self.gpu.poll):  # NVML calls block briefly
+            for event in await asyncio.to_thread(source.poll):  # NVML calls block briefly
+                action: Action | None
                 action, reason = policy.classify(event)
                 if event.kind is GpuEventKind.THROTTLE_STOPPED:
                     action = None  # clears the degraded mark below
@@ -386,9 +427,10 @@ class NodeAgent:
         except Exception as exc:  # an action must always end with a status
             log.exception("action %s failed", body.get("id"))
             ok, reason = False, f"{type(exc).__name__}: {exc}"
-        self.actions_done.append(body["id"])
         done = {**claimed, "status": "done" if ok else "failed", "reason_done": reason, "done_at": self.clock.wall()}
         await self.store.put(key, orjson.dumps(done))
+        await self.bus.publish("action", worker=worker, node=self.node, action=body["id"], action_kind=kind,
+                               status=done["status"], reason=reason)
 
     def _lock(self, worker_id: str) -> asyncio.Lock:
         return self._locks.setdefault(worker_id, asyncio.Lock())
@@ -411,8 +453,11 @@ class NodeAgent:
             return True, "no GPU to test"
         from fleetward.supervisor.gpu import run_selftest
 
+        source = self.gpu
+        if source is None:
+            return False, f"GPU(s) {list(spec.gpus)} have no health source to self-test them"
         for gpu in spec.gpus:
-            result = await asyncio.to_thread(run_selftest, self.gpu, gpu)
+            result = await asyncio.to_thread(run_selftest, source, gpu)
             if not result.passed:
                 return False, f"GPU {gpu}: {result.reason}"
         return True, f"GPU(s) {list(spec.gpus)} passed the self-test"

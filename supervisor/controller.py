@@ -32,7 +32,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -48,8 +48,15 @@ from fleetward.fleet.config import SupervisorConfig
 from fleetward.fleet.errors import FleetwardError, StoreError
 from fleetward.fleet.etcd import Compare, Delete, Election, LeaseKeeper, Put, StateStore
 from fleetward.fleet.keys import Keys
+from fleetward.fleet.registry import read_leader
 from fleetward.fleet.worker import HealthRecord, HealthState, WorkerRecord
-from fleetward.supervisor.detectors import GoldenBook, MetricsDetector, StreamProgressDetector, parse_prometheus
+from fleetward.supervisor.detectors import (
+    Detector,
+    GoldenBook,
+    MetricsDetector,
+    StreamProgressDetector,
+    parse_prometheus,
+)
 from fleetward.supervisor.health import (
     ActionDone,
     AgentAction,
@@ -125,6 +132,7 @@ class Controller:
         self.progress = StreamProgressDetector(clock=clock)
         self.metrics_detector = MetricsDetector(clock=clock, frozen_after_s=config.metrics_frozen_after_s)
         self.golden = GoldenBook(quorum=config.golden_quorum)
+        self.detectors: tuple[Detector, ...] = (self.progress, self.metrics_detector)
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._canaries: dict[str, asyncio.Task[None]] = {}
         self._last_canary: dict[str, float] = {}
@@ -166,13 +174,8 @@ class Controller:
                 await self._http.close()
 
     async def leader(self) -> dict[str, Any] | None:
-        if self.election is None:
-            return None
-        snap = await self.store.get_prefix(self.election.prefix)
-        if not snap.items:
-            return None
-        first = min(snap.items, key=lambda kv: kv.create_revision)
-        return dict(json.loads(first.json()["candidate"]))
+        leader = await read_leader(self.store, self.keys)
+        return None if leader is None else leader.to_json()
 
     # -- leading ----------------------------------------------------------------------------------------
 
@@ -211,8 +214,8 @@ class Controller:
         for wid, rec in health.items():
             machine.load(wid, rec)
         boot: list[Event] = []
-        for wid, rec in self.workers.items():
-            boot.append(Registered(wid, rec.node, rec.gpus))
+        for wid, worker in self.workers.items():
+            boot.append(Registered(wid, worker.node, worker.gpus))
         for wid, ws in machine.workers.items():
             if wid not in self.workers and ws.state in (HealthState.READY, HealthState.SUSPECT, HealthState.STARTING):
                 boot.append(Deregistered(wid))
@@ -229,10 +232,10 @@ class Controller:
             lost, other = group.split((LeadershipLost, StoreError))
             if other is not None or lost is None:
                 raise
-            first: BaseException = lost
-            while isinstance(first, BaseExceptionGroup):
-                first = first.exceptions[0]
-            raise first from None
+            cause: BaseException = lost
+            while isinstance(cause, BaseExceptionGroup):
+                cause = cause.exceptions[0]
+            raise cause from None
 
     async def _lead_tasks(self, machine: HealthMachine, revision: int, lease: LeaseKeeper) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -285,7 +288,8 @@ class Controller:
             for kv in sorted(snap.items, key=lambda kv: kv.mod_revision):
                 self._on_signal("put", kv.key[len(self.keys.signals):], kv.value, kv.mod_revision)
             self.workers.pop(wid, None)
-            self.metrics_detector.forget(wid)
+            for detector in self.detectors:
+                detector.forget(wid)
             self.submit(Deregistered(wid))
             return
         rec = WorkerRecord.from_json(value)
@@ -321,7 +325,7 @@ class Controller:
 
     # -- carrying out the machine's decisions -----------------------------------------------------------
 
-    async def _fenced(self, compare: list[Compare], puts: list[Put]) -> bool:
+    async def _fenced(self, compare: list[Compare], puts: Sequence[Put | Delete]) -> bool:
         assert self.election is not None
         result = await self.store.txn([self.election.fence, *compare], puts)
         if result.succeeded:
@@ -358,8 +362,9 @@ class Controller:
                         self.metrics.actions.labels(action.kind).inc()
                 case Quarantine():
                     gpus = action.gpus or (f"worker-{action.worker}",)
-                    body = orjson.dumps({"worker": action.worker, "reason": action.reason, "since": self.clock.wall()})
-                    await self._fenced([], [Put(self.keys.quarantine_of(action.node, g), body) for g in gpus])
+                    record = orjson.dumps({"worker": action.worker, "reason": action.reason,
+                                           "since": self.clock.wall()})
+                    await self._fenced([], [Put(self.keys.quarantine_of(action.node, g), record) for g in gpus])
                     self.metrics.quarantines.inc()
                 case LiftQuarantine():
                     gpus = action.gpus or (f"worker-{action.worker}",)

@@ -2,7 +2,11 @@
 
 They are sans-IO: the caller feeds observations with an injected clock, so each one is tested
 without sleeping. Each reports a change only when its verdict about a worker changes: ``ok`` after a
-non-ok signal clears it.
+non-ok signal clears it. Every detector is a :class:`Detector`: a ``name`` (the ``detector`` of its
+signals, ``signals/<worker>/<name>`` in etcd) and ``forget(worker)`` for a worker that left; how it is
+fed is its own (``observe``, ``scraped``, ...), and whatever it returns is a list of signals. A new
+detector is a class here, fed by the agent (host evidence) or the controller (behaviour), and a row
+below.
 
 ==================  =========  ==================================================================================
 detector            runs in    says
@@ -23,12 +27,13 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.supervisor.signals import Severity, Signal
 
 __all__ = [
+    "Detector",
     "EngineFrozenDetector",
     "EngineSample",
     "GoldenBook",
@@ -36,6 +41,16 @@ __all__ = [
     "StreamProgressDetector",
     "parse_prometheus",
 ]
+
+
+class Detector(Protocol):
+    """What every detector is (see the module docstring)."""
+
+    name: str
+
+    def forget(self, worker: str) -> None:
+        """Drop what is known of ``worker`` (it left, or a fresh process of it starts)."""
+        ...
 
 
 class _Verdicts:
@@ -91,6 +106,11 @@ class StreamProgressDetector:
 
     def router_gone(self, router: str) -> None:
         self._views.pop(router, None)
+
+    def forget(self, worker: str) -> None:
+        self.workers.pop(worker, None)
+        self._verdicts.forget(worker)
+        self._stalls = {k: v for k, v in self._stalls.items() if k[1] != worker}
 
     def check(self) -> list[Signal]:
         now = self.clock.monotonic()

@@ -199,7 +199,7 @@ class HealthPolicy:
         """Delay before restart number ``restarts_in_window`` (1-based): 0 for the first, then exponential."""
         if restarts_in_window <= 1:
             return 0.0
-        return min(self.backoff_max_s, self.backoff_initial_s * 2 ** (restarts_in_window - 2))
+        return float(min(self.backoff_max_s, self.backoff_initial_s * 2 ** (restarts_in_window - 2)))
 
 
 @dataclass
@@ -306,12 +306,12 @@ class HealthMachine:
                 ws.restarts.clear()
                 return self._agent(ws, "selftest", "quarantine cleared by an operator: self-test first")
             case Load():
-                ws = self.workers.get(event.worker)
-                if ws is None:
+                loaded = self.workers.get(event.worker)
+                if loaded is None:
                     return []
-                ws.in_flight = event.in_flight
-                if ws.state is S.DRAINING and event.in_flight == 0 and ws.pending is None:
-                    return self._finish_drain(ws, "drained: no request left in flight")
+                loaded.in_flight = event.in_flight
+                if loaded.state is S.DRAINING and event.in_flight == 0 and loaded.pending is None:
+                    return self._finish_drain(loaded, "drained: no request left in flight")
                 return []
             case Tick():
                 return self._tick()

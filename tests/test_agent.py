@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ import psutil
 from fleetward.fleet.bus import Event, MqttBus
 from fleetward.fleet.etcd import EtcdStore
 from fleetward.fleet.keys import Keys
+from fleetward.fleet.launch import agent_argv, service_env
 from fleetward.fleet.procs import ManagedProcess
 from fleetward.fleet.registry import read_fleet
 from fleetward.supervisor.signals import Severity, Signal
@@ -29,10 +29,9 @@ async def test_killing_the_agent_makes_its_workers_vanish_within_the_ttl(
     subscribed = asyncio.Event()
     listener = asyncio.create_task(collect(bus, events, subscribed))
     await subscribed.wait()
-    agent = ManagedProcess("agent", [sys.executable, "-m", "fleetward.fleet.cli", "supervisor", "--role", "agent",
-                                     "--etcd", etcd_endpoint, "--mqtt", broker_endpoint, "--cluster", cluster,
-                                     "--workers", "2", "--lease-ttl", "3", "--run-dir", str(tmp_path)],
-                           log_path=tmp_path / "agent.log", env={"PYTHONSAFEPATH": "1"}).start()
+    agent = ManagedProcess("agent", agent_argv(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster=cluster, workers=2,
+                                               lease_ttl_s=3, run_dir=tmp_path),
+                           log_path=tmp_path / "agent.log", env=service_env()).start()
     try:
         async def registered() -> bool:  # no controller runs here: registered, not yet ready
             return len((await read_fleet(store, keys)).workers) == 2

@@ -23,7 +23,7 @@ HAS_VLLM_ROUTER = importlib.util.find_spec("vllm_router") is not None
 
 
 def bench(name: str, out: Path, etcd: str, mqtt: str, *extra: str) -> dict[str, Any]:
-    argv = [sys.executable, "-m", "fleetward.fleet.cli", "bench", name, "--quick", "--out", str(out),
+    argv = [sys.executable, "-m", "fleetward.cli", "bench", name, "--quick", "--out", str(out),
             "--etcd", etcd, "--mqtt", mqtt, *extra]
     if not HAS_PLOTS:
         argv.append("--no-plots")
@@ -123,7 +123,7 @@ def test_bench_detect_reports_latency_false_positives_and_controller_cpu(tmp_pat
 def test_bench_without_the_extra_names_what_to_install(tmp_path: Path) -> None:
     code = ("import sys, importlib.util as u; find = u.find_spec\n"
             "u.find_spec = lambda name, *a: None if name == 'matplotlib' else find(name, *a)\n"
-            "from fleetward.fleet.cli import main; sys.exit(main(sys.argv[1:]))")
+            "from fleetward.cli import main; sys.exit(main(sys.argv[1:]))")
     result = subprocess.run([sys.executable, "-c", code, "bench", "restart", "--quick", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONSAFEPATH": "1"})
     assert result.returncode == 1

@@ -16,7 +16,7 @@ import pytest
 
 from fleetward.fleet.procs import ManagedProcess, free_port
 
-FLEETWARD = [sys.executable, "-m", "fleetward.fleet.cli"]
+FLEETWARD = [sys.executable, "-m", "fleetward.cli"]
 ENV = {"PYTHONSAFEPATH": "1"}
 
 

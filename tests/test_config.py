@@ -78,7 +78,7 @@ def test_endpoints_must_be_host_and_port() -> None:
 
 
 def test_every_up_flag_is_a_config_field() -> None:
-    from fleetward.fleet.cli import _UP_FIELDS
+    from fleetward.cli.main import _UP_FIELDS
 
     assert set(_UP_FIELDS) <= set(FleetConfig.model_fields)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fleetward.fleet.clock import ManualClock
-from fleetward.fleet.progress import ProgressModel
+from fleetward.migration.progress import ProgressModel
 from fleetward.supervisor.detectors import (
     EngineFrozenDetector,
     EngineSample,

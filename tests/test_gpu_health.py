@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
+from fleetward.chaos.fakegpu import FakeGpuSource
 from fleetward.fleet.clock import ManualClock
 from fleetward.fleet.errors import ConfigError, FleetwardError
 from fleetward.supervisor.gpu import (
     DEFAULT_XID_RULES,
     Action,
-    FakeGpuSource,
     GpuEvent,
     GpuEventKind,
     GpuHealthSource,

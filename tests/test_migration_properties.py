@@ -9,7 +9,6 @@ when the clients together have received a given number of tokens.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,8 +21,9 @@ from hypothesis import strategies as st
 
 from fleetward.chaos.harness import TestFleet
 from fleetward.chaos.workload import sse_lines
+from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.config import RouterConfig, SimConfig, SupervisorConfig
-from fleetward.fleet.simmodel import SimModel
+from fleetward.sim.model import SimModel
 
 SIM = SimConfig(decode_step_ms=3.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=11)
 MODEL = SimModel(seed=SIM.seed)
@@ -59,7 +59,7 @@ class Harness:
         routing = RouterConfig(stall_floor_s=0.4, migration_limit=4, checkpoint_interval_ms=50)
         supervisor = SupervisorConfig(restart_budget=10_000, backoff_initial_s=0.05, backoff_max_s=0.2)
         self.fleet = TestFleet(etcd=etcd, mqtt=mqtt, cluster="migration-props", run_dir=run_dir, workers=WORKERS,
-                               sim=SIM, routing=routing, supervisor=supervisor)
+                               backend=SimBackend(SIM), routing=routing, supervisor=supervisor)
         self.run(self.fleet.start())
         self.router = self.run(self.fleet.start_router("props"))
         self.fired: dict[str, int] = {}
@@ -69,11 +69,7 @@ class Harness:
 
     async def restore(self) -> None:
         """Clear fault switches; the supervisor restarts what the example killed or hung."""
-        for wid, handle in list(self.fleet.agent.handles.items()):
-            if handle.process.is_running:
-                with contextlib.suppress(httpx.HTTPError):
-                    await self.fleet.fault(wid, clear=True)
-        await self.fleet.wait_healthy()
+        await self.fleet.restore(timeout=60)
 
     def close(self) -> None:
         self.run(self.fleet.aclose())
@@ -91,8 +87,8 @@ def harness(etcd_endpoint: str, broker_endpoint: str, tmp_path_factory: pytest.T
 
 async def fire(h: Harness, fault: Fault) -> None:
     fleet = h.fleet
-    wid = sorted(fleet.agent.specs)[fault.worker]
-    if wid not in fleet.agent.handles:
+    wid = fleet.worker_ids[fault.worker]
+    if not fleet.processes(wid):
         return  # already dead
     h.fired[fault.kind] = h.fired.get(fault.kind, 0) + 1
     try:

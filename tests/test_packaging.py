@@ -1,4 +1,4 @@
-"""The layout is the architecture: every folder ships, and dependencies point the way DESIGN.md says."""
+"""The layout is the architecture: every folder ships, and dependencies point the way docs/architecture.md says."""
 
 from __future__ import annotations
 

@@ -15,9 +15,10 @@ import pytest_asyncio
 
 from fleetward.chaos.harness import RouterProcess, TestFleet
 from fleetward.chaos.workload import sse_lines
+from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.config import RouterConfig, SimConfig, SupervisorConfig
-from fleetward.fleet.simmodel import SimModel
-from fleetward.fleet.tokenizer import encode, render_chat
+from fleetward.sim.model import SimModel
+from fleetward.sim.tokenizer import encode, render_chat
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -33,7 +34,7 @@ async def fleet(etcd_endpoint: str, broker_endpoint: str,
     run_dir = tmp_path_factory.mktemp("router-fleet")
     routing = RouterConfig(stall_floor_s=0.5, checkpoint_interval_ms=50, checkpoint_ttl_s=10, detached_grace_s=10)
     async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="router-tests", run_dir=run_dir,
-                         workers=3, sim=SIM, routing=routing, supervisor=TEST_SUPERVISOR) as f:
+                         workers=3, backend=SimBackend(SIM), routing=routing, supervisor=TEST_SUPERVISOR) as f:
         await f.start_router("r0")
         yield f
 
@@ -41,18 +42,9 @@ async def fleet(etcd_endpoint: str, broker_endpoint: str,
 @pytest_asyncio.fixture(loop_scope="module")
 async def healthy(fleet: TestFleet) -> AsyncIterator[TestFleet]:
     """The fleet with every worker up and no fault switched on, before and after the test."""
-    await restore(fleet)
+    await fleet.restore(timeout=60)
     yield fleet
-    await restore(fleet)
-
-
-async def restore(fleet: TestFleet) -> None:
-    """Clear fault switches; the supervisor restarts what a test killed or hung."""
-    for wid, handle in list(fleet.agent.handles.items()):
-        if handle.process.is_running:
-            with contextlib.suppress(httpx.HTTPError):
-                await fleet.fault(wid, clear=True)
-    await fleet.wait_healthy()
+    await fleet.restore(timeout=60)
 
 
 def router(fleet: TestFleet) -> RouterProcess:
@@ -99,7 +91,7 @@ def serving_worker(fleet: TestFleet, prompt: list[int]) -> str:
     """The worker the router's affinity sends this prompt to (with an idle fleet)."""
     from fleetward.migration.policy import LeastLoadedAffinity, prefix_key
 
-    return LeastLoadedAffinity().choose(sorted(fleet.agent.handles), {}, prefix_key(prompt))
+    return LeastLoadedAffinity().choose([w for w in fleet.worker_ids if fleet.processes(w)], {}, prefix_key(prompt))
 
 
 async def test_a_stream_without_faults_equals_the_model(healthy: TestFleet) -> None:

@@ -6,7 +6,7 @@ Three ways in, from cheapest to most real:
 - the app in-process: ``httpx.ASGITransport`` where a buffered response is enough, and uvicorn on a
   free port in the test's own event loop where a test must act mid-stream (hang, disconnect, the
   ``openai`` client); timing-dependent tests give the engine a :class:`ManualClock` and jump it;
-- a real ``python -m fleetward.fleet.simworker`` subprocess for the end-to-end and crash tests.
+- a real ``python -m fleetward.sim.server`` subprocess for the end-to-end and crash tests.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ import uvicorn
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from fleetward.chaos.workload import sse_data
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock, ManualClock
 from fleetward.fleet.config import SimConfig
 from fleetward.fleet.procs import ManagedProcess, free_port
-from fleetward.fleet.simengine import (
+from fleetward.sim.engine import (
     ENGINE_DEAD_MESSAGE,
     Faults,
     SamplingSpec,
@@ -37,9 +38,9 @@ from fleetward.fleet.simengine import (
     SimRequest,
     SimScheduler,
 )
-from fleetward.fleet.simmodel import SimModel
-from fleetward.fleet.simworker import SimWorker, main
-from fleetward.fleet.tokenizer import EOS_ID, decode, encode, render_chat
+from fleetward.sim.model import SimModel
+from fleetward.sim.server import SimWorker, main
+from fleetward.sim.tokenizer import EOS_ID, decode, encode, render_chat
 
 DATA = Path(__file__).parent / "data" / "vllm-0.32"
 TOKEN = "test-admin-token"
@@ -73,10 +74,10 @@ def _no_crash() -> None:
 
 
 @contextlib.asynccontextmanager
-async def asgi(config: SimConfig = FAST, *, clock: Clock = SYSTEM_CLOCK
+async def asgi(config: SimConfig = FAST, *, clock: Clock = SYSTEM_CLOCK, faults: Faults | None = None
                ) -> AsyncIterator[tuple[httpx.AsyncClient, SimWorker]]:
     """The app in-process through httpx's ASGI transport (responses are buffered), engine running."""
-    worker = SimWorker(config, admin_token=TOKEN, clock=clock, crash=_no_crash)
+    worker = SimWorker(config, admin_token=TOKEN, clock=clock, crash=_no_crash, faults=faults)
     async with worker.app.router.lifespan_context(worker.app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(worker.app), base_url="http://sim") as c:
             yield c, worker
@@ -116,11 +117,8 @@ def sse(text: str) -> list[Any]:
     return out
 
 
-async def sse_lines(response: httpx.Response) -> AsyncIterator[Any]:
-    async for line in response.aiter_lines():
-        if line.startswith("data: "):
-            payload = line[len("data: "):]
-            yield payload if payload == "[DONE]" else json.loads(payload)
+def sse_lines(response: httpx.Response) -> AsyncIterator[Any]:
+    return sse_data(response.aiter_bytes())
 
 
 def shape(value: Any) -> Any:
@@ -618,17 +616,15 @@ async def test_error_rate_fails_new_requests_like_a_dead_engine_core() -> None:
         assert (await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).status_code == 200
 
 
-async def test_fault_switches_can_be_preset_from_the_config() -> None:
-    config = SimConfig(**{**FAST.model_dump(), "fault_error_rate": 1.0, "fault_slowdown": 2.0})
-    async with asgi(config) as (c, worker):
+async def test_fault_switches_can_be_preset_at_start() -> None:
+    async with asgi(faults=Faults(error_rate=1.0, slowdown=2.0)) as (c, worker):
         assert (await c.post("/v1/completions", json={"prompt": "x"})).status_code == 500
         assert (await c.get("/admin/faults", headers=AUTH)).json()["slowdown"] == 2.0
     assert worker.engine.faults.error_rate == 1.0
 
 
 async def test_crash_after_tokens_counts_down_in_admin_faults_and_clear_disarms_it() -> None:
-    config = SimConfig(**{**FAST.model_dump(), "fault_crash_after_tokens": 10})
-    async with asgi(config) as (c, worker):
+    async with asgi(faults=Faults(crash_after_tokens=10)) as (c, worker):
         assert (await c.get("/admin/faults", headers=AUTH)).json()["crash_after_tokens"] == 10
         await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
         assert (await c.get("/admin/faults", headers=AUTH)).json()["crash_after_tokens"] == 6
@@ -871,7 +867,7 @@ async def test_the_openai_client_streams_completions_and_chat() -> None:
 @contextlib.asynccontextmanager
 async def worker_process(tmp_path: Path, config: SimConfig) -> AsyncIterator[tuple[str, ManagedProcess]]:
     port = free_port()
-    proc = ManagedProcess("simworker", [sys.executable, "-m", "fleetward.fleet.simworker", "--host", "127.0.0.1",
+    proc = ManagedProcess("simworker", [sys.executable, "-m", "fleetward.sim.server", "--host", "127.0.0.1",
                                         "--port", str(port), "--model-name", "sim-e2e",
                                         "--config-json", config.model_dump_json()],
                           log_path=tmp_path / "simworker.log",
@@ -1031,3 +1027,10 @@ def test_main_refuses_a_bad_config(capsys: pytest.CaptureFixture[str]) -> None:
     assert "decode_step_ms" in capsys.readouterr().err
     assert main(["--config-json", '{"no_such_field": 1}', "--port", "1"]) == 2
     assert "no_such_field" in capsys.readouterr().err
+
+
+def test_main_refuses_bad_starting_fault_switches(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--faults-json", '{"hang": "yes"}']) == 2
+    assert "bad --faults-json: hang" in capsys.readouterr().err
+    assert main(["--faults-json", "{not json"]) == 2
+    assert "bad --faults-json" in capsys.readouterr().err

@@ -6,7 +6,6 @@ Each failure is detected and remediated, and streams stay exact throughout.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -18,17 +17,18 @@ import orjson
 import pytest
 import pytest_asyncio
 
+from fleetward.chaos.fakegpu import FakeGpuSource
 from fleetward.chaos.harness import TestFleet
 from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.bus import Event, MqttBus
 from fleetward.fleet.config import RouterConfig, SimConfig, SupervisorConfig
+from fleetward.fleet.launch import controller_argv, service_env
 from fleetward.fleet.procs import ManagedProcess, free_port
 from fleetward.fleet.registry import read_fleet
-from fleetward.fleet.simmodel import SimModel
-from fleetward.fleet.tokenizer import encode
 from fleetward.fleet.worker import WorkerSpec
-from fleetward.supervisor.gpu import FakeGpuSource
+from fleetward.sim.model import SimModel
+from fleetward.sim.tokenizer import encode
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -61,7 +61,7 @@ class Events:
 async def fleet(etcd_endpoint: str, broker_endpoint: str,
                 tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TestFleet]:
     async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="supervisor-tests",
-                         run_dir=tmp_path_factory.mktemp("supervisor"), workers=3, sim=SIM,
+                         run_dir=tmp_path_factory.mktemp("supervisor"), workers=3, backend=SimBackend(SIM),
                          routing=RouterConfig(stall_floor_s=0.5), supervisor=SUPERVISOR,
                          gpu=FakeGpuSource(count=3), gpus_per_worker=1) as f:
         f.events = Events(f.bus)  # type: ignore[attr-defined]
@@ -78,19 +78,8 @@ async def healthy(fleet: TestFleet) -> AsyncIterator[TestFleet]:
 
 
 async def settle(fleet: TestFleet) -> None:
-    gpu: FakeGpuSource = fleet.gpu
-    for g in range(3):
-        gpu.clear(g)
-        gpu.pass_selftest(g)
-    for wid, handle in list(fleet.agent.handles.items()):
-        if handle.process.is_running:
-            with contextlib.suppress(httpx.HTTPError):
-                await fleet.fault(wid, clear=True)
-    fleet_state = await read_fleet(fleet.store, fleet.keys)
-    for wid, h in fleet_state.health.items():
-        if h.state.value == "quarantined":
-            await command(fleet, wid, "quarantine/clear")
-    await fleet.wait_healthy(timeout=60)
+    """GPUs cleared, quarantines lifted, fault switches off, every worker ready."""
+    await fleet.restore(timeout=60)
 
 
 async def command(fleet: TestFleet, worker: str, what: str, body: dict[str, Any] | None = None,
@@ -197,7 +186,7 @@ async def test_gpu_faults_follow_the_xid_policy(healthy: TestFleet, wait_until: 
     await wait_until(lambda: any(e.data["state"] == "suspect" for e in events.of("health.changed", w2, mark)),
                      timeout=10)
     assert await healthy.store.get(healthy.keys.quarantine_of(healthy.node, 1)) is not None
-    assert w1 not in healthy.agent.handles, "the quarantined worker is stopped"
+    assert not healthy.processes(w1), "the quarantined worker is stopped"
     gpu.unthrottle(2)
     await wait_until(lambda: _is(healthy, w2, "ready"), timeout=15, message="throttling ended")
     # Clearing the quarantine runs the self-test first: a failing GPU stays out.
@@ -242,7 +231,7 @@ async def test_drain_lets_a_stream_finish_and_routes_nothing_new_there(healthy: 
     assert error is None and tokens == MODEL.continuation(prompt, 200), "the drained worker finished the stream"
     assert done.is_set() and serving[0] not in seen_workers, "no new work on a draining worker"
     await wait_until(lambda: _is(healthy, serving[0], "dead"), timeout=15, message="stopped once drained")
-    assert serving[0] not in healthy.agent.handles
+    assert not healthy.processes(serving[0])
     await healthy.restart(serving[0])  # bring it back for the next tests
 
 
@@ -255,7 +244,7 @@ async def test_a_crash_loop_quarantines_the_worker(etcd_endpoint: str, broker_en
                                                   wait_until: Any) -> None:
     supervisor = SUPERVISOR.model_copy(update={"restart_budget": 2, "backoff_max_s": 0.1})
     async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="crash-loop", run_dir=tmp_path,
-                         workers=1, sim=SIM, supervisor=supervisor) as fleet:
+                         workers=1, backend=SimBackend(SIM), supervisor=supervisor) as fleet:
         events = Events(fleet.bus)
         await events.subscribed.wait()
         (victim,) = fleet.worker_ids
@@ -276,14 +265,15 @@ async def _not_ready(fleet: TestFleet, worker: str) -> bool:
 async def test_the_standby_takes_over_when_the_leader_is_killed_mid_action(
         etcd_endpoint: str, broker_endpoint: str, tmp_path: Path, wait_until: Any) -> None:
     async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="failover", run_dir=tmp_path, workers=2,
-                         sim=SIM, supervisor=SUPERVISOR, controller=False) as fleet:
+                         backend=SimBackend(SIM), supervisor=SUPERVISOR, controller=False) as fleet:
         conf = tmp_path / "fleet.yaml"
         conf.write_text(orjson.dumps({"supervisor": SUPERVISOR.model_dump(mode="json")}).decode())
-        leader = ManagedProcess("leader", [sys.executable, "-m", "fleetward.fleet.cli", "supervisor", "--role",
-                                           "controller", "--etcd", etcd_endpoint, "--mqtt", broker_endpoint,
-                                           "--cluster", "failover", "--id", "leader", "--config", str(conf)],
-                                log_path=tmp_path / "leader.log",
-                                env={"PYTHONSAFEPATH": "1", "FLEETWARD_ADMIN_TOKEN": fleet.admin_token}).start()
+        argv = controller_argv(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="failover", config=conf,
+                               controller_id="leader")
+        leader = ManagedProcess("leader", argv, log_path=tmp_path / "leader.log",
+                                env=service_env(admin_token=fleet.admin_token)).start()
+        events = Events(fleet.bus)
+        await events.subscribed.wait()
         try:
             await fleet.wait_healthy(timeout=30)  # the leader process made them ready
             standby = await fleet.start_controller(wait=False)
@@ -306,11 +296,13 @@ async def test_the_standby_takes_over_when_the_leader_is_killed_mid_action(
             async with asyncio.timeout(20):
                 await standby.leading.wait()
             await fleet.wait_healthy(timeout=30)
-            restarts = [a for a in fleet.agent.actions_done if a.startswith(f"{victim}.restart")]
+            await wait_until(lambda: events.of("action", victim), timeout=10, message="the agent's action event")
+            restarts = [e.data["action"] for e in events.of("action", victim) if e.data["action_kind"] == "restart"]
             assert restarts == [f"{victim}.restart.1"], "restarted exactly once"
             health = (await read_fleet(fleet.store, fleet.keys)).health[victim]
             assert health.extra["restart_count"] == 1
         finally:
+            events.task.cancel()
             await leader.stop()
 
 
@@ -319,7 +311,7 @@ async def test_a_leader_whose_lease_expires_campaigns_again_instead_of_dying(
     """What a starved machine does to a leader: its lease runs out. It must step down and lead again (nobody
     else campaigns here), still deciding: a crash afterwards is acted on."""
     async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="lease-lost", run_dir=tmp_path, workers=1,
-                         sim=SIM, supervisor=SUPERVISOR) as fleet:
+                         backend=SimBackend(SIM), supervisor=SUPERVISOR) as fleet:
         ctl, task = fleet.controllers[0]
         assert ctl.leading.is_set() and ctl.election is not None
         old_key = ctl.election.key
@@ -349,7 +341,7 @@ async def test_a_backend_that_fails_to_start_or_never_gets_ready_is_dead_with_a_
             return [sys.executable, "-c", "import time; time.sleep(600)"]  # never listens
 
     async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="broken", run_dir=tmp_path, workers=0,
-                         sim=SIM, supervisor=SUPERVISOR) as fleet:
+                         backend=SimBackend(SIM), supervisor=SUPERVISOR) as fleet:
         fleet.agent.backend = Broken(SIM)
         specs = [WorkerSpec(id=f"b-{kind}", host="127.0.0.1", port=free_port(), model="sim-tiny", node="node")
                  for kind in ("exits", "silent")]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from fleetward.fleet.cli import main
-from fleetward.fleet.tokenizer import CHAT_TEMPLATE, decode, encode, render_chat
+from fleetward.cli import main
+from fleetward.sim.tokenizer import CHAT_TEMPLATE, decode, encode, render_chat
 
 pytest.importorskip("torch")
 pytest.importorskip("safetensors")

@@ -33,6 +33,7 @@ from fleetward.chaos.bench._common import (
 )
 from fleetward.chaos.bench._router import SIM
 from fleetward.chaos.harness import TestFleet
+from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.config import RouterConfig
 
 __all__ = ["CheckpointBench", "run_checkpoint_bench"]
@@ -75,13 +76,13 @@ async def run_checkpoint_bench(cfg: CheckpointBench) -> Results:
         etcd_metrics = f"http://{infra.etcd}/metrics"
         console.print("starting 2 simulated workers and two routers (checkpoints on, off)…")
         async with TestFleet(etcd=infra.etcd, mqtt=infra.mqtt, cluster=f"bench-cp-{uuid.uuid4().hex[:6]}",
-                             run_dir=run_dir, workers=2, sim=SIM, routing=RouterConfig()) as fleet:
+                             run_dir=run_dir, workers=2, backend=SimBackend(SIM), routing=RouterConfig()) as fleet:
             await fleet.wait_workers_routable(2)
             routers = {"on": await fleet.start_router("bench-cp-on"),
                        "off": await fleet.start_router("bench-cp-off", checkpoints=False)}
             body = {"model": SIM.model_name, "max_tokens": cfg.max_tokens, "ignore_eos": True,
                     "return_token_ids": True, "temperature": 0}
-            base_pids = {"workers": [fleet.handle(w).process.pid for w in fleet.worker_ids]}
+            base_pids = {"workers": [p.pid for w in fleet.worker_ids for p in fleet.processes(w)[:1]]}
             if infra.etcd_pid:
                 base_pids["etcd"] = [infra.etcd_pid]
             with progress() as bar:

@@ -14,7 +14,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,19 +26,30 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fleetward.fleet.errors import FleetwardError
+from fleetward.fleet.handle import Fleet
 from fleetward.fleet.infra import LocalBroker, LocalEtcd
 
 __all__ = [
     "BenchError",
     "Infra",
     "Results",
+    "cdf_points",
     "client_load",
+    "client_main",
     "console",
+    "fmt",
+    "histogram_quantiles",
     "progress",
     "quantile",
+    "ratio",
     "require_extras",
+    "run_client",
     "scrape",
     "summarize",
+    "table",
+    "vllm_router_argv",
+    "wait_idle",
+    "worker_pid",
 ]
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -223,7 +234,7 @@ async def run_client(module: str, spec: dict[str, Any], what: str) -> dict[str, 
     return result
 
 
-def client_main(run: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> None:
+def client_main(run: Callable[[dict[str, Any]], Coroutine[Any, Any, dict[str, Any]]]) -> None:
     """The body of a client process: read the spec from stdin, run it on uvloop, write the result where the
     spec says (``result_path``), exit without interpreter teardown (nothing is left to flush)."""
     import orjson
@@ -231,14 +242,15 @@ def client_main(run: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> N
 
     spec = json.loads(sys.stdin.read())
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        result = runner.run(run(spec))
+        result: dict[str, Any] = runner.run(run(spec))
     with open(spec["result_path"], "wb") as f:
         f.write(orjson.dumps(result))
     os._exit(0)
 
 
-async def wait_idle(fleet: Any, timeout: float = 10.0, interval: float = 0.1) -> None:
-    """Until no worker of ``fleet`` (a TestFleet of simulated workers) runs or queues anything, or ``timeout``."""
+async def wait_idle(fleet: Fleet, timeout: float = 10.0, interval: float = 0.1) -> None:
+    """Until no worker of ``fleet`` runs or queues anything, or ``timeout`` (its workers must report their
+    state: ``backend.fault_switches``)."""
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(timeout):
             while True:
@@ -246,6 +258,12 @@ async def wait_idle(fleet: Any, timeout: float = 10.0, interval: float = 0.1) ->
                 if all(s["running"] == 0 and s["waiting"] == 0 for s in states):
                     return
                 await asyncio.sleep(interval)
+
+
+def worker_pid(fleet: Fleet, worker: str) -> int | None:
+    """The pid of the worker's process (the root of its tree), or None while it does not run."""
+    tree = fleet.processes(worker)
+    return tree[0].pid if tree else None
 
 
 async def _one_client(spec: dict[str, Any]) -> dict[str, Any]:

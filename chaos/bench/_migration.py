@@ -39,8 +39,10 @@ from fleetward.chaos.bench._common import (
     scrape,
     table,
     wait_idle,
+    worker_pid,
 )
 from fleetward.chaos.harness import TestFleet
+from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.config import RouterConfig, SimConfig
 
 __all__ = ["MigrationBench", "run_migration_bench"]
@@ -63,20 +65,9 @@ class MigrationBench:
     mqtt: str | None = None
 
 
-async def _restore(fleet: TestFleet) -> None:
-    for wid in list(fleet.agent.specs):
-        handle = fleet.agent.handles.get(wid)
-        if handle is None or not handle.process.is_running:
-            await fleet.ensure_serving(wid)  # waits for a restart already under way instead of racing it
-        else:
-            with contextlib.suppress(httpx.HTTPError):
-                await fleet.fault(wid, clear=True)
-    await fleet.wait_workers_routable(len(fleet.agent.specs))
-
-
 async def _trial(fleet: TestFleet, router_url: str, cfg: MigrationBench, kind: str, victim: str,
                  seed: int) -> dict[str, Any]:
-    await _restore(fleet)
+    await fleet.restore()  # the last trial's victim back (a restart under way is waited for, not raced)
     await wait_idle(fleet)
     before = await scrape(router_url + "/metrics")
     body = {"model": SIM.model_name, "max_tokens": cfg.max_tokens, "ignore_eos": True, "return_token_ids": True,
@@ -90,7 +81,7 @@ async def _trial(fleet: TestFleet, router_url: str, cfg: MigrationBench, kind: s
     async with httpx.AsyncClient(timeout=5, trust_env=False) as client:
         progress_view = (await client.get(router_url + "/fleetward/v1/progress")).json()
     allowed = (progress_view["workers"].get(victim) or {}).get("allowed_silence_s")
-    victim_pid = fleet.handle(victim).process.pid
+    victim_pid = worker_pid(fleet, victim)
     fault_at = time.monotonic()
     if kind == "kill":
         fleet.kill(victim)
@@ -99,8 +90,7 @@ async def _trial(fleet: TestFleet, router_url: str, cfg: MigrationBench, kind: s
     result = await load
     after = await scrape(router_url + "/metrics")
     # The node agent may have acted on the fault meanwhile (e.g. restarted a hung worker): note it.
-    handle = fleet.agent.handles.get(victim)
-    replaced = handle is None or handle.process.pid != victim_pid
+    replaced = worker_pid(fleet, victim) != victim_pid
     if kind == "hang" and not replaced:
         with contextlib.suppress(httpx.HTTPError, KeyError):
             await fleet.fault(victim, clear=True)
@@ -151,7 +141,7 @@ async def run_migration_bench(cfg: MigrationBench) -> Results:
         assert infra.etcd and infra.mqtt
         console.print("starting 3 simulated workers and fleetward's router…")
         async with TestFleet(etcd=infra.etcd, mqtt=infra.mqtt, cluster=f"bench-migration-{uuid.uuid4().hex[:6]}",
-                             run_dir=run_dir, workers=3, sim=SIM, routing=RouterConfig()) as fleet:
+                             run_dir=run_dir, workers=3, backend=SimBackend(SIM), routing=RouterConfig()) as fleet:
             await fleet.wait_workers_routable(3)
             router = await fleet.start_router("bench-migration")
             with progress() as bar:
@@ -162,7 +152,7 @@ async def run_migration_bench(cfg: MigrationBench) -> Results:
                     res.data["trials"].append(await _trial(fleet, router.url, cfg, kind, victim, seed=i))
                     bar.advance(task)
             with contextlib.suppress(Exception):
-                await _restore(fleet)
+                await fleet.restore()
     _summarize(res, cfg)
     res.write()
     if cfg.plots:

@@ -2,7 +2,7 @@
 
 ``python -m fleetward.chaos.bench._multisim --port P --workers N [--config-json '{...SimConfig...}']``
 
-Each worker is a full :class:`~fleetward.fleet.simworker.SimWorker` (its own engine, metrics and admin
+Each worker is a full :class:`~fleetward.sim.server.SimWorker` (its own engine, metrics and admin
 endpoints); a request for ``/w/17/v1/completions`` is served by worker 17 as ``/v1/completions``. A
 worker registered in etcd with the URL ``http://127.0.0.1:P/w/17`` is therefore reached by the
 controller's canaries and scrapes, and by routers, exactly like a worker of its own process (they append
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -21,7 +22,7 @@ import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from fleetward.fleet.config import SimConfig
-from fleetward.fleet.simworker import SimWorker
+from fleetward.sim.server import SimWorker
 
 __all__ = ["MultiSim", "main"]
 
@@ -67,7 +68,7 @@ class MultiSim:
 
 
 class _Server(uvicorn.Server):
-    async def startup(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         print("READY", flush=True)
 

@@ -45,7 +45,8 @@ from fleetward.fleet.bus import MqttBus
 from fleetward.fleet.config import RouterConfig
 from fleetward.fleet.etcd import EtcdStore, Put
 from fleetward.fleet.keys import Keys
-from fleetward.fleet.procs import ManagedProcess, free_port
+from fleetward.fleet.launch import router_argv, start_service
+from fleetward.fleet.procs import free_port
 from fleetward.fleet.worker import HealthRecord, HealthState, WorkerRecord
 from fleetward.migration.journal import Journal, Kind
 
@@ -112,28 +113,23 @@ async def _populate(store: EtcdStore, keys: Keys, cfg: RestartBench, lease: int)
 
 async def _process_restart(etcd: str, mqtt: str, cluster: str, log_dir: Path, n: int) -> dict[str, Any]:
     port = free_port()
-    argv = [sys.executable, "-m", "fleetward.fleet.cli", "router", "--etcd", etcd, "--mqtt", mqtt, "--cluster",
-            cluster, "--port", str(port), "--id", f"bench-restart-{n}"]
-    url = f"http://127.0.0.1:{port}"
+    argv = router_argv(etcd=etcd, mqtt=mqtt, cluster=cluster, port=port, router_id=f"bench-restart-{n}")
     t0 = time.monotonic()
-    proc = ManagedProcess(f"router-{n}", argv, log_path=log_dir / f"restart-{cluster}-{n}.log",
-                          env={"PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"}).start()
     try:
+        # Polled every 5 ms: the time to the first 200 is what is measured.
+        router = await start_service(f"router-{n}", argv, url=f"http://127.0.0.1:{port}",
+                                     log_path=log_dir / f"restart-{cluster}-{n}.log", timeout=60, interval=0.005)
+    except Exception as exc:  # the process is stopped already
+        return {"ok": False, "error": str(exc)[-800:]}
+    try:
+        elapsed = time.monotonic() - t0
         async with httpx.AsyncClient(timeout=1, trust_env=False) as client:
-            async def healthy() -> bool:
-                return (await client.get(url + "/health")).status_code == 200
-
-            try:
-                await proc.wait_ready(healthy, timeout=60, interval=0.005)
-            except Exception as exc:
-                return {"ok": False, "error": str(exc)[-800:]}
-            elapsed = time.monotonic() - t0
-            metrics = (await client.get(url + "/metrics")).text
+            metrics = (await client.get(router.url + "/metrics")).text
         routable = next((float(line.split()[-1]) for line in metrics.splitlines()
                          if line.startswith("fleetward_router_workers_routable ")), None)
         return {"ok": True, "to_health_s": elapsed, "workers_routable": routable}
     finally:
-        await proc.stop(grace=10)
+        await router.process.stop(grace=10)
 
 
 async def _inprocess_restart(etcd: str, mqtt: str, cluster: str, n: int) -> dict[str, Any]:
@@ -161,7 +157,7 @@ async def _inprocess_restart(etcd: str, mqtt: str, cluster: str, n: int) -> dict
 
 def _import_time() -> float:
     t0 = time.monotonic()
-    subprocess.run([sys.executable, "-c", "import fleetward.fleet.cli, fleetward.migration.server"], check=True,
+    subprocess.run([sys.executable, "-c", "import fleetward.cli, fleetward.migration.server"], check=True,
                    env={"PYTHONSAFEPATH": "1"})
     return time.monotonic() - t0
 

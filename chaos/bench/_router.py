@@ -36,6 +36,7 @@ from fleetward.chaos.bench._common import (
     wait_idle,
 )
 from fleetward.chaos.harness import TestFleet
+from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.config import RouterConfig, SimConfig
 from fleetward.fleet.procs import ManagedProcess, free_port
 
@@ -107,12 +108,12 @@ async def run_router_bench(cfg: RouterBench) -> Results:
         console.print("starting 2 simulated workers, fleetward's router and vllm-router…")
         fleet = await stack.enter_async_context(TestFleet(
             etcd=infra.etcd, mqtt=infra.mqtt, cluster=f"bench-router-{uuid.uuid4().hex[:6]}", run_dir=run_dir,
-            workers=2, sim=SIM, routing=RouterConfig(), lease_ttl=10))
+            workers=2, backend=SimBackend(SIM), routing=RouterConfig(), lease_ttl=10))
         await fleet.wait_workers_routable(2)
         worker_urls = [fleet.url(w) for w in fleet.worker_ids]
         urls: dict[str, list[str]] = {"direct": worker_urls}
         pids: dict[str, dict[str, list[int]]] = {}
-        worker_pids = [fleet.handle(w).process.pid for w in fleet.worker_ids]
+        worker_pids = [p.pid for w in fleet.worker_ids for p in fleet.processes(w)[:1]]
         base_pids = {"workers": worker_pids}
         if infra.etcd_pid:
             base_pids["etcd"] = [infra.etcd_pid]
@@ -221,7 +222,8 @@ def _plot(res: Results, cfg: RouterBench) -> None:
     _plots.cdf(res.plot_path("itl-cdf"), title=f"Inter-token latency CDF at {pick} stream(s) (last round)",
                series={t: last[t]["itl_cdf"] for t in cfg.targets if t in last}, xlabel="ms")
     comps = ["workers", "router", "client", "etcd"]
-    labels, series = [], {comp: [] for comp in comps}
+    labels: list[str] = []
+    series: dict[str, list[float]] = {comp: [] for comp in comps}
     for c in cfg.streams:
         for t in cfg.targets:
             labels.append(f"{t} @{c}")

@@ -2,9 +2,9 @@
 :data:`fleetward.chaos.fault.CATALOGUE`.
 
 Families and modules: ``process`` (:mod:`.process`), ``gpu`` (:mod:`.gpu`, through the fleet's GPU health
-source), ``network`` (:mod:`.network`, through :mod:`fleetward.chaos.proxy`), ``control`` (:mod:`.control`),
-``kv`` (:mod:`.kv`); the ``load`` family lives with the workload (:mod:`fleetward.chaos.workload`). Build a
-fault from the catalogue::
+source), ``network`` (:mod:`.network`, through :mod:`fleetward.chaos.net`), ``control`` (:mod:`.control`),
+``kv`` (:mod:`.kv`), ``load`` (:mod:`.load`, through the run's workload). Build a fault from the
+catalogue::
 
     spec = CATALOGUE["process.kill_worker"]
     fault = spec.factory(spec.params(scope="tree"), Target(kind="worker", ids=("node-w0",)))
@@ -20,9 +20,9 @@ or all of that in one call, which raises :class:`FaultCheckFailed` when a verifi
 
 from __future__ import annotations
 
-from fleetward.chaos.faults import control, gpu, kv, network, process
+from fleetward.chaos.faults import control, gpu, kv, load, network, process
 from fleetward.chaos.faults._base import BaseFault, FaultCheckFailed, FaultParams, FaultUnavailable, cycle
-from fleetward.chaos.faults.kv import FaultyKvTransfer, KvTransfer, KvTransferError, KvTransferHook, PassThrough
+from fleetward.chaos.faults.kv import FaultyKvTransfer
 from fleetward.chaos.faults.network import probe_link
 
 __all__ = [
@@ -31,14 +31,11 @@ __all__ = [
     "FaultParams",
     "FaultUnavailable",
     "FaultyKvTransfer",
-    "KvTransfer",
-    "KvTransferError",
-    "KvTransferHook",
-    "PassThrough",
     "control",
     "cycle",
     "gpu",
     "kv",
+    "load",
     "network",
     "probe_link",
     "process",

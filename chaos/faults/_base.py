@@ -10,10 +10,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
 import httpx
+import psutil
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleetward.chaos.fault import CATALOGUE, Family, FaultContext, FaultSpec, Target, register
 from fleetward.fleet.errors import FleetwardError
+from fleetward.fleet.handle import Fleet
 
 __all__ = ["BaseFault", "FaultCheckFailed", "FaultParams", "FaultUnavailable", "catalogued", "cycle", "eventually"]
 
@@ -52,13 +54,14 @@ class BaseFault:
                 "params": self.params.model_dump(mode="json"), "detail": dict(self.detail)}
 
 
-def catalogued(summary: str, *, needs_root: bool = False, backends: tuple[str, ...] = ("sim", "vllm"),
+def catalogued(summary: str, *, needs_root: bool = False, needs: tuple[str, ...] = (),
                target: str = "worker", **extra: Any) -> Callable[[type[BaseFault]], type[BaseFault]]:
-    """Register the class in :data:`~fleetward.chaos.fault.CATALOGUE` under its ``name``."""
+    """Register the class in :data:`~fleetward.chaos.fault.CATALOGUE` under its ``name``. ``needs`` are the
+    backend capabilities the fault acts through (``fault_switches``, ``model_reference``)."""
 
     def deco(cls: type[BaseFault]) -> type[BaseFault]:
         register(FaultSpec(name=cls.name, family=cls.family, summary=summary, params=cls.Params,
-                           factory=cls, needs_root=needs_root, backends=backends,  # type: ignore[arg-type]
+                           factory=cls, needs_root=needs_root, needs=needs,  # type: ignore[arg-type]
                            extra={"target": target, **extra}))
         return cls
 
@@ -93,20 +96,28 @@ async def quietly(what: str, step: Awaitable[Any]) -> None:
         log.warning("recovery step %s failed: %s", what, exc)
 
 
-def fleet_of(ctx: FaultContext) -> Any:
+def fleet_of(ctx: FaultContext) -> Fleet:
     fleet = ctx.fleet
     if fleet is None:
         raise FaultUnavailable("this fault needs a running fleet")
     return fleet
 
 
-def running_handle(fleet: Any, worker: str) -> Any:
-    """The node agent's handle of ``worker``'s process; :class:`FaultUnavailable` while it has none (the worker
-    is not running, e.g. the supervisor is restarting it)."""
-    handle = fleet.agent.handles.get(worker)
-    if handle is None:
+def running_tree(fleet: Fleet, worker: str) -> list[psutil.Process]:
+    """``worker``'s process tree, root first; :class:`FaultUnavailable` while it does not run (e.g. the
+    supervisor is restarting it)."""
+    tree = fleet.processes(worker)
+    if not tree:
         raise FaultUnavailable(f"worker {worker} is not running")
-    return handle
+    return tree
+
+
+def service_of(ctx: FaultContext, name: str, why: str) -> Any:
+    """``ctx.service(name)``, or :class:`FaultUnavailable` saying ``why`` it is needed."""
+    try:
+        return ctx.service(name)
+    except KeyError:
+        raise FaultUnavailable(why) from None
 
 
 def suppress_all() -> contextlib.AbstractContextManager[None]:

@@ -36,7 +36,7 @@ import orjson
 import psutil
 from pydantic import Field
 
-from fleetward.chaos.fault import FaultContext, Target
+from fleetward.chaos.fault import EtcdCluster, FaultContext, OwnBroker, Target
 from fleetward.chaos.faults._base import (
     BaseFault,
     FaultParams,
@@ -45,9 +45,12 @@ from fleetward.chaos.faults._base import (
     eventually,
     fleet_of,
     quietly,
+    service_of,
 )
-from fleetward.chaos.proxy import Link, Partition
-from fleetward.fleet.infra import LocalEtcd
+from fleetward.chaos.net import Link, Partition
+from fleetward.fleet.bus import MqttBus
+from fleetward.fleet.handle import Fleet, RouterRef
+from fleetward.fleet.infra import LocalBroker, LocalEtcd
 
 __all__ = ["SupervisorControl", "etcd_leader", "etcd_status"]
 
@@ -81,17 +84,24 @@ async def etcd_leader(members: list[LocalEtcd]) -> LocalEtcd | None:
     return None
 
 
+_NO_CLUSTER = "etcd faults need the fleet's own etcd cluster (TestFleet(etcd_members=3))"
+
+
+def _cluster(ctx: FaultContext) -> EtcdCluster:
+    cluster: EtcdCluster = service_of(ctx, "etcd-cluster", _NO_CLUSTER)
+    if not cluster.etcd_cluster:
+        raise FaultUnavailable(_NO_CLUSTER)
+    return cluster
+
+
 def _members(ctx: FaultContext) -> list[LocalEtcd]:
-    fleet = fleet_of(ctx)
-    if not getattr(fleet, "etcd_cluster", None):
-        raise FaultUnavailable("etcd faults need the fleet's own etcd cluster (TestFleet(etcd_members=3))")
-    return list(fleet.etcd_cluster)
+    return list(_cluster(ctx).etcd_cluster)
 
 
 class _EtcdFault(BaseFault):
     family = "control"
 
-    async def _start(self, fleet: Any, m: LocalEtcd) -> None:
+    async def _start(self, fleet: EtcdCluster, m: LocalEtcd) -> None:
         if m.process is not None:
             await m.process.stop(grace=1)  # reap the old one (and SIGCONT it first, if it was paused)
         m.start(fleet.log_dir)
@@ -120,10 +130,10 @@ class EtcdMemberKill(_EtcdFault):
         self._killed: list[LocalEtcd] = []
 
     async def inject(self, ctx: FaultContext) -> None:
-        fleet = fleet_of(ctx)
+        cluster = _cluster(ctx)
         self.targets = ctx.resolve(self.target)
         for name in self.targets:
-            m = fleet.etcd_member(name)
+            m = cluster.etcd_member(name)
             self._killed.append(m)
             assert m.process is not None
             m.process.kill()
@@ -143,11 +153,11 @@ class EtcdMemberKill(_EtcdFault):
         return bool(self._killed) and await eventually(down, self.params.verify_timeout_s)
 
     async def recover(self, ctx: FaultContext) -> None:
-        fleet = fleet_of(ctx)
+        cluster = _cluster(ctx)
         params: Any = self.params
         if params.restart:
             for m in self._killed:
-                await quietly(f"start {m.name}", self._start(fleet, m))
+                await quietly(f"start {m.name}", self._start(cluster, m))
 
 
 @catalogued("SIGSTOP an etcd member (it accepts connections, answers nothing); recovery SIGCONTs it", target="etcd")
@@ -160,10 +170,10 @@ class EtcdMemberPause(_EtcdFault):
         self._paused: list[LocalEtcd] = []
 
     async def inject(self, ctx: FaultContext) -> None:
-        fleet = fleet_of(ctx)
+        cluster = _cluster(ctx)
         self.targets = ctx.resolve(self.target)
         for name in self.targets:
-            m = fleet.etcd_member(name)
+            m = cluster.etcd_member(name)
             self._paused.append(m)
             assert m.process is not None
             m.process.signal(signal.SIGSTOP)
@@ -201,18 +211,18 @@ class EtcdMemberRestart(_EtcdFault):
         self._members: list[LocalEtcd] = []
 
     async def inject(self, ctx: FaultContext) -> None:
-        fleet = fleet_of(ctx)
+        cluster = _cluster(ctx)
         self.targets = ctx.resolve(self.target)
         params: Any = self.params
         for name in self.targets:
-            m = fleet.etcd_member(name)
+            m = cluster.etcd_member(name)
             assert m.process is not None
             self._old[name] = m.process.pid
             self._members.append(m)
             if params.signal == "SIGKILL":
                 m.process.kill()
             await m.process.stop(grace=5)
-            m.start(fleet.log_dir)
+            m.start(cluster.log_dir)
 
     async def verify(self, ctx: FaultContext) -> bool:
         def restarted() -> bool:
@@ -222,10 +232,10 @@ class EtcdMemberRestart(_EtcdFault):
         return bool(self._members) and await eventually(restarted, self.params.verify_timeout_s)
 
     async def recover(self, ctx: FaultContext) -> None:
-        fleet = fleet_of(ctx)
+        cluster = _cluster(ctx)
         for m in self._members:
             if m.process is None or not m.process.is_running:
-                await quietly(f"start {m.name}", self._start(fleet, m))
+                await quietly(f"start {m.name}", self._start(cluster, m))
             else:
                 await quietly(f"wait for {m.name}", m.wait_ready(timeout=self.params.recover_timeout_s))
 
@@ -276,7 +286,7 @@ class EtcdLeaderLoss(_EtcdFault):
     async def recover(self, ctx: FaultContext) -> None:
         params: Any = self.params
         if self._killed is not None and params.restart:
-            await quietly(f"start {self._killed.name}", self._start(fleet_of(ctx), self._killed))
+            await quietly(f"start {self._killed.name}", self._start(_cluster(ctx), self._killed))
 
 
 class LeaseParams(FaultParams):
@@ -353,29 +363,32 @@ class BrokerRestart(BaseFault):
 
     def __init__(self, params: Any, target: Target) -> None:
         super().__init__(params, target)
-        self._broker: Any = None
+        self._broker: LocalBroker | None = None
 
     async def inject(self, ctx: FaultContext) -> None:
-        fleet = fleet_of(ctx)
-        if fleet.broker_impl is None:
-            raise FaultUnavailable("broker faults need the fleet's own broker (TestFleet(own_broker=True))")
+        why = "broker faults need the fleet's own broker (TestFleet(own_broker=True))"
+        own: OwnBroker = service_of(ctx, "broker", why)
+        broker = own.broker_impl
+        if broker is None or broker.process is None:
+            raise FaultUnavailable(why)
         self.targets = ["broker"]
-        self._broker = fleet.broker_impl
+        self._broker = broker
         params: Any = self.params
         if params.kill:
-            self._broker.process.kill()
-        await self._broker.process.stop(grace=5)
+            broker.process.kill()
+        await broker.process.stop(grace=5)
 
     async def verify(self, ctx: FaultContext) -> bool:
         return self._broker is not None and await eventually(
             lambda: self._refusing(), self.params.verify_timeout_s)
 
     async def _refusing(self) -> bool:
-        return not await self._broker.accepting()
+        return self._broker is not None and not await self._broker.accepting()
 
     async def recover(self, ctx: FaultContext) -> None:
         if self._broker is not None and not await self._broker.accepting():
-            await quietly("start the broker", fleet_of(ctx).restart_broker())
+            own: OwnBroker = ctx.service("broker")
+            await quietly("start the broker", own.restart_broker())
 
     async def verify_recovered(self, ctx: FaultContext) -> bool:
         return self._broker is not None and await eventually(self._broker.accepting, self.params.recover_timeout_s)
@@ -389,19 +402,20 @@ class RouterRestart(BaseFault):
 
     def __init__(self, params: Any, target: Target) -> None:
         super().__init__(params, target)
-        self._routers: list[Any] = []
+        self._routers: list[RouterRef] = []
 
     async def inject(self, ctx: FaultContext) -> None:
         fleet = fleet_of(ctx)
         self.targets = ctx.resolve(self.target)
+        by_id = {r.id: r for r in fleet.routers}
         for rid in self.targets:
-            r = fleet.router(rid)
+            r = by_id[rid]
             self._routers.append(r)
             fleet.kill_router(r)
 
     async def verify(self, ctx: FaultContext) -> bool:
         return bool(self._routers) and await eventually(
-            lambda: not any(r.process.is_running for r in self._routers), self.params.verify_timeout_s)
+            lambda: not any(r.is_running for r in self._routers), self.params.verify_timeout_s)
 
     async def recover(self, ctx: FaultContext) -> None:
         fleet = fleet_of(ctx)
@@ -432,6 +446,10 @@ class SupervisorControl(Protocol):
         """Start that controller again (it campaigns as a follower)."""
         ...
 
+    def is_running(self, controller: str) -> bool:
+        """Whether that controller runs (a killed one does not until :meth:`restart`)."""
+        ...
+
 
 class LeaderKillParams(FaultParams):
     verify_timeout_s: float = Field(30.0, gt=0, description="how long a standby may take to lead (the dead "
@@ -444,7 +462,7 @@ class SupervisorLeaderKill(BaseFault):
     """The leader is killed without a chance to resign. ``verify`` passes once another controller leads
     and the takeover did nothing twice:
 
-    - no agent carried out an action id twice (``NodeAgent.actions_done``, when the fleet's agent is here);
+    - no agent carried out an action id twice (the agents' ``action`` events, watched from the injection on);
     - the new leader issued no action that replays old news: an action for a worker whose reason is that
       of a non-ok signal still in etcd from *before* the kill (the old leader saw it and acted; the new
       one read it again when it took over).
@@ -465,6 +483,13 @@ class SupervisorLeaderKill(BaseFault):
         self._new: str | None = None
         self._killed_at = 0.0
         self._pending: list[str] = []
+        self._carried_out: dict[str, set[str]] = collections.defaultdict(set)  # action id -> event ids
+        self._watch: asyncio.Task[None] | None = None
+
+    async def _follow_actions(self, fleet: Fleet, subscribed: asyncio.Event) -> None:
+        bus = MqttBus(fleet.mqtt_endpoint, fleet.cluster)
+        async for ev in bus.subscribe(("action",), subscribed=subscribed):
+            self._carried_out[str(ev.data.get("action"))].add(ev.id)
 
     async def inject(self, ctx: FaultContext) -> None:
         try:
@@ -481,6 +506,10 @@ class SupervisorLeaderKill(BaseFault):
         self._pending = sorted(a["id"] for a in actions.values() if a.get("status") in ("pending", "running"))
         self.detail.update(killed=self._old, pending_at_kill=self._pending)
         self.targets = [self._old]
+        subscribed = asyncio.Event()
+        self._watch = asyncio.create_task(self._follow_actions(fleet_of(ctx), subscribed), name="action-events")
+        async with asyncio.timeout(15):
+            await subscribed.wait()
         self._killed_at = time.time()
         await sup.kill(self._old)
 
@@ -492,10 +521,8 @@ class SupervisorLeaderKill(BaseFault):
     async def _twice(self, ctx: FaultContext) -> list[str]:
         """What the takeover did twice (see the class docstring), one line each."""
         fleet = fleet_of(ctx)
-        out = []
-        done = getattr(getattr(fleet, "agent", None), "actions_done", None)
-        if done is not None:
-            out += [f"action {a} carried out {n} times" for a, n in collections.Counter(done).items() if n > 1]
+        out = [f"action {a} carried out {len(events)} times" for a, events in self._carried_out.items()
+               if len(events) > 1]
         old_news: dict[str, set[str]] = collections.defaultdict(set)
         for kv in (await fleet.store.get_prefix(fleet.keys.signals)).items:
             with contextlib.suppress(ValueError, KeyError):
@@ -528,12 +555,20 @@ class SupervisorLeaderKill(BaseFault):
             await quietly(f"restart {self._old}", self._sup.restart(self._old))
 
     async def verify_recovered(self, ctx: FaultContext) -> bool:
+        try:
+            return await self._verify_recovered(ctx)
+        finally:
+            if self._watch is not None:
+                self._watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await self._watch
+                self._watch = None
+
+    async def _verify_recovered(self, ctx: FaultContext) -> bool:
         sup = self._sup
         if sup is None or not await eventually(sup.leader, self.params.recover_timeout_s, 0.1):
             return False
-        fleet = fleet_of(ctx)
-        procs = {c.id: c for c in getattr(fleet, "controller_procs", [])}
-        if self._old in procs and not procs[self._old].is_running:
+        if self._old is not None and not sup.is_running(self._old):
             return False
 
         async def finished() -> bool:

@@ -85,9 +85,10 @@ from fleetward.chaos.faults._base import (
     eventually,
     fleet_of,
     quietly,
-    running_handle,
+    running_tree,
 )
 from fleetward.fleet.errors import FleetwardError
+from fleetward.fleet.handle import Fleet
 from fleetward.fleet.registry import read_fleet
 from fleetward.supervisor.gpu import THROTTLE_REASONS, Action, GpuEvent, GpuEventKind, GpuPolicy
 
@@ -170,8 +171,8 @@ class GpuFault(BaseFault):
         self.targets = ctx.resolve(self.target)
         p: Any = self.params
         for w in self.targets:
-            spec = fleet.agent.specs.get(w)
-            if spec is None or not spec.gpus:
+            spec = fleet.spec(w)
+            if not spec.gpus:
                 raise FaultUnavailable(f"worker {w} owns no GPU: give the fleet a GPU source "
                                        "(fleet.gpus_per_worker: 1)")
             if p.gpu >= len(spec.gpus):
@@ -198,14 +199,14 @@ class GpuFault(BaseFault):
         for g in self.gpus.values():
             self.apply(self._source, g)
 
-    async def _signal(self, fleet: Any, worker: str) -> dict[str, Any] | None:
+    async def _signal(self, fleet: Fleet, worker: str) -> dict[str, Any] | None:
         kv = await fleet.store.get(fleet.keys.signal(worker, "gpu"))
         if kv is None:
             return None
         body: dict[str, Any] = orjson.loads(kv.value)
         return body if float(body.get("ts", 0)) >= self._since - 0.5 else None
 
-    async def _reacted(self, fleet: Any, worker: str) -> bool:
+    async def _reacted(self, fleet: Fleet, worker: str) -> bool:
         """Whether the supervisor reacted to the event on ``worker`` as the policy says (module docstring)."""
         if not fleet.supervised:
             sig = await self._signal(fleet, worker)
@@ -220,7 +221,7 @@ class GpuFault(BaseFault):
         if self.expected is Action.RESTART_WORKER:
             return int(h.extra.get("restart_count", 0)) > self._before.get(worker, 0)
         if self.expected is Action.DRAIN_AND_QUARANTINE:
-            node = fleet.agent.specs[worker].node
+            node = fleet.spec(worker).node
             return h.state.value == "quarantined" and await fleet.store.get(
                 fleet.keys.quarantine_of(node, self.gpus[worker])) is not None
         if self.expected is Action.DEGRADED:
@@ -247,7 +248,7 @@ class GpuFault(BaseFault):
             for w in self.gpus:
                 await quietly(f"clear the quarantine of {w}", self._unquarantine(fleet, w))
 
-    async def _unquarantine(self, fleet: Any, worker: str) -> None:
+    async def _unquarantine(self, fleet: Fleet, worker: str) -> None:
         async def quarantined() -> bool:
             h = (await read_fleet(fleet.store, fleet.keys)).health.get(worker)
             return h is not None and h.state.value == "quarantined"
@@ -400,8 +401,8 @@ class ThermalThrottle(GpuFault):
         if self._dcgm is not None:
             self._reinject = asyncio.create_task(self._keep_injecting(), name=f"{self.name}-dcgm")  # owned: recover
         for w in self.targets:
-            handle = running_handle(fleet, w)
-            if handle.backend == "sim":
+            tree = running_tree(fleet, w)
+            if fleet.backend.fault_switches:
                 await fleet.fault(w, slowdown=p.slowdown)
             else:
                 from fleetward.fleet.cgroups import CpuGroup, cgroups_available
@@ -411,7 +412,7 @@ class ThermalThrottle(GpuFault):
                                            "controller)")
                 group = self._groups[w] = CpuGroup(f"throttle-{w}")
                 group.limit(max(0.05, (os.cpu_count() or 1) / p.slowdown))
-                group.add_tree(handle.process.pid)
+                group.add_tree(tree[0].pid)
             self._slowed.append(w)
         self.detail["slowed"] = list(self._slowed)
 
@@ -424,13 +425,13 @@ class ThermalThrottle(GpuFault):
                     with contextlib.suppress(FleetwardError):
                         await self._dcgm.inject(g, field, value)
 
-    async def _slow(self, fleet: Any, worker: str) -> bool:
+    async def _slow(self, fleet: Fleet, worker: str) -> bool:
         if worker in self._groups:
             return True
         p: Any = self.params
-        return float((await fleet.state(worker))["faults"]["slowdown"]) == p.slowdown
+        return bool(float((await fleet.state(worker))["faults"]["slowdown"]) == p.slowdown)
 
-    async def _reacted(self, fleet: Any, worker: str) -> bool:
+    async def _reacted(self, fleet: Fleet, worker: str) -> bool:
         return await super()._reacted(fleet, worker) and await self._slow(fleet, worker)
 
     async def recover(self, ctx: FaultContext) -> None:
@@ -460,7 +461,7 @@ class CorruptionParams(GpuParams):
 
 
 @catalogued("silent data corruption: the worker emits wrong tokens with HTTP 200 (vLLM cannot be made to compute "
-            "wrong)", backends=("sim",), requires=("gpus",))
+            "wrong)", needs=("fault_switches", "model_reference"), requires=("gpus",))
 class SilentCorruption(GpuFault):
     """No GPU event: the source reports nothing (that is what makes it silent). Only the supervisor's golden
     canaries can catch it, and only on idle workers: a busy worker gets none."""
@@ -480,28 +481,30 @@ class SilentCorruption(GpuFault):
             raise FaultUnavailable("silent data corruption cannot be injected through DCGM")
         fleet = fleet_of(ctx)
         self.targets = ctx.resolve(self.target)
+        if not fleet.backend.fault_switches or fleet.backend.reference() is None:
+            raise FaultUnavailable(f"{self.name} needs simulated workers (their wrong_tokens switch and model)")
         for w in self.targets:
-            handle = fleet.agent.handles.get(w)
-            if handle is None or handle.backend != "sim":
-                raise FaultUnavailable(f"{self.name} needs a simulated worker (its wrong_tokens switch)")
-            self.gpus[w] = handle.spec.gpus[p.gpu] if handle.spec.gpus else -1
+            spec = fleet.spec(w)
+            self.gpus[w] = spec.gpus[p.gpu] if spec.gpus else -1
         self.detail["gpus"] = dict(self.gpus)
         for w in self.targets:
             await fleet.fault(w, wrong_tokens={"probability": p.probability})
 
-    async def _reacted(self, fleet: Any, worker: str) -> bool:
-        from fleetward.fleet.simmodel import SimModel
+    async def _reacted(self, fleet: Fleet, worker: str) -> bool:
+        from fleetward.sim.model import SimModel
 
-        handle = fleet.agent.handles.get(worker)
-        if handle is None:
+        if not fleet.processes(worker):
             return False
         n = 16
         async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
-            r = await client.post(f"{handle.bind_url}/v1/completions",
-                                  json={"model": handle.spec.model, "prompt": list(self._PROMPT), "max_tokens": n,
-                                        "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+            r = await client.post(f"{fleet.bind_url(worker)}/v1/completions",
+                                  json={"model": fleet.backend.model_name, "prompt": list(self._PROMPT),
+                                        "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                                        "return_token_ids": True})
         got = r.json()["choices"][0]["token_ids"]
-        right = SimModel(fleet.sim.seed, fleet.sim.eos_probability).continuation(self._PROMPT, n, ignore_eos=True)
+        ref = fleet.backend.reference() or {}
+        right = SimModel(int(ref["seed"]), float(ref["eos_probability"])).continuation(self._PROMPT, n,
+                                                                                       ignore_eos=True)
         self.detail.setdefault("probe", {})[worker] = {"got": got, "expected": right}
         return r.status_code == 200 and got != right
 

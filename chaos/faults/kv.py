@@ -1,9 +1,10 @@
-"""KV-transfer faults: the hook the prefill/decode (P/D) path calls, and the faults injected through it.
+"""KV-transfer faults, injected through the product's KV-transfer hook (:mod:`fleetward.fleet.kv`).
 
 No P/D path exists yet. When it lands, the code that moves a request's KV cache from a prefill worker to a
-decode worker calls :meth:`KvTransferHook.transfer` on every transfer, before the decode side uses it, and
-the chaos run provides the hook as the ``kv`` service (``FleetContext(services={"kv": FaultyKvTransfer()})``).
-Outside chaos runs the hook is :class:`PassThrough`.
+decode worker calls :meth:`~fleetward.fleet.kv.KvTransferHook.transfer` on every transfer, before the
+decode side uses it, and the chaos run provides the hook as the ``kv`` service
+(``FleetContext(services={"kv": FaultyKvTransfer()})``). Outside chaos runs the hook is
+:class:`~fleetward.fleet.kv.PassThrough`.
 
 ===================  ==========================================================================
 fault                what the transfer does
@@ -32,75 +33,17 @@ safety share: they act on transfers, not on a component's availability.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
 from fleetward.chaos.fault import FaultContext, Target
-from fleetward.chaos.faults._base import BaseFault, FaultParams, FaultUnavailable, catalogued, eventually
-from fleetward.fleet.errors import FleetwardError
+from fleetward.chaos.faults._base import BaseFault, FaultParams, FaultUnavailable, catalogued, eventually, fleet_of
+from fleetward.fleet.kv import KvTransfer, KvTransferError
 
-__all__ = ["FaultyKvTransfer", "KvRule", "KvTransfer", "KvTransferError", "KvTransferHook", "PassThrough"]
-
-
-@dataclass(frozen=True)
-class KvTransfer:
-    """One request's KV cache on its way from a prefill worker to a decode worker."""
-
-    request_id: str
-    source: str  # prefill worker id
-    dest: str  # decode worker id
-    token_ids: tuple[int, ...]  # the prompt tokens the blocks cover
-    blocks: tuple[bytes, ...]
-    checksum: str = ""  # of the blocks as sent (``sealed()`` fills it)
-
-    @staticmethod
-    def digest(blocks: tuple[bytes, ...]) -> str:
-        h = hashlib.blake2b(digest_size=16)
-        for b in blocks:
-            h.update(len(b).to_bytes(8, "little"))
-            h.update(b)
-        return h.hexdigest()
-
-    def sealed(self) -> KvTransfer:
-        return replace(self, checksum=self.digest(self.blocks))
-
-    @property
-    def intact(self) -> bool:
-        """Whether the blocks are what was sent (the decode side's check)."""
-        return self.digest(self.blocks) == self.checksum
-
-
-class KvTransferError(FleetwardError):
-    """A transfer that did not complete; the decode side must re-prefill or fail the request."""
-
-    def __init__(self, kind: Literal["dropped", "prefill_died"], transfer: KvTransfer, *, blocks: int = 0) -> None:
-        super().__init__(f"kv transfer of {transfer.request_id} {transfer.source}->{transfer.dest}: {kind}"
-                         + (f" after {blocks} block(s)" if kind == "prefill_died" else ""))
-        self.kind = kind
-        self.transfer = transfer
-        self.blocks_delivered = blocks
-
-
-class KvTransferHook(Protocol):
-    """Called by the P/D path for every KV transfer, before the decode worker uses it.
-
-    Returns the transfer as delivered: unchanged, or altered (corrupted, truncated); may take long
-    (delayed, stalled); raises :class:`KvTransferError` when it never completes (dropped, the prefill
-    died mid-transfer). Cancellation propagates.
-    """
-
-    async def transfer(self, t: KvTransfer) -> KvTransfer: ...
-
-
-class PassThrough:
-    """The hook outside chaos runs."""
-
-    async def transfer(self, t: KvTransfer) -> KvTransfer:
-        return t
+__all__ = ["FaultyKvTransfer", "KvRule"]
 
 
 @dataclass(eq=False)
@@ -319,11 +262,9 @@ class KvPrefillDies(_KvFault):
         p: Any = self.params
         on_die = None
         if p.kill_worker:
-            fleet = ctx.fleet
+            fleet = fleet_of(ctx)
 
             def on_die(t: KvTransfer) -> None:
-                handle = fleet.agent.handles.get(t.source)
-                if handle is not None:
-                    handle.process.kill()
+                fleet.kill(t.source)
 
         return KvRule("prefill_dies", blocks_before=p.blocks_before, on_die=on_die)

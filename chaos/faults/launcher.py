@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if start <= args.fail:
         print(f"fleetward chaos launcher: start {start} fails on purpose (crash loop: {args.fail} failing starts)",
               flush=True)
-        return args.exit_code
+        return int(args.exit_code)
     sys.stdout.flush()
     os.execvp(command[0], command)
     return 127  # not reached

@@ -12,8 +12,15 @@ etcd links, an MQTT CONNECT on broker links. A fault on a link nobody uses and w
 verify: it did nothing. ``recover`` removes the toxic (held data flows again); ``verify_recovered`` waits
 until a probe passes through the link.
 
-``network.partition_kernel`` drops (or resets) packets to and from the link's upstream ports with iptables,
-so every client of that component is cut off, not only the link's (root and the iptables command).
+Every toxic of the proxy is one fault, declared in one row of :data:`_TOXIC_FAULTS`: its name, summary,
+parameters model and toxic class. The toxic is built from the parameters by name (``latency_ms`` goes to
+``Latency(latency_ms=...)``); ``probe`` and the timeouts stay with the fault. SSE toxics need HTTP links and
+verify with a streamed completion.
+
+``network.down`` (the link's proxies stop listening) and ``network.partition_kernel`` are not toxics and are
+written out. ``network.partition_kernel`` drops (or resets) packets to and from the link's upstream ports
+with iptables, so every client of that component is cut off, not only the link's (root and the iptables
+command).
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fnmatch
+import inspect
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import httpx
@@ -28,7 +37,7 @@ from pydantic import Field
 
 from fleetward.chaos.fault import FaultContext, Target
 from fleetward.chaos.faults._base import BaseFault, FaultParams, FaultUnavailable, catalogued, eventually
-from fleetward.chaos.proxy import (
+from fleetward.chaos.net import (
     Bandwidth,
     Blackhole,
     IptablesFilter,
@@ -113,6 +122,12 @@ class LinkParams(FaultParams):
     probe: bool = Field(True, description="send probe traffic through the link while verifying")
 
 
+class SseParams(FaultParams):
+    toxicity: float = Field(1.0, ge=0, le=1, description="chance that a given response is affected")
+    streams: int | None = Field(None, ge=1, description="affect at most this many responses (None: all)")
+    probe: bool = Field(True, description="stream a short completion through the link while verifying")
+
+
 class LinkFault(BaseFault):
     """A toxic on every targeted link (subclasses say which)."""
 
@@ -180,7 +195,7 @@ class LinkFault(BaseFault):
         return await eventually(through, self.params.recover_timeout_s, 0.2)
 
 
-# -- byte toxics ----------------------------------------------------------------------------------------------
+# -- one fault per toxic ----------------------------------------------------------------------------------------
 
 
 class LatencyParams(LinkParams):
@@ -188,29 +203,8 @@ class LatencyParams(LinkParams):
     jitter_ms: float = Field(0.0, ge=0)
 
 
-@catalogued("delay every piece of data on a link by latency_ms ± jitter_ms (order kept, throughput not)",
-            target="link")
-class NetLatency(LinkFault):
-    name = "network.latency"
-    Params = LatencyParams
-
-    def toxics(self) -> list[Toxic]:
-        p: Any = self.params
-        return [Latency(p.latency_ms, p.jitter_ms, direction=p.direction, toxicity=p.toxicity)]
-
-
 class BandwidthParams(LinkParams):
     rate_bps: int = Field(2048, ge=1, description="bytes per second")
-
-
-@catalogued("limit a link to rate_bps bytes per second", target="link")
-class NetBandwidth(LinkFault):
-    name = "network.bandwidth"
-    Params = BandwidthParams
-
-    def toxics(self) -> list[Toxic]:
-        p: Any = self.params
-        return [Bandwidth(p.rate_bps, direction=p.direction, toxicity=p.toxicity)]
 
 
 class SlicerParams(LinkParams):
@@ -219,29 +213,8 @@ class SlicerParams(LinkParams):
     delay_ms: float = Field(2.0, ge=0)
 
 
-@catalogued("cut a link's data into small packets (average_size ± size_variation bytes) delay_ms apart",
-            target="link")
-class NetSlicer(LinkFault):
-    name = "network.slicer"
-    Params = SlicerParams
-
-    def toxics(self) -> list[Toxic]:
-        p: Any = self.params
-        return [Slicer(p.average_size, p.size_variation, p.delay_ms, direction=p.direction, toxicity=p.toxicity)]
-
-
 class ResetParams(LinkParams):
     timeout_ms: float = Field(0.0, ge=0, description="how long a connection lives before its RST")
-
-
-@catalogued("reset (TCP RST) every connection on a link, open and new, timeout_ms after it is seen", target="link")
-class NetReset(LinkFault):
-    name = "network.reset"
-    Params = ResetParams
-
-    def toxics(self) -> list[Toxic]:
-        p: Any = self.params
-        return [Reset(p.timeout_ms, toxicity=p.toxicity)]
 
 
 class BlackholeParams(LinkParams):
@@ -249,44 +222,12 @@ class BlackholeParams(LinkParams):
     timeout_ms: float = Field(0.0, ge=0, description="> 0: close swallowed connections after this long")
 
 
-@catalogued("accept and read, deliver nothing (data is lost); on recovery such connections are reset",
-            target="link")
-class NetBlackhole(LinkFault):
-    name = "network.blackhole"
-    Params = BlackholeParams
-
-    def toxics(self) -> list[Toxic]:
-        p: Any = self.params
-        return [Blackhole(p.timeout_ms, direction=p.direction, toxicity=p.toxicity)]
-
-
 class LimitDataParams(LinkParams):
     bytes: int = Field(1024, ge=0, description="bytes a connection may carry in the direction before it is closed")
 
 
-@catalogued("close each connection once it carried `bytes` bytes in the direction", target="link")
-class NetLimitData(LinkFault):
-    name = "network.limit_data"
-    Params = LimitDataParams
-    sse_probe = True
-
-    def toxics(self) -> list[Toxic]:
-        p: Any = self.params
-        return [LimitData(p.bytes, direction=p.direction, toxicity=p.toxicity)]
-
-
 class SlowCloseParams(LinkParams):
     delay_ms: float = Field(1000.0, ge=0)
-
-
-@catalogued("pass a connection's close (FIN) on delay_ms late", target="link")
-class NetSlowClose(LinkFault):
-    name = "network.slow_close"
-    Params = SlowCloseParams
-
-    def toxics(self) -> list[Toxic]:
-        p: Any = self.params
-        return [SlowClose(p.delay_ms, direction=p.direction, toxicity=p.toxicity)]
 
 
 class PartitionParams(LinkParams):
@@ -294,15 +235,128 @@ class PartitionParams(LinkParams):
         "both", description="both: two-way; upstream/downstream: one-way (requests arrive, answers do not)")
 
 
-@catalogued("partition a link one way or both ways: nothing is delivered, nothing is lost; it flows on recovery",
-            target="link")
-class NetPartition(LinkFault):
-    name = "network.partition"
-    Params = PartitionParams
+class SseCutParams(SseParams):
+    after_events: int = Field(8, ge=0, description="events delivered before the cut")
+    reset: bool = Field(False, description="cut with RST instead of FIN")
+
+
+class SseStallParams(SseParams):
+    after_events: int = Field(8, ge=0, description="events delivered before the stall")
+
+
+class SseCorruptParams(SseParams):
+    after_events: int = Field(4, ge=0, description="the first token-carrying event at or after this one")
+    count: int = Field(1, ge=1, description="events changed per response")
+
+
+@dataclass(frozen=True)
+class _ToxicFault:
+    """One catalogued fault that is one toxic on every targeted link.
+
+    Each parameter of ``params`` goes to the toxic's constructor argument of the same name, except the
+    fault's own (``probe``, the timeouts) and those in ``ignored``; a parameter the toxic does not take is
+    an error when the catalogue is built, not a silently dropped setting.
+    """
+
+    name: str
+    summary: str
+    params: type[FaultParams]
+    toxic: type[Toxic]
+    sse_probe: bool = False  # verify with a streamed completion (SSE toxics always do)
+    ignored: tuple[str, ...] = ()  # parameters the fault takes but does not pass to the toxic
+
+
+_TOXIC_FAULTS = (
+    _ToxicFault("network.latency",
+                "delay every piece of data on a link by latency_ms ± jitter_ms (order kept, throughput not)",
+                LatencyParams, Latency),
+    _ToxicFault("network.bandwidth", "limit a link to rate_bps bytes per second", BandwidthParams, Bandwidth),
+    _ToxicFault("network.slicer",
+                "cut a link's data into small packets (average_size ± size_variation bytes) delay_ms apart",
+                SlicerParams, Slicer),
+    # A reset acts on whole connections: the toxic keeps its own direction (both) whatever the parameter says.
+    _ToxicFault("network.reset",
+                "reset (TCP RST) every connection on a link, open and new, timeout_ms after it is seen",
+                ResetParams, Reset, ignored=("direction",)),
+    _ToxicFault("network.blackhole",
+                "accept and read, deliver nothing (data is lost); on recovery such connections are reset",
+                BlackholeParams, Blackhole),
+    # Probed with a streamed completion: a /health answer is shorter than the default budget, never reaching it.
+    _ToxicFault("network.limit_data", "close each connection once it carried `bytes` bytes in the direction",
+                LimitDataParams, LimitData, sse_probe=True),
+    _ToxicFault("network.slow_close", "pass a connection's close (FIN) on delay_ms late", SlowCloseParams, SlowClose),
+    _ToxicFault("network.partition",
+                "partition a link one way or both ways: nothing is delivered, nothing is lost; it flows on recovery",
+                PartitionParams, Partition),
+    _ToxicFault("network.sse_cut", "cut an SSE response after N events (the client sees exactly N, then EOF)",
+                SseCutParams, SseCut),
+    _ToxicFault("network.sse_stall",
+                "stall SSE responses after N events, connection kept open; they flow again on recovery",
+                SseStallParams, SseStall),
+    _ToxicFault("network.sse_corrupt",
+                "change a token id in the token_ids of an SSE data event (HTTP 200, wrong token)",
+                SseCorruptParams, SseCorrupt),
+    _ToxicFault("network.sse_drop_done", "drop `data: [DONE]` from SSE responses (they still end properly)",
+                SseParams, SseDropDone),
+)
+
+# Parameters every link fault has for itself (how it verifies and recovers), never for its toxic.
+_FAULT_ONLY = frozenset(FaultParams.model_fields) | {"probe"}
+
+
+def _constructor_arguments(toxic: type[Toxic]) -> frozenset[str]:
+    """The named arguments ``toxic`` takes, its bases' included (a subclass passes ``**kw`` on to them)."""
+    names: set[str] = set()
+    for cls in toxic.__mro__[:toxic.__mro__.index(Toxic) + 1]:
+        init = vars(cls).get("__init__")
+        if init is not None:
+            names.update(p.name for p in inspect.signature(init).parameters.values()
+                         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self")
+    return frozenset(names)
+
+
+class _OneToxicFault(LinkFault):
+    """A :class:`LinkFault` whose one toxic is built from its parameters (see :class:`_ToxicFault`)."""
+
+    toxic: ClassVar[type[Toxic]]
+    arguments: ClassVar[tuple[str, ...]]  # the parameters passed on to the toxic, by name
 
     def toxics(self) -> list[Toxic]:
-        p: Any = self.params
-        return [Partition(direction=p.direction, toxicity=p.toxicity)]
+        return [self.toxic(**{name: getattr(self.params, name) for name in self.arguments})]
+
+    async def inject(self, ctx: FaultContext) -> None:
+        if self.toxic.sse:
+            self.targets = link_names(ctx, self.target)
+            for link in self.links(ctx):
+                if not link.http:
+                    raise FaultUnavailable(f"{self.name} needs an HTTP link; {link.name} is plain TCP")
+        await super().inject(ctx)
+
+
+def _catalogue(entry: _ToxicFault) -> type[LinkFault]:
+    """Make ``entry``'s fault class and register it in the catalogue."""
+    passed = set(entry.params.model_fields) - _FAULT_ONLY - set(entry.ignored)
+    unknown = passed - _constructor_arguments(entry.toxic)
+    if unknown:
+        raise TypeError(f"{entry.name}: {entry.toxic.__name__} takes no {', '.join(sorted(unknown))}")
+
+    class Fault(_OneToxicFault):
+        name = entry.name
+        Params = entry.params
+        toxic = entry.toxic
+        arguments = tuple(sorted(passed))
+        sse_probe = entry.sse_probe or entry.toxic.sse
+
+    Fault.__name__ = Fault.__qualname__ = "Net" + entry.name.removeprefix("network.").title().replace("_", "")
+    catalogued(entry.summary, target="link")(Fault)
+    return Fault
+
+
+for _entry in _TOXIC_FAULTS:
+    _catalogue(_entry)
+
+
+# -- faults that are not toxics -----------------------------------------------------------------------------------
 
 
 class DownParams(FaultParams):
@@ -406,78 +460,3 @@ class NetPartitionKernel(BaseFault):
             return all([await probe_link(k) for k in self._links])
 
         return await eventually(through, self.params.recover_timeout_s, 0.2)
-
-
-# -- SSE toxics (HTTP links) ------------------------------------------------------------------------------------
-
-
-class SseParams(FaultParams):
-    toxicity: float = Field(1.0, ge=0, le=1, description="chance that a given response is affected")
-    streams: int | None = Field(None, ge=1, description="affect at most this many responses (None: all)")
-    probe: bool = Field(True, description="stream a short completion through the link while verifying")
-
-
-class _SseFault(LinkFault):
-    sse_probe = True
-
-    async def inject(self, ctx: FaultContext) -> None:
-        self.targets = link_names(ctx, self.target)
-        for link in self.links(ctx):
-            if not link.http:
-                raise FaultUnavailable(f"{self.name} needs an HTTP link; {link.name} is plain TCP")
-        await super().inject(ctx)
-
-
-class SseCutParams(SseParams):
-    after_events: int = Field(8, ge=0, description="events delivered before the cut")
-    reset: bool = Field(False, description="cut with RST instead of FIN")
-
-
-@catalogued("cut an SSE response after N events (the client sees exactly N, then EOF)", target="link")
-class SseCutFault(_SseFault):
-    name = "network.sse_cut"
-    Params = SseCutParams
-
-    def toxics(self) -> list[Toxic]:
-        p: Any = self.params
-        return [SseCut(p.after_events, p.reset, streams=p.streams, toxicity=p.toxicity)]
-
-
-class SseStallParams(SseParams):
-    after_events: int = Field(8, ge=0, description="events delivered before the stall")
-
-
-@catalogued("stall SSE responses after N events, connection kept open; they flow again on recovery",
-            target="link")
-class SseStallFault(_SseFault):
-    name = "network.sse_stall"
-    Params = SseStallParams
-
-    def toxics(self) -> list[Toxic]:
-        p: Any = self.params
-        return [SseStall(p.after_events, streams=p.streams, toxicity=p.toxicity)]
-
-
-class SseCorruptParams(SseParams):
-    after_events: int = Field(4, ge=0, description="the first token-carrying event at or after this one")
-    count: int = Field(1, ge=1, description="events changed per response")
-
-
-@catalogued("change a token id in the token_ids of an SSE data event (HTTP 200, wrong token)", target="link")
-class SseCorruptFault(_SseFault):
-    name = "network.sse_corrupt"
-    Params = SseCorruptParams
-
-    def toxics(self) -> list[Toxic]:
-        p: Any = self.params
-        return [SseCorrupt(p.after_events, p.count, streams=p.streams, toxicity=p.toxicity)]
-
-
-@catalogued("drop `data: [DONE]` from SSE responses (they still end properly)", target="link")
-class SseDropDoneFault(_SseFault):
-    name = "network.sse_drop_done"
-    Params = SseParams
-
-    def toxics(self) -> list[Toxic]:
-        p: Any = self.params
-        return [SseDropDone(streams=p.streams, toxicity=p.toxicity)]

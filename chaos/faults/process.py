@@ -43,7 +43,7 @@ from typing import Any, Literal
 import psutil
 from pydantic import Field
 
-from fleetward.chaos.fault import FaultContext
+from fleetward.chaos.fault import FaultContext, Launcher
 from fleetward.chaos.faults._base import (
     BaseFault,
     FaultParams,
@@ -52,8 +52,10 @@ from fleetward.chaos.faults._base import (
     eventually,
     fleet_of,
     quietly,
-    running_handle,
+    running_tree,
+    service_of,
 )
+from fleetward.fleet.handle import Fleet
 from fleetward.fleet.procs import ManagedProcess, kill_tree
 
 __all__ = ["CrashLoop", "HangWorker", "KillEngine", "KillWorker", "MemoryGroup", "OomKill", "SlowStart",
@@ -75,8 +77,10 @@ def launcher_prefix(*, state: Path | None = None, fail: int = 0, exit_code: int 
     return [*argv, "--"]
 
 
-def _handle(fleet: Any, worker: str) -> Any:
-    return fleet.agent.handles.get(worker)
+def _launcher(ctx: FaultContext) -> Launcher:
+    launcher: Launcher = service_of(ctx, "launcher", "this fault restarts workers through a launcher: it needs a "
+                                    "fleet the testbed started (TestFleet)")
+    return launcher
 
 
 def _alive(p: psutil.Process) -> bool:
@@ -96,13 +100,13 @@ def _stopped(p: psutil.Process) -> bool:
 class _WorkerFault(BaseFault):
     family = "process"
 
-    def _resolve(self, ctx: FaultContext) -> Any:
+    def _resolve(self, ctx: FaultContext) -> Fleet:
         fleet = fleet_of(ctx)
         self.targets = ctx.resolve(self.target)
         return fleet
 
-    async def _bring_back(self, fleet: Any, worker: str) -> None:
-        """Restart ``worker`` through the agent unless it serves, or is being restarted (by the supervisor)."""
+    async def _bring_back(self, fleet: Fleet, worker: str) -> None:
+        """Restart ``worker`` unless it serves, or is being restarted (by the supervisor)."""
         await fleet.ensure_serving(worker, timeout=self.params.recover_timeout_s)
 
     async def verify_recovered(self, ctx: FaultContext) -> bool:
@@ -127,32 +131,31 @@ class KillWorker(_WorkerFault):
 
     def __init__(self, params: Any, target: Any) -> None:
         super().__init__(params, target)
-        self._killed: dict[str, tuple[ManagedProcess, list[psutil.Process]]] = {}
+        self._killed: dict[str, list[psutil.Process]] = {}
 
     async def inject(self, ctx: FaultContext) -> None:
         fleet = self._resolve(ctx)
         for w in self.targets:
-            h = running_handle(fleet, w)
-            tree = h.process.tree()
-            self._killed[w] = (h.process, tree)
+            tree = running_tree(fleet, w)
+            self._killed[w] = tree
             if self.params.scope == "tree":
-                h.process.kill()
+                fleet.kill(w)
             else:
-                h.process.signal(signal.SIGKILL)
-        self.detail["pids"] = {w: [p.pid for p in t] for w, (_, t) in self._killed.items()}
+                with contextlib.suppress(psutil.Error):
+                    tree[0].send_signal(signal.SIGKILL)
+        self.detail["pids"] = {w: [p.pid for p in t] for w, t in self._killed.items()}
 
     async def verify(self, ctx: FaultContext) -> bool:
         def gone() -> bool:
-            return all(not proc.is_running and (self.params.scope == "root" or not any(_alive(p) for p in tree))
-                       for proc, tree in self._killed.values())
+            return all(not _alive(tree[0]) and (self.params.scope == "root" or not any(_alive(p) for p in tree))
+                       for tree in self._killed.values())
 
         return bool(self._killed) and await eventually(gone, self.params.verify_timeout_s)
 
     async def recover(self, ctx: FaultContext) -> None:
         fleet = fleet_of(ctx)
-        for w, (proc, tree) in self._killed.items():
+        for w, tree in self._killed.items():
             kill_tree([p for p in tree if _alive(p)])  # what a root-only kill left behind
-            await quietly(f"reap {w}", proc.stop(grace=1))
             if self.params.restart:
                 await quietly(f"restart {w}", self._bring_back(fleet, w))
 
@@ -174,8 +177,8 @@ class KillEngine(_WorkerFault):
     async def inject(self, ctx: FaultContext) -> None:
         fleet = self._resolve(ctx)
         for w in self.targets:
-            h = running_handle(fleet, w)
-            engines = h.engine_processes()
+            running_tree(fleet, w)
+            engines = fleet.engine_processes(w)
             self._engines[w] = engines
             kill_tree(engines, signal.SIGKILL)
         self.detail["engine_pids"] = {w: [p.pid for p in e] for w, e in self._engines.items()}
@@ -213,19 +216,19 @@ class HangWorker(_WorkerFault):
     async def inject(self, ctx: FaultContext) -> None:
         fleet = self._resolve(ctx)
         for w in self.targets:
-            h = running_handle(fleet, w)
-            self._urls[w] = h.bind_url
-            if self.params.mode == "silent" and h.backend == "sim":
+            tree = running_tree(fleet, w)
+            self._urls[w] = fleet.bind_url(w)
+            if self.params.mode == "silent" and fleet.backend.fault_switches:
                 self._switched.append(w)
                 await fleet.fault(w, hang=True)
                 continue
             if self.params.mode == "silent":
                 procs = []
-                for e in h.engine_processes():
+                for e in fleet.engine_processes(w):
                     with contextlib.suppress(psutil.Error):
                         procs += [e, *e.children(recursive=True)]
             else:
-                procs = h.process.tree()
+                procs = tree
             self._stopped[w] = procs
             kill_tree(procs, signal.SIGSTOP)
         # Look once right away: a supervisor may restart a stopped worker soon after, and what was seen
@@ -303,20 +306,19 @@ class CrashLoop(_WorkerFault):
 
     async def inject(self, ctx: FaultContext) -> None:
         fleet = self._resolve(ctx)
+        launcher = _launcher(ctx)
         p = self.params
         for w in self.targets:
             self._state[w] = self._dir / f"{w}.starts"
-            fleet.wrap_launch(w, launcher_prefix(state=self._state[w], fail=p.failures, exit_code=p.exit_code,
-                                                 delay=p.delay_s))
-            h = _handle(fleet, w)
-            if h is not None:
-                h.process.kill()
+            launcher.wrap_launch(w, launcher_prefix(state=self._state[w], fail=p.failures, exit_code=p.exit_code,
+                                                    delay=p.delay_s))
+            fleet.kill(w)
 
     async def verify(self, ctx: FaultContext) -> bool:
         fleet = fleet_of(ctx)
         if not self._state:
             return False
-        if self.params.probe_restart and not getattr(fleet, "supervised", False):
+        if self.params.probe_restart and not fleet.supervised:
             # Nobody else restarts workers here (no supervisor controller): start it once to see it fail.
             for w in self.targets:
                 if self.starts(w) == 0:
@@ -329,7 +331,7 @@ class CrashLoop(_WorkerFault):
     async def recover(self, ctx: FaultContext) -> None:
         fleet = fleet_of(ctx)
         for w in self._state:
-            fleet.wrap_launch(w, None)
+            _launcher(ctx).wrap_launch(w, None)
         self.detail["starts"] = {w: self.starts(w) for w in self._state}
         for w in self._state:
             await quietly(f"restart {w}", self._bring_back(fleet, w))
@@ -357,9 +359,9 @@ class SlowStart(_WorkerFault):
     async def inject(self, ctx: FaultContext) -> None:
         fleet = self._resolve(ctx)
         for w in self.targets:
-            h = _handle(fleet, w)
-            self._old[w] = h.process.pid if h is not None else None
-            fleet.wrap_launch(w, launcher_prefix(delay=self.params.delay_s))
+            tree = fleet.processes(w)
+            self._old[w] = tree[0].pid if tree else None
+            _launcher(ctx).wrap_launch(w, launcher_prefix(delay=self.params.delay_s))
             # Owned by this fault: awaited (or cancelled) by recover.
             self._restarts[w] = asyncio.create_task(fleet.restart(w), name=f"slow-start-{w}")
 
@@ -368,8 +370,8 @@ class SlowStart(_WorkerFault):
 
         async def starting() -> bool:
             for w in self._restarts:
-                h = _handle(fleet, w)
-                if h is None or h.process.pid == self._old[w] or not h.process.is_running:
+                tree = fleet.processes(w)
+                if not tree or tree[0].pid == self._old[w]:
                     return False
                 if await fleet.worker_serving(w, timeout=1):
                     return False
@@ -379,6 +381,7 @@ class SlowStart(_WorkerFault):
 
     async def recover(self, ctx: FaultContext) -> None:
         fleet = fleet_of(ctx)
+        launcher = _launcher(ctx)
         for w, task in self._restarts.items():
             try:
                 await asyncio.wait_for(asyncio.shield(task), self.params.delay_s + self.params.recover_timeout_s)
@@ -388,10 +391,10 @@ class SlowStart(_WorkerFault):
             except Exception as exc:  # a start that failed or took too long: start it plainly
                 task.cancel()
                 self.detail.setdefault("errors", {})[w] = str(exc)
-                fleet.wrap_launch(w, None)
+                launcher.wrap_launch(w, None)
                 await quietly(f"restart {w}", self._bring_back(fleet, w))
             finally:
-                fleet.wrap_launch(w, None)
+                launcher.wrap_launch(w, None)
 
 
 # -- memory -------------------------------------------------------------------------------------------------
@@ -517,20 +520,19 @@ class OomKill(_WorkerFault):
         super().__init__(params, target)
         self._groups: dict[str, MemoryGroup] = {}
         self._balloons: dict[str, ManagedProcess] = {}
-        self._victims: dict[str, ManagedProcess] = {}
         self._trees: dict[str, list[psutil.Process]] = {}
 
     async def inject(self, ctx: FaultContext) -> None:
         fleet = self._resolve(ctx)
+        launcher = _launcher(ctx)
         for w in self.targets:
             group = self._groups[w] = MemoryGroup(f"oom-{w}-{uuid.uuid4().hex[:6]}")
-            fleet.wrap_launch(w, launcher_prefix(cgroup_procs=group.procs))
+            launcher.wrap_launch(w, launcher_prefix(cgroup_procs=group.procs))
             try:
-                handle = await asyncio.wait_for(fleet.agent.restart(w), self.params.recover_timeout_s)
+                await asyncio.wait_for(fleet.restart(w), self.params.recover_timeout_s)
             finally:
-                fleet.wrap_launch(w, None)
-            self._victims[w] = handle.process
-            self._trees[w] = handle.process.tree()
+                launcher.wrap_launch(w, None)
+            self._trees[w] = running_tree(fleet, w)
             for p in self._trees[w]:  # the preferred victim: nothing else in the group is picked first
                 _oom_prefer(p.pid)
             usage, anon = group.usage(), group.anon()
@@ -542,14 +544,14 @@ class OomKill(_WorkerFault):
                                                        "balloon_mb": balloon_mb}
             self._balloons[w] = ManagedProcess(
                 f"oom-balloon {w}", [sys.executable, "-c", _BALLOON, str(group.procs), str(balloon_mb)],
-                log_path=fleet.log_dir / f"oom-balloon-{w}.log").start()
+                log_path=launcher.log_dir / f"oom-balloon-{w}.log").start()
 
     async def verify(self, ctx: FaultContext) -> bool:
         def killed() -> bool:  # by the kernel: the group counted an OOM kill, and a process of the worker is gone
             return all(self._groups[w].oom_kills() >= 1 and any(not _alive(p) for p in self._trees[w])
-                       for w in self._victims)
+                       for w in self._trees)
 
-        ok = bool(self._victims) and await eventually(killed, self.params.verify_timeout_s)
+        ok = bool(self._trees) and await eventually(killed, self.params.verify_timeout_s)
         self.detail["oom_kills"] = {w: g.oom_kills() for w, g in self._groups.items()}
         self.detail["killed_pids"] = {w: [p.pid for p in t if not _alive(p)] for w, t in self._trees.items()}
         return ok
@@ -557,12 +559,12 @@ class OomKill(_WorkerFault):
     async def recover(self, ctx: FaultContext) -> None:
         fleet = fleet_of(ctx)
         for w in self._groups:
-            fleet.wrap_launch(w, None)
+            _launcher(ctx).wrap_launch(w, None)
         for w, balloon in self._balloons.items():
             await quietly(f"stop the balloon of {w}", balloon.stop(grace=1))
-        for w, victim in self._victims.items():
-            if victim.is_running:
-                await quietly(f"stop {w}", victim.stop(grace=2))
+        for w, tree in self._trees.items():
+            if _alive(tree[0]) and [p.pid for p in fleet.processes(w)[:1]] == [tree[0].pid]:
+                fleet.kill(w)  # the worker outlived its OOM: it still runs in the group about to go
         for group in self._groups.values():
             group.remove()
         if self.params.restart:

@@ -100,9 +100,9 @@ class SimWrongTokens(_Switch):
 
 for _spec in (
     FaultSpec("process.double_hang", "process", "test double: the simulated engine stops (hang switch)", HangParams,
-              SimHang, backends=("sim",), extra={"target": "worker"}),
+              SimHang, needs=("fault_switches",), extra={"target": "worker"}),
     FaultSpec("process.double_wrong_tokens", "process", "test double: the simulated engine emits wrong tokens",
-              WrongParams, SimWrongTokens, backends=("sim",), extra={"target": "worker"}),
+              WrongParams, SimWrongTokens, needs=("fault_switches",), extra={"target": "worker"}),
 ):
     if _spec.name not in CATALOGUE:
         register(_spec)

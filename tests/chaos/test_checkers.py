@@ -9,20 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleetward.chaos.checkers import (
-    CheckContext,
-    ModelReference,
-    NoReference,
-    RecordedReference,
-    RunView,
-    Verdict,
-    align,
-    combine,
-    reference_key,
-    run_checkers,
-)
+from fleetward.chaos.checkers import CheckContext, RunView, Verdict, align, combine, run_checkers
 from fleetward.chaos.history import Record
-from fleetward.fleet.simmodel import SimModel
+from fleetward.chaos.reference import ModelReference, NoReference, RecordedReference, reference_key
+from fleetward.sim.model import SimModel
 
 SEED = 5
 MODEL = SimModel(SEED)

@@ -132,6 +132,10 @@ def test_a_load_fault_on_a_worker_target_is_refused(tmp_path: Path) -> None:
     (("fault_min_success: 0.9", "fault_min_success: 2"), "checkers[1].params.fault_min_success", "less than"),
     (("arrival: {kind: poisson, rate: 4}", "arrival: {kind: trace, file: nowhere.csv}"), "workload.arrival.file",
      "not found"),
+    (("probe: workers_routable", "probe: workers_routabel"), "steady-state-hypothesis.probes[0].probe",
+     "did you mean workers_routable"),
+    (("checkers: [", "rollbacks: [{action: restore_flet}]\ncheckers: ["), "rollbacks[0].action",
+     "did you mean restore_fleet"),
 ])
 def test_meaning_is_checked_too(tmp_path: Path, change: tuple[str, str], field: str, words: str) -> None:
     err = refused(tmp_path, GOOD.replace(*change))

@@ -14,12 +14,14 @@ import pytest_asyncio
 from fleetward.chaos.fault import CATALOGUE, Target
 from fleetward.chaos.faults import FaultUnavailable, cycle
 from fleetward.chaos.faults.control import etcd_leader
-from fleetward.chaos.faults.kv import FaultyKvTransfer, KvTransfer, KvTransferError
+from fleetward.chaos.faults.kv import FaultyKvTransfer
 from fleetward.chaos.harness import FleetContext, TestFleet
 from fleetward.chaos.workload import sse_lines
+from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.config import RouterConfig, SimConfig
-from fleetward.fleet.simmodel import SimModel
-from fleetward.fleet.tokenizer import encode
+from fleetward.fleet.kv import KvTransfer, KvTransferError
+from fleetward.sim.model import SimModel
+from fleetward.sim.tokenizer import encode
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -30,7 +32,7 @@ MODEL = SimModel(seed=SIM.seed)
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def fleet(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TestFleet]:
     async with TestFleet(etcd="", mqtt="", etcd_members=3, own_broker=True, proxy_control=True,
-                         cluster="control-faults", workers=2, sim=SIM, lease_ttl=2,
+                         cluster="control-faults", workers=2, backend=SimBackend(SIM), lease_ttl=2,
                          run_dir=tmp_path_factory.mktemp("control-faults"),
                          routing=RouterConfig(stall_floor_s=0.5, lease_ttl_s=2)) as f:
         await f.start_router("r0")

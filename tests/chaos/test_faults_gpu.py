@@ -12,12 +12,13 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from fleetward.chaos.fakegpu import FakeGpuSource
 from fleetward.chaos.fault import CATALOGUE, Target
 from fleetward.chaos.faults import FaultUnavailable, cycle
 from fleetward.chaos.harness import FleetContext, TestFleet
+from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.config import SimConfig, SupervisorConfig
 from fleetward.fleet.registry import read_fleet
-from fleetward.supervisor.gpu import FakeGpuSource
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -31,8 +32,8 @@ QUARANTINE_XIDS = (48, 63, 64, 74, 79, 92, 94, 95)
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def fleet(etcd_endpoint: str, broker_endpoint: str, tmp_path_factory: pytest.TempPathFactory
                 ) -> AsyncIterator[TestFleet]:
-    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="gpu-faults", workers=2, sim=SIM,
-                         supervisor=SUPERVISOR, gpu=FakeGpuSource(2), gpus_per_worker=1,
+    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="gpu-faults", workers=2,
+                         backend=SimBackend(SIM), supervisor=SUPERVISOR, gpu=FakeGpuSource(2), gpus_per_worker=1,
                          run_dir=tmp_path_factory.mktemp("gpu-faults")) as f:
         yield f
 

@@ -11,14 +11,16 @@ import pytest
 import pytest_asyncio
 
 from fleetward.chaos.fault import CATALOGUE, Target
-from fleetward.chaos.faults import cycle, probe_link
+from fleetward.chaos.faults import FaultUnavailable, cycle, probe_link
+from fleetward.chaos.faults.network import LinkFault, LinkParams, _catalogue, _ToxicFault
 from fleetward.chaos.harness import FleetContext, TestFleet
-from fleetward.chaos.proxy import IptablesFilter, SseCut
+from fleetward.chaos.net import IptablesFilter, Latency, ProxyRegistry, SseCut
 from fleetward.chaos.workload import sse_lines
+from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.config import RouterConfig, SimConfig
-from fleetward.fleet.simmodel import SimModel
-from fleetward.fleet.tokenizer import encode
 from fleetward.migration.policy import LeastLoadedAffinity, prefix_key
+from fleetward.sim.model import SimModel
+from fleetward.sim.tokenizer import encode
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -29,8 +31,9 @@ MODEL = SimModel(seed=SIM.seed)
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def fleet(etcd_endpoint: str, broker_endpoint: str,
                 tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TestFleet]:
-    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="net-faults", workers=3, sim=SIM,
-                         run_dir=tmp_path_factory.mktemp("net-faults"), proxy_workers=True, proxy_clients=True,
+    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="net-faults", workers=3,
+                         backend=SimBackend(SIM), run_dir=tmp_path_factory.mktemp("net-faults"), proxy_workers=True,
+                         proxy_clients=True,
                          routing=RouterConfig(stall_floor_s=0.5)) as f:
         await f.start_router("r0")
         yield f
@@ -152,5 +155,79 @@ async def test_the_kernel_partition_cuts_a_worker_off_and_heals(fleet: TestFleet
 async def test_an_unknown_link_is_refused(ctx: FleetContext) -> None:
     spec = CATALOGUE["network.reset"]
     fault = spec.factory(spec.params(), Target(kind="link", ids=("router->worker:nobody",)))
-    with pytest.raises(ValueError, match="outside the fleet"):
+    with pytest.raises(ValueError, match="not in the fleet"):
         await fault.inject(ctx)
+
+
+# -- the table of toxic faults (no fleet needed) ----------------------------------------------------------------
+
+TOXIC_PARAMS = {
+    "network.latency": {"latency_ms": 7, "jitter_ms": 3, "direction": "both", "toxicity": 0.5},
+    "network.bandwidth": {"rate_bps": 99, "direction": "upstream", "toxicity": 0.25},
+    "network.slicer": {"average_size": 5, "size_variation": 2, "delay_ms": 0.5, "direction": "both"},
+    "network.reset": {"timeout_ms": 12, "toxicity": 0.3},
+    "network.blackhole": {"timeout_ms": 3, "direction": "downstream", "toxicity": 0.9},
+    "network.limit_data": {"bytes": 5, "direction": "upstream", "toxicity": 0.1},
+    "network.slow_close": {"delay_ms": 4, "direction": "both"},
+    "network.partition": {"direction": "upstream", "toxicity": 0.2},
+    "network.sse_cut": {"after_events": 3, "reset": True, "streams": 2, "toxicity": 0.7},
+    "network.sse_stall": {"after_events": 1, "streams": 1},
+    "network.sse_corrupt": {"after_events": 2, "count": 3, "streams": 4, "toxicity": 0.6},
+    "network.sse_drop_done": {"streams": 5, "toxicity": 0.4},
+}
+
+
+@pytest.mark.parametrize("name", sorted(TOXIC_PARAMS))
+async def test_a_toxic_fault_builds_its_toxic_from_its_parameters_by_name(name: str) -> None:
+    spec = CATALOGUE[name]
+    fault = spec.factory(spec.params(**TOXIC_PARAMS[name]), Target(kind="link", ids=("x",)))
+    assert isinstance(fault, LinkFault)
+    [toxic] = fault.toxics()
+    assert {k: getattr(toxic, k) for k in TOXIC_PARAMS[name]} == TOXIC_PARAMS[name]
+    assert fault.sse_probe == (toxic.sse or name == "network.limit_data")
+
+
+async def test_a_reset_fault_keeps_its_toxic_on_both_directions_whatever_the_parameter_says() -> None:
+    spec = CATALOGUE["network.reset"]
+    [toxic] = spec.factory(spec.params(direction="upstream"), Target(kind="link", ids=("x",))).toxics()
+    assert toxic.direction == "both"
+
+
+async def test_a_toxic_fault_whose_parameter_the_toxic_does_not_take_is_refused() -> None:
+    class TypoParams(LinkParams):
+        latency: float = 1.0  # Latency takes latency_ms
+
+    with pytest.raises(TypeError, match=r"network\.typo: Latency takes no latency$"):
+        _catalogue(_ToxicFault("network.typo", "never registered", TypoParams, Latency))
+    assert "network.typo" not in CATALOGUE
+
+
+class LinksOnly:
+    """A fault context with links and nothing else: ``link`` targets resolve to their ids."""
+
+    fleet = None
+
+    def __init__(self, proxies: ProxyRegistry) -> None:
+        self.proxies = proxies
+
+    def resolve(self, target: Target) -> list[str]:
+        return list(target.ids)
+
+    def record(self, kind: str, **data: Any) -> None:
+        pass
+
+    def service(self, name: str) -> Any:
+        return self.proxies.get(name.removeprefix("proxy:")) if name.startswith("proxy:") else self.proxies
+
+
+async def test_an_sse_fault_on_a_plain_tcp_link_is_unavailable() -> None:
+    proxies = ProxyRegistry()
+    try:
+        await proxies.add("a->b", ("127.0.0.1", 9))
+        spec = CATALOGUE["network.sse_cut"]
+        fault = spec.factory(spec.params(), Target(kind="link", ids=("a->b",)))
+        with pytest.raises(FaultUnavailable, match="needs an HTTP link; a->b is plain TCP"):
+            await fault.inject(LinksOnly(proxies))
+        assert proxies.get("a->b").toxics == []
+    finally:
+        await proxies.aclose()

@@ -15,9 +15,10 @@ from fleetward.chaos.faults import cycle
 from fleetward.chaos.faults.process import MemoryGroup
 from fleetward.chaos.harness import FleetContext, TestFleet
 from fleetward.chaos.workload import sse_lines
+from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.config import RouterConfig, SimConfig
-from fleetward.fleet.simmodel import SimModel
-from fleetward.fleet.tokenizer import encode
+from fleetward.sim.model import SimModel
+from fleetward.sim.tokenizer import encode
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -28,8 +29,8 @@ MODEL = SimModel(seed=SIM.seed)
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def fleet(etcd_endpoint: str, broker_endpoint: str,
                 tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TestFleet]:
-    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="proc-faults", workers=3, sim=SIM,
-                         run_dir=tmp_path_factory.mktemp("proc-faults"),
+    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="proc-faults", workers=3,
+                         backend=SimBackend(SIM), run_dir=tmp_path_factory.mktemp("proc-faults"),
                          routing=RouterConfig(stall_floor_s=0.5)) as f:
         await f.start_router("r0")
         yield f
@@ -38,10 +39,7 @@ async def fleet(etcd_endpoint: str, broker_endpoint: str,
 @pytest_asyncio.fixture(loop_scope="module")
 async def ctx(fleet: TestFleet) -> AsyncIterator[FleetContext]:
     yield fleet.fault_context()
-    for w in list(fleet.agent.specs):  # whatever a test did, the next one starts from a whole fleet
-        fleet.wrap_launch(w, None)
-        await fleet.ensure_serving(w)
-    await fleet.wait_workers_routable(len(fleet.agent.specs), timeout=60)
+    await fleet.restore(timeout=60)  # whatever a test did, the next one starts from a whole fleet
 
 
 async def fault_cycle(ctx: FleetContext, name: str, worker: str, **params: Any) -> Any:
@@ -50,7 +48,7 @@ async def fault_cycle(ctx: FleetContext, name: str, worker: str, **params: Any) 
 
 async def fleet_serves(fleet: TestFleet, tag: str) -> None:
     """The steady state: the fleet takes all its workers back and a stream through the router is exact."""
-    await fleet.wait_workers_routable(len(fleet.agent.specs), timeout=60)
+    await fleet.wait_workers_routable(len(fleet.worker_ids), timeout=60)
     prompt = encode(f"serving after {tag}: ")
     tokens: list[int] = []
     body = {"model": SIM.model_name, "prompt": prompt, "max_tokens": 20, "stream": True, "return_token_ids": True}

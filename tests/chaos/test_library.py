@@ -36,7 +36,7 @@ def test_the_chosen_files_cover_every_family_and_exist() -> None:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_library_experiment_of_each_family_passes(family: str, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "fleetward.fleet.cli", "chaos", "run", str(LIBRARY / FAMILIES[family]),
+    done = subprocess.run([sys.executable, "-m", "fleetward.cli", "chaos", "run", str(LIBRARY / FAMILIES[family]),
                            "--out", str(out), "--no-report"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     journal = json.loads((out / "journal.json").read_text())

@@ -1,4 +1,8 @@
-"""The pytest plugin: experiment files collected as tests, the root marker, and the fixtures."""
+"""The pytest plugin: opt-in, experiment files collected as tests, the root marker, and the fixtures.
+
+Inner runs opt in as a user does: ``-p fleetward.chaos.plugin`` on the command line, or
+``pytest_plugins = ["fleetward.chaos.plugin"]`` in a conftest.
+"""
 
 from __future__ import annotations
 
@@ -15,11 +19,25 @@ assert matplotlib.pyplot
 pytest_plugins = ["pytester"]
 
 
+PLUGIN = ("-p", "fleetward.chaos.plugin")
+
+
 @pytest.fixture
 def px(pytester: pytest.Pytester) -> pytest.Pytester:
     """A pytester whose inner runs are configured like ours (pytest-asyncio's loop scope set)."""
     pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
     return pytester
+
+
+def test_the_plugin_is_loaded_only_when_asked_for(px: pytest.Pytester) -> None:
+    px.makefile(".yaml", chaos_smoke="title: never collected without the plugin\n")
+    px.makepyfile("def test_uses_a_fixture(fleetward_gpu):\n    pass\n")
+    result = px.runpytest_inprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*fixture 'fleetward_gpu' not found*"])
+    px.makeconftest('pytest_plugins = ["fleetward.chaos.plugin"]\n')
+    result = px.runpytest_inprocess("-p", "no:cacheprovider", "--co", "-q")
+    result.stdout.fnmatch_lines(["*chaos_smoke.yaml::chaos_smoke*"])
 
 SMOKE = """\
 title: smoke
@@ -42,8 +60,8 @@ def test_a_yaml_experiment_is_collected_and_passes_as_a_test(px: pytest.Pytester
                                                              broker_endpoint: str) -> None:
     px.makefile(".yaml", chaos_smoke=SMOKE, not_an_experiment="title: ignored\n")
     out = px.path / "runs"
-    result = px.runpytest_inprocess("--fleetward-etcd", etcd_endpoint, "--fleetward-mqtt", broker_endpoint,
-                                          "--fleetward-chaos-out", str(out), "-v", "-p", "no:cacheprovider")
+    result = px.runpytest_inprocess(*PLUGIN, "--fleetward-etcd", etcd_endpoint, "--fleetward-mqtt", broker_endpoint,
+                                    "--fleetward-chaos-out", str(out), "-v", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*chaos_smoke.yaml::chaos_smoke PASSED*"])
     (run,) = out.iterdir()
@@ -57,8 +75,8 @@ def test_a_failing_yaml_experiment_fails_naming_its_verdicts_and_run_folder(px: 
     px.makefile(".yaml", chaos_strict=SMOKE.replace(
         "checkers: [stream_exactness, availability, fault_verification]",
         "checkers: [{name: availability, params: {max_ttft_p99_s: 0.000001}}]"))
-    result = px.runpytest_inprocess("--fleetward-etcd", etcd_endpoint, "--fleetward-mqtt", broker_endpoint,
-                                          "-p", "no:cacheprovider")
+    result = px.runpytest_inprocess(*PLUGIN, "--fleetward-etcd", etcd_endpoint, "--fleetward-mqtt", broker_endpoint,
+                                    "-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*experiment 'smoke' did not pass:*", "*availability: fail: *ttft_p99_s*",
                                  "*run folder: *report.html*"])
@@ -66,7 +84,7 @@ def test_a_failing_yaml_experiment_fails_naming_its_verdicts_and_run_folder(px: 
 
 def test_a_bad_yaml_experiment_is_a_collection_error_naming_file_line_and_field(px: pytest.Pytester) -> None:
     px.makefile(".yaml", chaos_bad="title: bad\nfleet:\n  workerz: 2\n")
-    result = px.runpytest_inprocess("-p", "no:cacheprovider")
+    result = px.runpytest_inprocess(*PLUGIN, "-p", "no:cacheprovider")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*chaos_bad.yaml:3: fleet.workerz: unknown field*"])
 
@@ -85,7 +103,7 @@ def test_a_test_needing_root_skips_with_a_reason_when_not_root(px: pytest.Pytest
         def test_a_scenario():
             pass
     """)
-    result = px.runpytest_inprocess("-rs", "--strict-markers", "-p", "no:cacheprovider")
+    result = px.runpytest_inprocess(*PLUGIN, "-rs", "--strict-markers", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, skipped=1)
     result.stdout.fnmatch_lines(["*needs root (this test run is not root)*"])
 
@@ -108,6 +126,7 @@ def test_the_plugins_own_etcd_and_broker_fixtures_serve_a_session(px: pytest.Pyt
 
             asyncio.run(use())
     """)
+    px.makeconftest('pytest_plugins = ["fleetward.chaos.plugin"]\n')
     result = px.runpytest_inprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
 
@@ -115,9 +134,10 @@ def test_the_plugins_own_etcd_and_broker_fixtures_serve_a_session(px: pytest.Pyt
 async def test_the_fleet_and_proxy_fixtures_give_working_parts(fleetward_fleet: Any, fleetward_proxy: Any) -> None:
     import httpx
 
+    from fleetward.fleet.backends import SimBackend
     from fleetward.fleet.config import SimConfig
 
-    async with fleetward_fleet(workers=1, sim=SimConfig(decode_step_ms=2)) as fleet:
+    async with fleetward_fleet(workers=1, backend=SimBackend(SimConfig(decode_step_ms=2))) as fleet:
         (worker,) = fleet.worker_ids
         host, _, port = fleet.bind_url(worker).removeprefix("http://").rpartition(":")
         async with fleetward_proxy("client->worker", (host, int(port)), http=True) as proxy, \

@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 import uvicorn
 
-from fleetward.chaos.proxy import (
+from fleetward.chaos.net import (
     Bandwidth,
     Blackhole,
     Latency,
@@ -32,8 +32,8 @@ from fleetward.chaos.proxy import (
 from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.config import SimConfig
 from fleetward.fleet.procs import free_port
-from fleetward.fleet.simmodel import SimModel
-from fleetward.fleet.simworker import create_app
+from fleetward.sim.model import SimModel
+from fleetward.sim.server import create_app
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -14,9 +14,10 @@ import yaml
 from fleetward.chaos.experiment import validate_experiment
 from fleetward.chaos.fault import Target
 from fleetward.chaos.runner import Runner, RunOptions, SafetyAbort, check_run
+from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.errors import ConfigError
 
-CHAOS = [sys.executable, "-m", "fleetward.fleet.cli", "chaos"]
+CHAOS = [sys.executable, "-m", "fleetward.cli", "chaos"]
 SIM = {"decode_step_ms": 3, "decode_ms_per_seq": 0.05, "prefill_ms_per_token": 0.01, "seed": 11}
 
 
@@ -114,7 +115,7 @@ def test_a_run_that_corrupts_streams_exits_1_and_chaos_check_agrees(tmp_path: Pa
 async def test_an_attached_run_uses_the_fleet_that_is_already_running(fleetward_fleet: Any, tmp_path: Path) -> None:
     from fleetward.fleet.config import SimConfig
 
-    async with fleetward_fleet(workers=2, sim=SimConfig(**SIM), node="node") as fleet:
+    async with fleetward_fleet(workers=2, backend=SimBackend(SimConfig(**SIM)), node="node") as fleet:
         router = await fleet.start_router("router-0")
         state_dir = tmp_path / "state" / fleet.cluster
         state_dir.mkdir(parents=True)

@@ -10,7 +10,7 @@ import pytest
 from fleetward.chaos.experiment import Arrival, Lengths, WorkloadSpec
 from fleetward.chaos.workload import make_prompt, plan_arrivals, read_trace, sample_length
 from fleetward.fleet.errors import ConfigError
-from fleetward.fleet.tokenizer import decode
+from fleetward.sim.tokenizer import decode
 
 
 def spec(**kw: object) -> WorkloadSpec:

@@ -11,8 +11,8 @@ import pytest
 from fleetward.chaos.harness import TestFleet
 from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.cgroups import CpuGroup, cgroups_available
-from fleetward.fleet.tokenizer import encode
 from fleetward.migration.policy import LeastLoadedAffinity, prefix_key
+from fleetward.sim.tokenizer import encode
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -17,8 +17,8 @@ from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.bus import Event
 from fleetward.fleet.cgroups import CpuGroup, cgroups_available
 from fleetward.fleet.registry import read_fleet
-from fleetward.fleet.tokenizer import encode
 from fleetward.migration.policy import LeastLoadedAffinity, prefix_key
+from fleetward.sim.tokenizer import encode
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

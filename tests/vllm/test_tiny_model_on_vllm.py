@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from fleetward.fleet.tokenizer import encode, render_chat
+from fleetward.sim.tokenizer import encode, render_chat
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

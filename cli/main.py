@@ -20,7 +20,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -34,6 +33,8 @@ from rich.table import Table
 
 from fleetward.fleet.config import FleetConfig, RouterConfig, load_fleet_config, validation_error
 from fleetward.fleet.errors import ConfigError, FleetwardError
+from fleetward.fleet.shutdown import install_stop_handlers
+from fleetward.fleet.state import read_admin_token, read_state, state_path
 
 __all__ = ["main"]
 
@@ -148,7 +149,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _state_file(run_dir: Path | None, cluster: str | None) -> Path:
     defaults = FleetConfig()
-    return (run_dir or defaults.run_dir) / (cluster or defaults.cluster) / "fleet.json"
+    return state_path(run_dir or defaults.run_dir, cluster or defaults.cluster)
 
 
 def _local_endpoint(args: argparse.Namespace, kind: str) -> tuple[str, str]:
@@ -160,31 +161,12 @@ def _local_endpoint(args: argparse.Namespace, kind: str) -> tuple[str, str]:
     env = os.environ.get(f"FLEETWARD_{kind.upper()}")
     if env:
         return env, cluster
-    path = _state_file(args.run_dir, args.cluster)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"no running local fleet found ({path} does not exist): start one with "
-                          f"`fleetward up`, or pass --{kind} host:port", field=kind) from None
+    data = read_state(_state_file(args.run_dir, args.cluster), hint=f", or pass --{kind} host:port", field=kind)
     return data[kind], data.get("cluster", cluster)
 
 
 def _install_signal_handlers(stop: asyncio.Event) -> None:
-    """Signals only record; the main loop acts. A second Ctrl-C forces an immediate exit."""
-    loop = asyncio.get_running_loop()
-
-    def on_signal(signame: str) -> None:
-        if stop.is_set():
-            err.print(f"[bold red]{signame} again: forcing exit[/]")
-            from fleetward.fleet.procs import kill_tree, tree_of
-
-            kill_tree(tree_of(os.getpid())[1:])  # and PR_SET_PDEATHSIG catches any we missed
-            os._exit(130)
-        err.print(f"\n{signame}: stopping (again to force)")
-        stop.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, signal.Signals(sig).name)
+    install_stop_handlers(stop, say=lambda text: err.print(escape(text)))
 
 
 def _age(since: float | None) -> str:
@@ -220,7 +202,7 @@ def _print_status(status: dict[str, Any]) -> None:
 
 
 async def _cmd_up(args: argparse.Namespace) -> int:
-    from fleetward.fleet.compose import LocalFleet
+    from fleetward.cli.compose import LocalFleet
 
     config = _fleet_config(args)
     stop = asyncio.Event()
@@ -268,9 +250,9 @@ async def _cmd_up(args: argparse.Namespace) -> int:
 
 def _print_where_to_look(fleet: Any, n_ready: int, config: FleetConfig) -> None:
     cluster = config.cluster
-    first = next(iter(fleet.agent.handles.values()), None) if fleet.agent else None
-    model = first.spec.model if first else config.sim.model_name
-    entry = fleet.router_url or (first.url if first else "")
+    first = fleet.worker_ids[0] if fleet.worker_ids else None
+    model = fleet.backend.model_name
+    entry = fleet.router_url or (fleet.url(first) if first else "")
     out.print(f"\n[bold green]fleet {cluster} is up[/]: {n_ready}/{config.workers} worker(s) ready\n")
     out.print(f"  etcd    {fleet.etcd_endpoint}   (keys under /fleetward/{cluster}/)")
     out.print(f"  mqtt    {fleet.mqtt_endpoint}   (events on fleetward/{cluster}/events/#)")
@@ -333,7 +315,7 @@ async def _cmd_events(args: argparse.Namespace) -> int:
 
 
 def _cmd_model(args: argparse.Namespace) -> int:
-    from fleetward.fleet.tinymodel import write_tiny_model
+    from fleetward.sim.tinymodel import write_tiny_model
 
     with err.status(f"writing the tiny model to {args.out}…"):
         path = write_tiny_model(args.out, seed=args.seed)
@@ -369,16 +351,13 @@ def _cmd_router(args: argparse.Namespace) -> int:
 
 
 def _admin_token(run_dir: Path | None, cluster: str | None) -> str:
-    from fleetward.fleet.config import admin_token_from_env
-
-    if os.environ.get("FLEETWARD_ADMIN_TOKEN"):
-        return admin_token_from_env().get_secret_value()
-    path = _state_file(run_dir, cluster).with_name("admin-token")
-    try:
-        return path.read_text().strip()
-    except FileNotFoundError:
-        raise ConfigError(f"no admin token: set FLEETWARD_ADMIN_TOKEN or run next to a local fleet ({path})",
-                          field="FLEETWARD_ADMIN_TOKEN") from None
+    path = _state_file(run_dir, cluster)
+    state: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    token = read_admin_token(state, path)
+    if not token:
+        raise ConfigError(f"no admin token: set FLEETWARD_ADMIN_TOKEN or run next to a local fleet "
+                          f"({path.with_name('admin-token')})", field="FLEETWARD_ADMIN_TOKEN")
+    return token
 
 
 async def _cmd_operate(args: argparse.Namespace) -> int:
@@ -387,24 +366,24 @@ async def _cmd_operate(args: argparse.Namespace) -> int:
 
     from fleetward.fleet.etcd import EtcdStore
     from fleetward.fleet.keys import Keys
+    from fleetward.fleet.registry import read_leader
 
     endpoint, cluster = _local_endpoint(args, "etcd")
     token = _admin_token(args.run_dir, args.cluster)
     async with EtcdStore(endpoint, attempts=3, retry_budget_s=5.0) as store:
-        snap = await store.get_prefix(Keys(cluster).leader("supervisor"))
-    if not snap.items:
+        leader = await read_leader(store, Keys(cluster))
+    if leader is None:
         raise FleetwardError("no supervisor controller leads this cluster (is `fleetward up` running?)")
-    leader = json.loads(min(snap.items, key=lambda kv: kv.create_revision).json()["candidate"])
     path = {"drain": "drain", "undrain": "undrain", "restart": "restart", "unquarantine": "quarantine/clear"}
     body: dict[str, Any] = {}
     if args.command == "drain":
         body = {"then": args.then, **({"deadline_s": args.deadline} if args.deadline is not None else {})}
     async with httpx.AsyncClient(timeout=10) as client:
-        r = await client.post(f"{leader['url']}/v1/workers/{args.worker}/{path[args.command]}", json=body,
+        r = await client.post(f"{leader.url}/v1/workers/{args.worker}/{path[args.command]}", json=body,
                               headers={"Authorization": f"Bearer {token}"})
     if r.status_code != 200:
         raise FleetwardError(f"{args.command} {args.worker}: {r.status_code} {r.text}")
-    out.print(f"{args.command} {args.worker}: accepted by {leader['id']}; watch it with `fleetward status`")
+    out.print(f"{args.command} {args.worker}: accepted by {leader.id}; watch it with `fleetward status`")
     return 0
 
 
@@ -433,7 +412,7 @@ def _cmd_controller(args: argparse.Namespace) -> int:
 
 async def _cmd_agent(args: argparse.Namespace) -> int:
     """One node's agent against an existing etcd and broker (no embedded infrastructure)."""
-    from fleetward.fleet.compose import LocalFleet
+    from fleetward.cli.compose import LocalFleet
 
     config = _fleet_config(args)
     if not config.etcd or not config.mqtt:
@@ -490,6 +469,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     raise AssertionError(f"unhandled command {args.command}")
 
-
-if __name__ == "__main__":
-    sys.exit(main())

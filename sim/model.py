@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from fleetward.fleet.tokenizer import BYTE_OFFSET, EOS_ID
+from fleetward.sim.tokenizer import BYTE_OFFSET, EOS_ID
 
 __all__ = ["SimModel"]
 

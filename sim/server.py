@@ -2,7 +2,7 @@
 
 Run it as its own process::
 
-    python -m fleetward.fleet.simworker --host H --port P [--config-json '{...SimConfig...}'] [--model-name M]
+    python -m fleetward.sim.server --host H --port P [--config-json '{...SimConfig...}'] [--model-name M]
 
 or build the ASGI app in-process with :func:`create_app`. The admin token comes from
 ``FLEETWARD_ADMIN_TOKEN`` (a random one when unset; never logged).
@@ -42,7 +42,7 @@ Endpoints
 
 Connection faults
 -----------------
-``crash_after_tokens: k`` (also the ``fault_crash_after_tokens`` preset, counted from start): the engine
+``crash_after_tokens: k`` (also preset at start with ``--faults-json``, counted from start): the engine
 emits exactly k more tokens, counted from when the switch is set, across all requests, then no more
 (requests keep arriving and queue). The process then ends through the same path as ``{"crash": true}``
 (``os._exit(137)``) as soon as every token the engine has emitted, before or after the switch, has
@@ -77,6 +77,9 @@ returned without completing response."
 Failures look like vLLM's: ``{"error": {"message", "type", "param", "code"}}``; while ``error_rate`` hits,
 new requests get the 500 a dead EngineCore gives. A client that disconnects (stream or not) aborts its
 request in the engine, freeing its batch slot and KV blocks.
+
+One module (over 600 lines) because it is the whole OpenAI-compatible surface of a vLLM server, which
+the tests compare field by field with the real one.
 """
 
 from __future__ import annotations
@@ -112,7 +115,7 @@ from starlette.types import Receive, Scope, Send
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import SimConfig, admin_token_from_env
 from fleetward.fleet.errors import WorkerError
-from fleetward.fleet.simengine import (
+from fleetward.sim.engine import (
     ENGINE_DEAD_MESSAGE,
     EngineStats,
     Faults,
@@ -122,7 +125,7 @@ from fleetward.fleet.simengine import (
     SimEngine,
     SimRequest,
 )
-from fleetward.fleet.tokenizer import VOCAB_SIZE, encode, render_chat
+from fleetward.sim.tokenizer import VOCAB_SIZE, encode, render_chat
 
 __all__ = ["SimWorker", "create_app", "main"]
 
@@ -350,15 +353,16 @@ class SimWorker:
 
     ``crash`` is what ``{"crash": true}`` calls after answering, and what a spent ``crash_after_tokens``
     budget calls (default: end the process at once); tests running the app in-process pass something
-    harmless.
+    harmless. ``faults`` are the switches the worker starts with (a worker can start already faulty).
     """
 
     def __init__(self, config: SimConfig, *, admin_token: SecretStr | str | None = None,
-                 clock: Clock = SYSTEM_CLOCK, crash: Callable[[], None] = _crash_process) -> None:
+                 clock: Clock = SYSTEM_CLOCK, crash: Callable[[], None] = _crash_process,
+                 faults: Faults | None = None) -> None:
         self.config = config
         self.model_name = config.model_name
         self.clock = clock
-        self.engine = SimEngine(config, clock=clock, crash=self._crash_after_tokens)
+        self.engine = SimEngine(config, clock=clock, crash=self._crash_after_tokens, faults=faults)
         token = admin_token if admin_token is not None else admin_token_from_env()
         self._token = (token.get_secret_value() if isinstance(token, SecretStr) else token).encode()
         self._crash = crash
@@ -479,10 +483,12 @@ class SimWorker:
             return v
 
         def number(key: str, v: object, lo: float, hi: float, *, lo_open: bool = False) -> float:
-            number_ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-            if not number_ok or not (lo < v if lo_open else lo <= v) or v > hi:  # type: ignore[operator]
-                left = "(" if lo_open else "["
-                raise _ApiError(f"{key}: expected a number in {left}{lo}, {hi}], got {v!r}")
+            left = "(" if lo_open else "["
+            wrong = _ApiError(f"{key}: expected a number in {left}{lo}, {hi}], got {v!r}")
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise wrong
+            if not (lo < v if lo_open else lo <= v) or v > hi:
+                raise wrong
             return float(v)
 
         cur = Faults() if flag("clear") else Faults(**vars(self.engine.faults))
@@ -861,12 +867,14 @@ class _Server(uvicorn.Server):
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m fleetward.fleet.simworker",
+        prog="python -m fleetward.sim.server",
         description="A simulated vLLM worker (OpenAI-compatible API, fault switches).")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--config-json", default=None, help="a SimConfig as JSON")
     ap.add_argument("--model-name", default=None, help="served model name (overrides the config's)")
+    ap.add_argument("--faults-json", default=None, help="fault switches to start with, as POST /admin/faults "
+                    "takes them (e.g. {\"crash_after_tokens\": 100})")
     ap.add_argument("--access-log", action="store_true", help="log every HTTP request")
     ap.add_argument("--log-level", default="info")
     return ap
@@ -886,6 +894,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token_from_env = bool(os.environ.get("FLEETWARD_ADMIN_TOKEN"))
     worker = SimWorker(config, admin_token=admin_token_from_env())
+    if args.faults_json:
+        try:
+            faults, *_ = worker._parse_faults(json.loads(args.faults_json))
+        except (ValueError, _ApiError) as exc:
+            print(f"simworker: bad --faults-json: {exc}", file=sys.stderr)
+            return 2
+        worker.engine.update_faults(faults)
     log.info("fleetward sim worker starting: model %r on http://%s:%d, pid %d, max_model_len %d, "
              "max_num_seqs %d, kv %d tokens, admin token %s", config.model_name, args.host, args.port,
              os.getpid(), config.max_model_len, config.max_num_seqs, config.kv_capacity_tokens,

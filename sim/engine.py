@@ -1,4 +1,4 @@
-"""The simulated worker's engine: continuous batching over :class:`~fleetward.fleet.simmodel.SimModel`.
+"""The simulated worker's engine: continuous batching over :class:`~fleetward.sim.model.SimModel`.
 
 Two layers, split the way vLLM splits its scheduler from its engine loop:
 
@@ -66,6 +66,9 @@ the next chunk only after sending the previous one). :meth:`SimEngine.release` s
 with a request (its response is sent, or its connection is gone). The ``crash`` callable runs only when
 every request submitted and not yet released has its consumer parked, i.e. nothing the engine produced
 is still on its way out.
+
+One module (over 600 lines) because the sans-IO scheduler and the thin engine that drives it are the
+two halves of one model (see above), tested together.
 """
 
 from __future__ import annotations
@@ -82,8 +85,8 @@ from typing import Any
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import SimConfig
 from fleetward.fleet.errors import ConfigError, FleetwardError, WorkerError
-from fleetward.fleet.simmodel import SimModel
-from fleetward.fleet.tokenizer import BYTE_OFFSET, EOS_ID, IncrementalDecoder
+from fleetward.sim.model import SimModel
+from fleetward.sim.tokenizer import BYTE_OFFSET, EOS_ID, IncrementalDecoder
 
 __all__ = [
     "ENGINE_DEAD_MESSAGE",
@@ -171,14 +174,6 @@ class Faults:
     wrong_tokens_after: int | None = None
     crash_after_tokens: int | None = None  # tokens left to emit before the crash; counts down to 0
     reset_after_tokens: int | None = None
-
-    @classmethod
-    def from_config(cls, config: SimConfig) -> Faults:
-        return cls(hang=config.fault_hang, slowdown=config.fault_slowdown, error_rate=config.fault_error_rate,
-                   wrong_tokens_probability=config.fault_wrong_tokens_probability,
-                   wrong_tokens_after=config.fault_wrong_tokens_after,
-                   crash_after_tokens=config.fault_crash_after_tokens,
-                   reset_after_tokens=config.fault_reset_after_tokens)
 
     def to_json(self) -> dict[str, Any]:
         """The shape ``GET /admin/faults`` returns (and ``POST /admin/faults`` accepts)."""
@@ -374,7 +369,7 @@ class SimScheduler:
                  rng: random.Random | None = None) -> None:
         self.config = config
         self.model = SimModel(config.seed, config.eos_probability)
-        self.faults = faults if faults is not None else Faults.from_config(config)
+        self.faults = faults if faults is not None else Faults()
         self.stats = stats if stats is not None else EngineStats()
         self.rng = rng if rng is not None else random.Random(config.seed)
         self.block_size = config.kv_block_size
@@ -650,7 +645,7 @@ class SimEngine:
         self.config = config
         self.clock = clock
         self.stats = EngineStats()
-        self.faults = faults if faults is not None else Faults.from_config(config)
+        self.faults = faults if faults is not None else Faults()
         self.scheduler = SimScheduler(config, faults=self.faults, stats=self.stats)
         self._crash = crash
         self._open: set[SimRequest] = set()

@@ -11,12 +11,13 @@ The output is deterministic for a given seed (same bytes on every machine with t
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from fleetward.fleet.errors import FleetwardError
-from fleetward.fleet.tokenizer import BOS_ID, BYTE_OFFSET, CHAT_TEMPLATE, EOS_ID, UNK_ID, VOCAB_SIZE
+from fleetward.sim.tokenizer import BOS_ID, BYTE_OFFSET, CHAT_TEMPLATE, EOS_ID, UNK_ID, VOCAB_SIZE
 
-__all__ = ["TINY_SHAPE", "write_tiny_model"]
+__all__ = ["TINY_SHAPE", "ensure_tiny_model", "write_tiny_model"]
 
 TINY_SHAPE = {
     "hidden_size": 128,
@@ -63,6 +64,15 @@ def _tokenizer_json() -> dict[str, object]:
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
                   "ignore_merges": False, "vocab": vocab, "merges": []},
     }
+
+
+def ensure_tiny_model(path: Path, *, say: Callable[[str], None] | None = None) -> Path:
+    """The tiny model at ``path``, written first (seed 0) unless it is there already."""
+    if not (path / "model.safetensors").exists():
+        if say is not None:
+            say(f"writing the tiny local model to {path}")
+        write_tiny_model(path)
+    return path
 
 
 def write_tiny_model(out: Path, *, seed: int = 0, max_position_embeddings: int = 2048, std: float = 1.0) -> Path:

@@ -1,0 +1,269 @@
+"""The local fleet that ``fleetward up`` runs, wired from every subpackage.
+
+:class:`LocalFleet` starts etcd and an MQTT broker (unless existing ones are given), a node agent with N
+workers, a supervisor controller and a router (as processes, through :mod:`fleetward.fleet.launch`). It
+is an async context manager; leaving it stops everything in order (router, controller, workers, then bus
+and store clients, then broker and etcd) and leaves no process behind. It implements
+:class:`~fleetward.fleet.handle.Fleet`, so the testbed can act on it like on any other fleet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import SecretStr
+
+from fleetward.fleet import handle as fleet_handle
+from fleetward.fleet.backends import Backend, VllmBackend, make_backend
+from fleetward.fleet.bus import MqttBus
+from fleetward.fleet.config import FleetConfig, admin_token_from_env
+from fleetward.fleet.etcd import EtcdStore
+from fleetward.fleet.handle import AgentWorkers, Fleet, FleetClient, RouterRef
+from fleetward.fleet.infra import LocalBroker, LocalEtcd
+from fleetward.fleet.keys import Keys
+from fleetward.fleet.launch import (
+    ServiceProcess,
+    controller_argv,
+    restart_service,
+    router_argv,
+    service_env,
+    start_service,
+    write_service_config,
+)
+from fleetward.fleet.procs import ensure_port
+from fleetward.fleet.state import StateFile, state_path
+from fleetward.fleet.worker import WorkerSpec
+from fleetward.supervisor.agent import NodeAgent
+
+__all__ = ["LocalFleet"]
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str, str], None]  # (step, what happened)
+
+
+class LocalFleet(AgentWorkers, FleetClient):
+    store: EtcdStore
+    bus: MqttBus
+    agent: NodeAgent
+
+    def __init__(self, config: FleetConfig, *, progress: Progress | None = None,
+                 admin_token: SecretStr | None = None) -> None:
+        self.config = config
+        self.cluster = config.cluster
+        self.root = config.run_dir / config.cluster
+        self.log_dir = self.root / "logs"
+        self.keys = Keys(config.cluster)
+        self.admin_secret = admin_token or admin_token_from_env()
+        self.backend: Backend = make_backend(config.backend, sim=config.sim, vllm=config.vllm, run_dir=config.run_dir)
+        self._progress = progress or (lambda _s, _w: None)
+        self.etcd: LocalEtcd | None = None
+        self.broker: LocalBroker | None = None
+        self.etcd_endpoint = config.etcd or ""
+        self.mqtt_endpoint = config.mqtt or ""
+        self.state_file = StateFile(state_path(config.run_dir, config.cluster))
+        self.routers: list[ServiceProcess] = []
+        self.controller: ServiceProcess | None = None
+        self._http = httpx.AsyncClient(timeout=10.0, trust_env=False)
+
+    async def __aenter__(self) -> LocalFleet:
+        try:
+            await self.start()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def router_url(self) -> str:
+        return self.routers[0].url if self.routers else ""
+
+    @property
+    def controller_url(self) -> str:
+        return self.controller.url if self.controller is not None else ""
+
+    @property
+    def etcd_endpoints(self) -> list[str]:
+        return [e for e in self.etcd_endpoint.split(",") if e]
+
+    def _specs(self) -> list[WorkerSpec]:
+        c = self.config
+        specs = []
+        for i in range(c.workers):
+            port = ensure_port(c.host, c.worker_base_port + i if c.worker_base_port else 0, name=f"worker {i}")
+            specs.append(WorkerSpec(id=f"{c.node}-w{i}", host=c.host, port=port, model=self.backend.model_name,
+                                    node=c.node))
+        return specs
+
+    def _ensure_model(self) -> None:
+        """The vllm backend's default model, the tiny local one, is written on first use."""
+        if isinstance(self.backend, VllmBackend) and not self.config.vllm.model:
+            from fleetward.sim.tinymodel import ensure_tiny_model
+
+            ensure_tiny_model(self.backend.model_path, say=lambda text: self._progress("model", text))
+        self.backend.check()
+
+    async def start(self) -> None:
+        c = self.config
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        specs = self._specs()  # fail early on busy worker ports
+        if not c.etcd:
+            # The embedded etcd holds only this run's state: a previous run's leftovers are stale.
+            shutil.rmtree(self.root / "etcd-data", ignore_errors=True)
+            self.etcd = LocalEtcd(self.root / "etcd-data", host=c.host, client_port=c.etcd_port)
+            self._progress("etcd", f"starting etcd on {self.etcd.endpoint}")
+            self.etcd.start(self.log_dir)
+            await self.etcd.wait_ready()
+            self.etcd_endpoint = self.etcd.endpoint
+        if not c.mqtt:
+            self.broker = LocalBroker(self.root / "broker", host=c.host, port=c.mqtt_port)
+            self._progress("broker", f"starting {self.broker.kind} on {self.broker.endpoint}")
+            self.broker.start(self.log_dir)
+            await self.broker.wait_ready()
+            self.mqtt_endpoint = self.broker.endpoint
+        self.store = EtcdStore(self.etcd_endpoint)
+        await self.store.get(self.keys.root)  # fails with a clear StoreUnavailable if etcd is not there
+        self.bus = await MqttBus(self.mqtt_endpoint, c.cluster).start()
+        self._ensure_model()
+        self.agent = NodeAgent(store=self.store, bus=self.bus, keys=self.keys, backend=self.backend, node=c.node,
+                               log_dir=self.log_dir, lease_ttl=c.lease_ttl_s, supervisor=c.supervisor,
+                               worker_env={"FLEETWARD_ADMIN_TOKEN": self.admin_secret.get_secret_value()})
+        await self.agent.start()
+        self._write_state()
+        if c.controller:
+            await self._start_controller()
+        await self.agent.start_workers(specs, progress=lambda w, what: self._progress(w, what))
+        if c.router:
+            self._progress("router", "starting the router")
+            router = await self.start_router(f"{c.node}-router", port=c.router_port)
+            self._progress("router", f"the router is up on {router.url}")
+        self._write_state()
+
+    def _fleet_yaml(self) -> Path:
+        """This fleet's settings as a file, for the router and controller processes (``--config``)."""
+        c = self.config
+        return write_service_config(self.root / "fleet.yaml", cluster=c.cluster, routing=c.routing,
+                                    supervisor=c.supervisor)
+
+    async def _start_controller(self) -> None:
+        c = self.config
+        port = ensure_port(c.host, c.supervisor.port, name="supervisor controller")
+        url = f"http://{c.host}:{port}"
+        self._progress("controller", f"starting the supervisor controller on {url}")
+        argv = controller_argv(etcd=self.etcd_endpoint, mqtt=self.mqtt_endpoint, cluster=c.cluster,
+                               config=self._fleet_yaml(), host=c.host, port=port, controller_id=f"{c.node}-controller")
+        self.controller = await start_service(
+            "controller", argv, url=url, log_path=self.log_dir / "controller.log",
+            env=service_env(admin_token=self.admin_secret.get_secret_value()))
+
+    async def start_router(self, router_id: str | None = None, *, port: int = 0) -> ServiceProcess:
+        """A router process (another replica after the first); returns once it serves."""
+        c = self.config
+        rid = router_id or f"{c.node}-router-{len(self.routers)}"
+        port = ensure_port(c.host, port, name="router")
+        argv = router_argv(etcd=self.etcd_endpoint, mqtt=self.mqtt_endpoint, cluster=c.cluster,
+                           config=self._fleet_yaml(), host=c.host, port=port, router_id=rid)
+        log_name = "router.log" if not self.routers else f"{rid}.log"
+        router = await start_service(rid, argv, url=f"http://{c.host}:{port}", log_path=self.log_dir / log_name)
+        self.routers.append(router)
+        self._write_state()
+        return router
+
+    def _router(self, router: RouterRef) -> ServiceProcess:
+        for r in self.routers:
+            if r.id == router.id:
+                return r
+        raise KeyError(f"no router {router.id!r} (routers: {[r.id for r in self.routers]})")
+
+    async def stop_router(self, router: RouterRef) -> None:
+        r = self._router(router)
+        await r.process.stop(grace=self.config.routing.drain_timeout_s + 5)
+        self.routers.remove(r)
+
+    def kill_router(self, router: RouterRef) -> None:
+        self._router(router).process.kill()
+
+    async def restart_router(self, router: RouterRef, *, timeout: float = 30.0) -> ServiceProcess:
+        return await restart_service(self._router(router), timeout=timeout)
+
+    def _write_state(self) -> None:
+        token_file = self.root / "admin-token"
+        if not token_file.exists():
+            fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.admin_secret.get_secret_value())
+        self.state_file.data = {
+            "cluster": self.config.cluster,
+            "etcd": self.etcd_endpoint,
+            "mqtt": self.mqtt_endpoint,
+            "pid": os.getpid(),
+            "started_at": time.time(),
+            "logs": str(self.log_dir),
+            "admin_token_file": str(token_file),
+            "backend": self.backend.name,
+            "router": self.router_url,
+            "controller": self.controller_url,
+            "workers": {wid: h.url for wid, h in (self.agent.handles.items() if "agent" in vars(self) else [])},
+        }
+        self.state_file.write()
+
+    # -- the Fleet handle (the rest comes from AgentWorkers and FleetClient) ------------------------------
+
+    def admin_bearer(self) -> str:
+        return self.admin_secret.get_secret_value()
+
+    async def ensure_serving(self, worker: str, *, timeout: float = 60.0) -> None:
+        await fleet_handle.ensure_serving(self, worker, restarting=self.agent.is_restarting, timeout=timeout)
+
+    @property
+    def supervised(self) -> bool:
+        return self.controller is not None and self.controller.is_running
+
+    async def restore(self, *, workers: Sequence[str] | None = None, timeout: float = 120.0) -> dict[str, Any]:
+        return await fleet_handle.restore(self, workers=workers, timeout=timeout, restarting=self.agent.is_restarting)
+
+    # -- stopping ---------------------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        for router in reversed(self.routers):
+            await router.process.stop(grace=self.config.routing.drain_timeout_s + 5)
+        self.routers.clear()
+        if self.controller is not None:
+            await self.controller.process.stop(grace=5)
+            self.controller = None
+        if "agent" in vars(self):
+            try:
+                await self.agent.aclose()
+            except Exception:
+                log.exception("stopping the node agent failed; stopping the rest")
+            del self.agent
+        if "bus" in vars(self):
+            await self.bus.aclose()
+            del self.bus
+        if "store" in vars(self):
+            await self.store.aclose()
+            del self.store
+        await self._http.aclose()
+        if self.broker is not None:
+            await self.broker.stop()
+            self.broker = None
+        if self.etcd is not None:
+            await self.etcd.stop()
+            self.etcd = None
+        self.state_file.remove()
+        with contextlib.suppress(FileNotFoundError):
+            (self.root / "admin-token").unlink()
+
+
+_: type[Fleet] = LocalFleet  # mypy checks that the local fleet is a Fleet
