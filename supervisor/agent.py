@@ -268,9 +268,13 @@ class NodeAgent:
         while True:
             assert self._lease is not None
             await self._lease.lost.wait()
-            log.warning("agent lease expired; registering %d worker(s) again under a new lease", len(self.handles))
+            # Only workers that registered (they have an exit watcher): one still starting (a launch or a
+            # restart under way) registers itself once it is ready, under the new lease. Registering it now
+            # would announce a process that does not serve yet.
+            registered = [h for w, h in list(self.handles.items()) if w in self._watchers]
+            log.warning("agent lease expired; registering %d worker(s) again under a new lease", len(registered))
             self._lease = await LeaseKeeper(self.store, self.lease_ttl, clock=self.clock).start()
-            for handle in list(self.handles.values()):
+            for handle in registered:
                 await self._put_record(handle)
 
     # -- local detectors --------------------------------------------------------------------------------

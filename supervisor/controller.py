@@ -215,7 +215,7 @@ class Controller:
             machine.load(wid, rec)
         boot: list[Event] = []
         for wid, worker in self.workers.items():
-            boot.append(Registered(wid, worker.node, worker.gpus))
+            boot.append(Registered(wid, worker.node, worker.gpus, worker.pid))
         for wid, ws in machine.workers.items():
             if wid not in self.workers and ws.state in (HealthState.READY, HealthState.SUSPECT, HealthState.STARTING):
                 boot.append(Deregistered(wid))
@@ -294,7 +294,7 @@ class Controller:
             return
         rec = WorkerRecord.from_json(value)
         self.workers[wid] = rec
-        self.submit(Registered(wid, rec.node, rec.gpus))
+        self.submit(Registered(wid, rec.node, rec.gpus, rec.pid))
 
     def _on_signal(self, kind: str, key: str, value: bytes, revision: int) -> None:
         if kind != "put" or revision <= self._signal_revision.get(key, 0):

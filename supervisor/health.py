@@ -68,9 +68,13 @@ S = HealthState
 
 @dataclass(frozen=True)
 class Registered:
+    """``workers/<id>`` was written: a worker process registered, or one already known registered again
+    (its agent renewed a lost lease; a new leader reads the registry). ``pid`` tells a fresh process apart."""
+
     worker: str
     node: str
     gpus: tuple[int, ...] = ()
+    pid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -224,12 +228,15 @@ class WorkerState:
     drain_then: str = "stop"
     draining_stop: bool = False  # a stop action that ends a drain is pending
     in_flight: int = 0
+    pid: int | None = None  # the process that registered last
 
     def record(self) -> HealthRecord:
         extra: dict[str, Any] = {"node": self.node, "gpus": list(self.gpus), "restarts": self.restarts,
                                  "restart_count": self.restart_count, "action_seq": self.action_seq}
         if self.pending:
             extra["pending"] = self.pending
+        if self.pid is not None:
+            extra["pid"] = self.pid
         if self.drain_deadline is not None:
             extra["drain"] = {"deadline": self.drain_deadline, "then": self.drain_then}
         return HealthRecord(self.state, reason=self.reason, detector=self.detector, since=self.since, extra=extra)
@@ -240,7 +247,8 @@ class WorkerState:
         ws = cls(worker, node=str(x.get("node", "")), gpus=tuple(x.get("gpus", ())), state=rec.state,
                  reason=rec.reason, detector=rec.detector, since=rec.since,
                  restarts=[float(t) for t in x.get("restarts", [])], restart_count=int(x.get("restart_count", 0)),
-                 action_seq=int(x.get("action_seq", 0)), pending=x.get("pending"))
+                 action_seq=int(x.get("action_seq", 0)), pending=x.get("pending"),
+                 pid=int(x["pid"]) if x.get("pid") is not None else None)
         drain = x.get("drain")
         if drain:
             ws.drain_deadline, ws.drain_then = float(drain["deadline"]), str(drain.get("then", "stop"))
@@ -320,7 +328,15 @@ class HealthMachine:
     def _registered(self, e: Registered) -> list[Action]:
         ws = self._ws(e.worker)
         ws.node, ws.gpus, ws.registered = e.node, e.gpus, True
-        ws.signals.pop("process", None)  # a fresh process
+        if ws.pending is not None and e.pid is not None and e.pid == ws.pid:
+            # The process a pending action is about to replace registered again (a renewed lease, or a new
+            # leader reading the registry): not the fresh process the action will bring. Taking it for one
+            # would clear the action, canary a process that is going away, and restart it once more.
+            return []
+        fresh = e.pid is None or e.pid != ws.pid
+        ws.pid = e.pid if e.pid is not None else ws.pid
+        if fresh:
+            ws.signals.pop("process", None)  # what was said of the old process was acted on
         if ws.state in (S.QUARANTINED, S.DRAINING):
             return []
         if ws.state in (S.READY, S.SUSPECT) and ws.pending is None:

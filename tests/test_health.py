@@ -218,3 +218,22 @@ def test_a_new_leader_replays_into_the_same_actions(clock: ManualClock) -> None:
     third = HealthMachine(HealthPolicy(), clock=clock)
     third.load("w", persisted)
     assert third.observe(sig("process", Severity.FATAL)) == [], "the pending restart is not issued again"
+
+
+def test_a_registration_read_again_while_its_restart_is_pending_changes_nothing(clock: ManualClock) -> None:
+    """A new leader (or an agent renewing a lost lease) reads the registration of the process that a pending
+    restart is replacing. That is not the fresh process: the restart stays pending, no canary goes to a
+    process on its way out. Taken for a fresh one, the canaries fail against the restart, which restarts
+    the worker again, and again (a vLLM worker restarting on a starved CPU never came back)."""
+    first = HealthMachine(HealthPolicy(), clock=clock)
+    first.observe(Registered("w", "n1", pid=100))
+    first.observe(CanaryDone("w", ok=True))
+    out = first.observe(sig("process", Severity.FATAL))
+    (restart,) = of(out, AgentAction)
+    takeover = HealthMachine(HealthPolicy(), clock=clock)
+    takeover.load("w", of(out, SetHealth)[-1].record)
+    assert takeover.observe(Registered("w", "n1", pid=100)) == []
+    assert takeover.workers["w"].pending == restart.action_id
+    out = takeover.observe(Registered("w", "n1", pid=200))
+    assert states(out) == [S.STARTING] and of(out, RunCanary) == [RunCanary("w", urgent=True)]
+    assert takeover.workers["w"].pending is None
