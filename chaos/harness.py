@@ -33,7 +33,7 @@ from fleetward.chaos.net import Link, ProxyRegistry
 from fleetward.fleet import handle as fleet_handle
 from fleetward.fleet.backends import Backend, SimBackend, WorkerHandle
 from fleetward.fleet.bus import MqttBus
-from fleetward.fleet.config import RouterConfig, SupervisorConfig
+from fleetward.fleet.config import AttachConfig, RouterConfig, SupervisorConfig
 from fleetward.fleet.etcd import EtcdStore
 from fleetward.fleet.handle import AgentWorkers, Fleet, FleetClient, RouterRef
 from fleetward.fleet.infra import LocalBroker, LocalEtcd
@@ -49,7 +49,7 @@ from fleetward.fleet.launch import (
     write_service_config,
 )
 from fleetward.fleet.procs import free_port
-from fleetward.fleet.registry import Leader
+from fleetward.fleet.registry import Leader, publish_attachments, wait_registered
 from fleetward.fleet.worker import WorkerSpec
 from fleetward.supervisor.agent import NodeAgent
 
@@ -75,6 +75,7 @@ class TestFleet(AgentWorkers, FleetClient):
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     gpu: Any = None  # a GpuHealthSource for the node agent (e.g. fleetward.chaos.fakegpu.FakeGpuSource)
     gpus_per_worker: int = 0  # worker i owns GPUs [i*k, (i+1)*k) of that source
+    attach: Sequence[AttachConfig] = ()  # servers the test started itself, adopted like fleetward up's attach:
     controller: bool = True  # run a supervisor controller in this process (health becomes ready after canaries)
     controller_processes: int = 0  # > 0: run this many controllers as processes instead (a leader and standbys)
     admin_token: str = "test-admin-token"
@@ -144,6 +145,8 @@ class TestFleet(AgentWorkers, FleetClient):
                  for i in range(self.workers)]
         specs = [await self._proxied_spec(s) for s in specs]
         await self.agent.start_workers(specs)
+        adopted = await publish_attachments(self.store, self.keys, self.attach, self.node)
+        await wait_registered(self.store, self.keys, adopted, timeout=300.0)
         if self.supervised:
             await self.wait_workers_routable(len(self.agent.handles))
 
@@ -457,6 +460,14 @@ class _HarnessBackend:
     @property
     def fault_switches(self) -> bool:
         return self.inner.fault_switches
+
+    @property
+    def owns_processes(self) -> bool:
+        return self.inner.owns_processes
+
+    @property
+    def can_restart(self) -> bool:
+        return self.inner.can_restart
 
     def reference(self) -> dict[str, Any] | None:
         return self.inner.reference()

@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 from pydantic import SecretStr
 
 from fleetward.fleet import handle as fleet_handle
 from fleetward.fleet.backends import Backend, VllmBackend, make_backend
 from fleetward.fleet.bus import MqttBus
-from fleetward.fleet.config import FleetConfig, admin_token_from_env
+from fleetward.fleet.config import FleetConfig, admin_token_for
 from fleetward.fleet.etcd import EtcdStore
 from fleetward.fleet.handle import AgentWorkers, Fleet, FleetClient, RouterRef
 from fleetward.fleet.infra import LocalBroker, LocalEtcd
@@ -38,7 +39,8 @@ from fleetward.fleet.launch import (
     start_service,
     write_service_config,
 )
-from fleetward.fleet.procs import ensure_port
+from fleetward.fleet.procs import RUN_MARK, ensure_port, kill_tree, marked_processes
+from fleetward.fleet.registry import publish_attachments
 from fleetward.fleet.state import StateFile, state_path
 from fleetward.fleet.worker import WorkerSpec
 from fleetward.supervisor.agent import NodeAgent
@@ -62,7 +64,7 @@ class LocalFleet(AgentWorkers, FleetClient):
         self.root = config.run_dir / config.cluster
         self.log_dir = self.root / "logs"
         self.keys = Keys(config.cluster)
-        self.admin_secret = admin_token or admin_token_from_env()
+        self.admin_secret = admin_token or admin_token_for(config)
         self.backend: Backend = make_backend(config.backend, sim=config.sim, vllm=config.vllm, run_dir=config.run_dir)
         self._progress = progress or (lambda _s, _w: None)
         self.etcd: LocalEtcd | None = None
@@ -73,6 +75,11 @@ class LocalFleet(AgentWorkers, FleetClient):
         self.routers: list[ServiceProcess] = []
         self.controller: ServiceProcess | None = None
         self._http = httpx.AsyncClient(timeout=10.0, trust_env=False)
+        # The mark every process this run starts inherits (the command sets it in its own environment, before
+        # anything starts): what outlives its parent is still found when the fleet stops.
+        self._mark = os.environ.get(RUN_MARK)
+        self.left_behind: list[str] = []  # what aclose() found still running, and killed
+        self.adopted: list[str] = []  # the servers of ``attach:`` (registered once they answer)
 
     async def __aenter__(self) -> LocalFleet:
         try:
@@ -144,6 +151,10 @@ class LocalFleet(AgentWorkers, FleetClient):
         if c.controller:
             await self._start_controller()
         await self.agent.start_workers(specs, progress=lambda w, what: self._progress(w, what))
+        if c.attach:
+            self.adopted = await publish_attachments(self.store, self.keys, c.attach, c.node)
+            self._progress("attach", f"adopting {len(self.adopted)} server(s) fleetward did not start: "
+                           f"{', '.join(self.adopted)}")
         if c.router:
             self._progress("router", "starting the router")
             router = await self.start_router(f"{c.node}-router", port=c.router_port)
@@ -197,8 +208,23 @@ class LocalFleet(AgentWorkers, FleetClient):
     async def restart_router(self, router: RouterRef, *, timeout: float = 30.0) -> ServiceProcess:
         return await restart_service(self._router(router), timeout=timeout)
 
+    def _reap_marked(self) -> None:
+        """Verify that nothing this run started still runs; kill and name whatever does."""
+        if not self._mark:
+            return
+        left = marked_processes(self._mark)
+        if not left:
+            return
+        for p in left:
+            try:
+                self.left_behind.append(f"{p.pid} {' '.join(p.cmdline())[:80]}")
+            except psutil.Error:
+                self.left_behind.append(str(p.pid))
+        log.error("%d process(es) outlived their parents; killing them: %s", len(left), "; ".join(self.left_behind))
+        kill_tree(left)
+
     def _write_state(self) -> None:
-        token_file = self.root / "admin-token"
+        token_file = self.config.admin_token_file or self.root / "admin-token"
         if not token_file.exists():
             fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
@@ -211,6 +237,7 @@ class LocalFleet(AgentWorkers, FleetClient):
             "started_at": time.time(),
             "logs": str(self.log_dir),
             "admin_token_file": str(token_file),
+            "node": self.config.node,
             "backend": self.backend.name,
             "router": self.router_url,
             "controller": self.controller_url,
@@ -261,9 +288,11 @@ class LocalFleet(AgentWorkers, FleetClient):
         if self.etcd is not None:
             await self.etcd.stop()
             self.etcd = None
+        self._reap_marked()
         self.state_file.remove()
-        with contextlib.suppress(FileNotFoundError):
-            (self.root / "admin-token").unlink()
+        if self.config.admin_token_file is None:
+            with contextlib.suppress(FileNotFoundError):
+                (self.root / "admin-token").unlink()
 
 
 _: type[Fleet] = LocalFleet  # mypy checks that the local fleet is a Fleet

@@ -27,24 +27,29 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from fleetward.fleet.config import FleetConfig, RouterConfig, load_fleet_config, validation_error
+from fleetward.cli.common import err, local_endpoint, out, state_file
+from fleetward.fleet.config import (
+    FleetConfig,
+    RouterConfig,
+    admin_token_from_file,
+    admin_token_given,
+    load_fleet_config,
+    validation_error,
+)
 from fleetward.fleet.errors import ConfigError, FleetwardError
 from fleetward.fleet.shutdown import install_stop_handlers
-from fleetward.fleet.state import read_admin_token, read_state, state_path
+from fleetward.fleet.state import read_admin_token
 
 __all__ = ["main"]
 
 log = logging.getLogger("fleetward")
-out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 # Flags of `up` that map 1:1 to FleetConfig fields (flag dest -> field).
 _UP_FIELDS = ("cluster", "workers", "backend", "host", "run_dir", "etcd", "etcd_port", "mqtt", "mqtt_port",
-              "worker_base_port", "lease_ttl_s", "node")
+              "worker_base_port", "lease_ttl_s", "node", "admin_token_file")
 
 
 def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
@@ -62,6 +67,8 @@ def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-base-port", dest="worker_base_port", type=int, help="first worker port")
     p.add_argument("--lease-ttl", dest="lease_ttl_s", type=int, help="registration lease TTL in seconds")
     p.add_argument("--node", help="this node's name; default the host name")
+    p.add_argument("--admin-token-file", dest="admin_token_file", type=Path,
+                   help="a file holding the admin token (mode 0600); FLEETWARD_ADMIN_TOKEN wins over it")
 
 
 def _fleet_config(args: argparse.Namespace) -> FleetConfig:
@@ -121,6 +128,38 @@ def _parser() -> argparse.ArgumentParser:
     sup.add_argument("--port", dest="supervisor_port", type=int, help="controller: control API port")
     _add_fleet_flags(sup)
 
+    # The long-running daemons of a production install (deploy/systemd/): one YAML file each.
+    ag = sub.add_parser("agent", help="daemon: this node's agent (its workers, and the servers it adopts)")
+    _add_fleet_flags(ag)
+    ct = sub.add_parser("controller", help="daemon: a supervisor controller (leader-elected; health, remediation)")
+    ct.add_argument("--id", dest="controller_id", help="controller id (default: random)")
+    ct.add_argument("--port", dest="supervisor_port", type=int, help="control API port")
+    _add_fleet_flags(ct)
+
+    wk = sub.add_parser("worker", help="servers fleetward did not start: adopt one (add), give one up (remove)")
+    wsub = wk.add_subparsers(dest="worker_command", required=True, metavar="ACTION")
+    add = wsub.add_parser("add", help="protect a running vLLM (OpenAI-compatible) server given by URL")
+    add.add_argument("url", help="http://host:port of the server")
+    add.add_argument("--id", dest="worker_id", help="worker id (default <node>-<host>-<port>)")
+    add.add_argument("--model", help="served model name (default: what its /v1/models lists)")
+    add.add_argument("--role", choices=["aggregated", "prefill", "decode"], default="aggregated")
+    add.add_argument("--node", help="the node whose agent watches it (default: the local fleet's node)")
+    where = add.add_mutually_exclusive_group()
+    where.add_argument("--pidfile", type=Path, help="watch its process too: the API server's pidfile")
+    where.add_argument("--systemd-unit", dest="systemd_unit", help="... or its systemd unit")
+    where.add_argument("--container", help="... or its (docker) container")
+    add.add_argument("--restart-command", dest="restart_command",
+                     help="how to restart it (e.g. 'systemctl restart vllm@0'); none: drained and left for an "
+                          "operator when it fails")
+    add.add_argument("--wait", type=float, default=60.0, help="seconds to wait until an agent adopted it (0: no)")
+    rm = wsub.add_parser("remove", help="stop protecting a worker fleetward adopted (the server keeps running)")
+    rm.add_argument("worker")
+    rm.add_argument("--wait", type=float, default=30.0, help="seconds to wait until it is given up (0: no)")
+    for w in (add, rm):
+        w.add_argument("--cluster", default=None)
+        w.add_argument("--etcd", help="etcd host:port (default: the local fleet's)")
+        w.add_argument("--run-dir", dest="run_dir", type=Path, default=None)
+
     for verb, what in (("drain", "stop routing new work to a worker, let its streams finish or migrate, then stop "
                                  "it"), ("undrain", "cancel a drain"), ("restart", "restart a worker now"),
                        ("unquarantine", "clear a worker's quarantine (a self-test runs first)")):
@@ -129,6 +168,8 @@ def _parser() -> argparse.ArgumentParser:
         op.add_argument("--cluster", default=None)
         op.add_argument("--etcd", help="etcd host:port (default: the local fleet's)")
         op.add_argument("--run-dir", dest="run_dir", type=Path, default=None)
+        op.add_argument("--admin-token-file", dest="admin_token_file", type=Path, default=None,
+                        help="the admin token (default: FLEETWARD_ADMIN_TOKEN, or the local fleet's)")
         if verb == "drain":
             op.add_argument("--deadline", type=float, default=None, help="seconds before remaining streams migrate")
             op.add_argument("--then", choices=["stop", "restart"], default="stop")
@@ -147,22 +188,13 @@ def _parser() -> argparse.ArgumentParser:
 # -- helpers --------------------------------------------------------------------------------------------
 
 
-def _state_file(run_dir: Path | None, cluster: str | None) -> Path:
-    defaults = FleetConfig()
-    return state_path(run_dir or defaults.run_dir, cluster or defaults.cluster)
+def _mark_this_run() -> None:
+    """Mark this process's environment: every process the run starts inherits it (see LocalFleet)."""
+    import uuid
 
+    from fleetward.fleet.procs import RUN_MARK
 
-def _local_endpoint(args: argparse.Namespace, kind: str) -> tuple[str, str]:
-    """(endpoint, cluster) from the flag, the environment, or the local fleet's state file."""
-    flag = getattr(args, kind, None)
-    cluster = args.cluster or os.environ.get("FLEETWARD_CLUSTER") or FleetConfig().cluster
-    if flag:
-        return flag, cluster
-    env = os.environ.get(f"FLEETWARD_{kind.upper()}")
-    if env:
-        return env, cluster
-    data = read_state(_state_file(args.run_dir, args.cluster), hint=f", or pass --{kind} host:port", field=kind)
-    return data[kind], data.get("cluster", cluster)
+    os.environ[RUN_MARK] = uuid.uuid4().hex
 
 
 def _install_signal_handlers(stop: asyncio.Event) -> None:
@@ -203,8 +235,10 @@ def _print_status(status: dict[str, Any]) -> None:
 
 async def _cmd_up(args: argparse.Namespace) -> int:
     from fleetward.cli.compose import LocalFleet
+    from fleetward.fleet.registry import wait_registered
 
     config = _fleet_config(args)
+    _mark_this_run()
     stop = asyncio.Event()
     _install_signal_handlers(stop)
     ready: set[str] = set()
@@ -235,6 +269,14 @@ async def _cmd_up(args: argparse.Namespace) -> int:
                 await starting
             return 130
         starting.result()
+        if fleet.adopted:
+            with err.status(f"waiting until {len(fleet.adopted)} adopted server(s) answer…"):
+                try:
+                    await wait_registered(fleet.store, fleet.keys, fleet.adopted, timeout=120)
+                    err.print(f"  adopted [green]{', '.join(fleet.adopted)}[/] (a canary makes each ready)")
+                except TimeoutError:
+                    err.print("[yellow]not every adopted server answers yet[/]: they are registered once they do "
+                              "(see `fleetward status`)")
         _print_where_to_look(fleet, len(ready), config)
         if config.workers and not ready:
             err.print("[red]no worker came up[/]; see the logs above")
@@ -245,13 +287,17 @@ async def _cmd_up(args: argparse.Namespace) -> int:
         waiter.cancel()
         with err.status("stopping…"):
             await fleet.aclose()
-        err.print("stopped; no process left behind")
+        if fleet.left_behind:
+            err.print(f"[yellow]stopped; {len(fleet.left_behind)} process(es) had outlived their parents and were "
+                      f"killed:[/] {escape('; '.join(fleet.left_behind))}")
+        else:
+            err.print("stopped; no process left behind (checked)")
 
 
 def _print_where_to_look(fleet: Any, n_ready: int, config: FleetConfig) -> None:
     cluster = config.cluster
     first = fleet.worker_ids[0] if fleet.worker_ids else None
-    model = fleet.backend.model_name
+    model = fleet.spec(first).model if first else fleet.backend.model_name
     entry = fleet.router_url or (fleet.url(first) if first else "")
     out.print(f"\n[bold green]fleet {cluster} is up[/]: {n_ready}/{config.workers} worker(s) ready\n")
     out.print(f"  etcd    {fleet.etcd_endpoint}   (keys under /fleetward/{cluster}/)")
@@ -271,7 +317,7 @@ async def _cmd_status(args: argparse.Namespace) -> int:
     from fleetward.fleet.keys import Keys
     from fleetward.fleet.registry import read_fleet
 
-    endpoint, cluster = _local_endpoint(args, "etcd")
+    endpoint, cluster = local_endpoint(args, "etcd")
     store = EtcdStore(endpoint, attempts=3, retry_budget_s=5.0, timeout_s=3.0)
     try:
         fleet = await read_fleet(store, Keys(cluster))
@@ -288,7 +334,7 @@ async def _cmd_status(args: argparse.Namespace) -> int:
 async def _cmd_events(args: argparse.Namespace) -> int:
     from fleetward.fleet.bus import MqttBus
 
-    endpoint, cluster = _local_endpoint(args, "mqtt")
+    endpoint, cluster = local_endpoint(args, "mqtt")
     bus = MqttBus(endpoint, cluster)
     await bus._probe()
     stop = asyncio.Event()
@@ -338,8 +384,9 @@ def _cmd_router(args: argparse.Namespace) -> int:
         raise validation_error(exc, file="<command line>", lines={}) from None
     if args.cluster is None and base.cluster != FleetConfig().cluster:
         args.cluster = base.cluster
-    etcd, cluster = _local_endpoint(args, "etcd")
-    mqtt, _ = _local_endpoint(args, "mqtt")
+    args.etcd, args.mqtt = args.etcd or base.etcd, args.mqtt or base.mqtt  # the fleet file's, below flags
+    etcd, cluster = local_endpoint(args, "etcd")
+    mqtt, _ = local_endpoint(args, "mqtt")
 
     def ready(router: Any) -> None:
         print(f"READY {router.id} {router.url}", flush=True)
@@ -350,13 +397,16 @@ def _cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
-def _admin_token(run_dir: Path | None, cluster: str | None) -> str:
-    path = _state_file(run_dir, cluster)
+def _admin_token(run_dir: Path | None, cluster: str | None, token_file: Path | None = None) -> str:
+    """``FLEETWARD_ADMIN_TOKEN``, else the token file given (flag or fleet file), else the local fleet's."""
+    if token_file is not None and admin_token_given() is None:
+        return admin_token_from_file(token_file).get_secret_value()
+    path = state_file(run_dir, cluster)
     state: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
     token = read_admin_token(state, path)
     if not token:
-        raise ConfigError(f"no admin token: set FLEETWARD_ADMIN_TOKEN or run next to a local fleet "
-                          f"({path.with_name('admin-token')})", field="FLEETWARD_ADMIN_TOKEN")
+        raise ConfigError(f"no admin token: set FLEETWARD_ADMIN_TOKEN, pass --admin-token-file, or run next to a "
+                          f"local fleet ({path.with_name('admin-token')})", field="FLEETWARD_ADMIN_TOKEN")
     return token
 
 
@@ -368,8 +418,8 @@ async def _cmd_operate(args: argparse.Namespace) -> int:
     from fleetward.fleet.keys import Keys
     from fleetward.fleet.registry import read_leader
 
-    endpoint, cluster = _local_endpoint(args, "etcd")
-    token = _admin_token(args.run_dir, args.cluster)
+    endpoint, cluster = local_endpoint(args, "etcd")
+    token = _admin_token(args.run_dir, args.cluster, args.admin_token_file)
     async with EtcdStore(endpoint, attempts=3, retry_budget_s=5.0) as store:
         leader = await read_leader(store, Keys(cluster))
     if leader is None:
@@ -394,12 +444,12 @@ def _cmd_controller(args: argparse.Namespace) -> int:
 
     config = _fleet_config(args)
     if not config.etcd or not config.mqtt:
-        raise ConfigError("supervisor --role controller needs --etcd and --mqtt (the cluster's etcd and broker)",
-                          field="etcd" if not config.etcd else "mqtt")
+        raise ConfigError("a controller needs --etcd and --mqtt, or etcd: and mqtt: in its fleet file (the "
+                          "cluster's etcd and broker)", field="etcd" if not config.etcd else "mqtt")
     sup = config.supervisor
     if args.supervisor_port is not None:
         sup = sup.model_copy(update={"port": args.supervisor_port})
-    token = _admin_token(args.run_dir, args.cluster)
+    token = _admin_token(args.run_dir, args.cluster, config.admin_token_file)
 
     def ready(controller: Any) -> None:
         print(f"READY {controller.id} {controller.url}", flush=True)
@@ -416,9 +466,10 @@ async def _cmd_agent(args: argparse.Namespace) -> int:
 
     config = _fleet_config(args)
     if not config.etcd or not config.mqtt:
-        raise ConfigError("supervisor --role agent needs --etcd and --mqtt (the cluster's etcd and broker)",
-                          field="etcd" if not config.etcd else "mqtt")
+        raise ConfigError("an agent needs --etcd and --mqtt, or etcd: and mqtt: in its fleet file (the cluster's "
+                          "etcd and broker)", field="etcd" if not config.etcd else "mqtt")
     config = config.model_copy(update={"router": False, "controller": False})
+    _mark_this_run()
     stop = asyncio.Event()
     _install_signal_handlers(stop)
     async with LocalFleet(config, progress=lambda w, what: log.info("%s %s", w, what)):
@@ -449,6 +500,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.role == "controller":
                 return _cmd_controller(args)
             return asyncio.run(_cmd_agent(args))
+        if args.command == "controller":
+            return _cmd_controller(args)
+        if args.command == "agent":
+            return asyncio.run(_cmd_agent(args))
+        if args.command == "worker":
+            from fleetward.cli.workers import add_worker, remove_worker
+
+            return asyncio.run(add_worker(args) if args.worker_command == "add" else remove_worker(args))
         if args.command in ("drain", "undrain", "restart", "unquarantine"):
             return asyncio.run(_cmd_operate(args))
         if args.command == "bench":

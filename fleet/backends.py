@@ -38,7 +38,7 @@ import psutil
 
 from fleetward.fleet.config import SimConfig, VllmConfig
 from fleetward.fleet.errors import ConfigError
-from fleetward.fleet.procs import ManagedProcess
+from fleetward.fleet.procs import ManagedProcess, WorkerProcess
 from fleetward.fleet.worker import WorkerSpec
 
 __all__ = [
@@ -49,17 +49,18 @@ __all__ = [
     "WorkerHandle",
     "backend_capabilities",
     "make_backend",
+    "wait_serving",
     "worker_ready",
 ]
 
 
 @dataclass
 class WorkerHandle:
-    """A started worker: its spec, its process and when it started."""
+    """A started (or adopted) worker: its spec, its process and when it started."""
 
     spec: WorkerSpec
     backend: str
-    process: ManagedProcess
+    process: WorkerProcess
     started_at: float = field(default_factory=time.time)
 
     @property
@@ -112,6 +113,16 @@ class Backend(Protocol):
     @property
     def fault_switches(self) -> bool: ...
 
+    @property
+    def owns_processes(self) -> bool:
+        """Whether its workers are fleetward's to stop (False: servers someone else runs, left running)."""
+        ...
+
+    @property
+    def can_restart(self) -> bool:
+        """Whether a failed worker can be brought back (False: drained and left for an operator)."""
+        ...
+
     def reference(self) -> dict[str, Any] | None: ...
 
     def check(self) -> None:
@@ -146,11 +157,23 @@ async def worker_ready(url: str, *, client: httpx.AsyncClient | None = None) -> 
             await c.aclose()
 
 
+async def wait_serving(handle: WorkerHandle, *, timeout: float, interval: float) -> None:
+    """Until the worker answers ``/health`` and lists its model (:func:`worker_ready`), or its process's
+    ``wait_ready`` gives up (it exited, or ``timeout`` passed)."""
+    async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
+        async def ready() -> bool:
+            return await worker_ready(handle.bind_url, client=client)
+
+        await handle.process.wait_ready(ready, timeout=timeout, interval=interval)
+
+
 class _ProcessBackend:
     """What the process-based backends share: argv and environment make the worker, the rest is common."""
 
     name: ClassVar[str] = ""
     capabilities: ClassVar[frozenset[str]] = frozenset()
+    owns_processes: ClassVar[bool] = True
+    can_restart: ClassVar[bool] = True
     start_timeout = 60.0
     nice = 0
 
@@ -179,11 +202,7 @@ class _ProcessBackend:
         return WorkerHandle(spec, self.name, proc)
 
     async def wait_ready(self, handle: WorkerHandle, *, timeout: float | None = None) -> None:
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            async def ready() -> bool:
-                return await worker_ready(handle.bind_url, client=client)
-
-            await handle.process.wait_ready(ready, timeout=timeout or self.start_timeout, interval=0.1)
+        await wait_serving(handle, timeout=timeout or self.start_timeout, interval=0.1)
 
     async def warm_up(self, url: str) -> None:
         return None

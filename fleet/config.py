@@ -12,23 +12,28 @@ from __future__ import annotations
 
 import os
 import secrets
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from fleetward.fleet.errors import ConfigError
 
 __all__ = [
+    "AttachConfig",
     "FleetConfig",
     "Frozen",
+    "ProcessRef",
     "RouterConfig",
     "SimConfig",
     "SupervisorConfig",
     "VllmConfig",
+    "admin_token_for",
     "admin_token_from_env",
+    "admin_token_from_file",
     "admin_token_given",
     "load_fleet_config",
     "load_model",
@@ -132,6 +137,56 @@ class SupervisorConfig(Frozen):
     drain_timeout_s: float = Field(60.0, ge=0)
 
 
+class ProcessRef(Frozen):
+    """How a node agent finds the process of a server it did not start: exactly one of these."""
+
+    pidfile: Path | None = Field(None, description="a file holding the API server's pid")
+    systemd_unit: str | None = Field(None, description="a systemd unit whose MainPID is the API server")
+    container: str | None = Field(None, description="a container (docker) whose main process is the API server")
+
+    @model_validator(mode="after")
+    def _one(self) -> ProcessRef:
+        given = [n for n in ("pidfile", "systemd_unit", "container") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of pidfile, systemd_unit and container")
+        return self
+
+
+class AttachConfig(Frozen):
+    """A vLLM (or any OpenAI-compatible, vLLM-metric) server fleetward did not start, to protect.
+
+    It is registered like any other worker: routers route and migrate its streams, and the supervisor
+    watches it with every detector that needs no process of its own (stream progress, canaries, metrics).
+    With ``process`` the node agent also watches its process (exit, a stopped or frozen engine). A restart
+    runs ``restart_command`` (e.g. ``systemctl restart vllm@0``); without one the worker is drained and
+    left for an operator: fleetward never kills a server it did not start unless told how to restart it.
+    """
+
+    url: str = Field(pattern=r"^https?://[^/\s:]+:[0-9]{1,5}/?$", description="http://host:port of the server")
+    id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
+                           description="the worker id (default <node>-<host>-<port>)")
+    model: str | None = Field(None, description="the served model name (default: what /v1/models lists)")
+    role: Literal["aggregated", "prefill", "decode"] = "aggregated"
+    node: str | None = Field(None, description="the node whose agent watches it (default: the agent's own)")
+    process: ProcessRef | None = None
+    restart_command: tuple[str, ...] = Field((), description="argv run to restart it (none: drain and leave it "
+                                             "for an operator)")
+
+    @field_validator("restart_command", mode="before")
+    @classmethod
+    def _argv(cls, value: Any) -> Any:
+        return tuple(shlex.split(value)) if isinstance(value, str) else value
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.url.rstrip("/").split("://", 1)[1].rpartition(":")
+        return host, int(port)
+
+    def worker_id(self, node: str) -> str:
+        host, port = self.host_port
+        return self.id or f"{self.node or node}-{host.replace('.', '-')}-{port}"
+
+
 class FleetConfig(Frozen):
     """Everything ``fleetward up`` needs; each field is also a flag (``--workers``, ``--backend``, ...)."""
 
@@ -150,6 +205,9 @@ class FleetConfig(Frozen):
     router: bool = Field(True, description="start a router in front of the workers")
     controller: bool = Field(True, description="start a supervisor controller (health verdicts, remediation)")
     router_port: int = Field(0, ge=0, le=65535, description="the router's port; 0 picks a free one")
+    attach: tuple[AttachConfig, ...] = Field((), description="servers fleetward did not start, to protect")
+    admin_token_file: Path | None = Field(None, description="a file holding the admin token (mode 0600); "
+                                          "FLEETWARD_ADMIN_TOKEN wins over it")
     sim: SimConfig = SimConfig()
     vllm: VllmConfig = VllmConfig()
     routing: RouterConfig = RouterConfig()
@@ -174,6 +232,32 @@ def admin_token_from_env() -> SecretStr:
     """
     raw = os.environ.get("FLEETWARD_ADMIN_TOKEN")
     return SecretStr(raw if raw else secrets.token_urlsafe(24))
+
+
+def admin_token_from_file(path: Path) -> SecretStr:
+    """The admin token in ``path``; :class:`ConfigError` when it is missing, empty, or readable by others."""
+    try:
+        mode = path.stat().st_mode
+        raw = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the admin token file: {exc.strerror}", file=str(path),
+                          field="admin_token_file") from exc
+    if mode & 0o077:
+        raise ConfigError("the admin token file is readable by others (chmod 600 it)", file=str(path),
+                          field="admin_token_file")
+    if not raw:
+        raise ConfigError("the admin token file is empty", file=str(path), field="admin_token_file")
+    return SecretStr(raw)
+
+
+def admin_token_for(config: FleetConfig) -> SecretStr:
+    """``FLEETWARD_ADMIN_TOKEN``, else ``admin_token_file``, else a fresh random token for this run."""
+    given = admin_token_given()
+    if given is not None:
+        return given
+    if config.admin_token_file is not None:
+        return admin_token_from_file(config.admin_token_file)
+    return SecretStr(secrets.token_urlsafe(24))
 
 
 def admin_token_given() -> SecretStr | None:

@@ -65,6 +65,14 @@ class Keys:
         """``actions/<node>/<id>``: a remediation the supervisor leader asked this node's agent to carry out."""
         return f"{self.actions}{node}/{action_id}"
 
+    @property
+    def attach(self) -> str:
+        return self.root + "attach/"
+
+    def attached(self, worker_id: str) -> str:
+        """``attach/<id>``: a server fleetward did not start, to adopt (what ``attach:`` and ``worker add`` say)."""
+        return self.attach + worker_id
+
     def leader(self, role: str) -> str:
         return f"{self.root}leader/{role}/"
 

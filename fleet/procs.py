@@ -39,17 +39,25 @@ import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import psutil
 
 from fleetward.fleet.errors import PortInUseError, ProcessError
 
 __all__ = [
+    "RUN_MARK",
+    "AdoptedProcess",
     "ManagedProcess",
+    "WorkerProcess",
     "ensure_port",
     "free_port",
     "is_gone",
     "kill_tree",
+    "marked_processes",
+    "pid_from_file",
+    "pid_of_container",
+    "pid_of_unit",
     "port_is_free",
     "tree_of",
 ]
@@ -153,12 +161,36 @@ def _exited(popen: subprocess.Popen[bytes]) -> bool:
     return _peek_exit(popen) is not None
 
 
+async def _pidfd_wait(pid: int, exited_now: Callable[[], bool]) -> bool:
+    """Wait until ``pid`` exits (its pidfd turns readable: no polling); False when no pidfd can be had."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return False
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[None] = loop.create_future()
+
+    def on_readable() -> None:
+        if not exited.done():
+            exited.set_result(None)
+
+    loop.add_reader(fd, on_readable)
+    try:
+        if not exited_now():
+            await exited
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+    return True
+
+
 class ManagedProcess:
     """One child process (and its tree) with an ordered, orphan-free life (see the module docstring)."""
 
     def __init__(self, name: str, argv: Sequence[str], *, log_path: Path, env: Mapping[str, str] | None = None,
-                 cwd: Path | None = None, nice: int = 0) -> None:
+                 cwd: Path | None = None, nice: int = 0, unset: Sequence[str] = ()) -> None:
         self.name = name
+        self.unset = tuple(unset)  # variables of our environment the child does not inherit
         self.nice = nice
         self.argv = list(argv)
         self.log_path = log_path
@@ -166,6 +198,7 @@ class ManagedProcess:
         self.cwd = cwd
         self._popen: subprocess.Popen[bytes] | None = None
         self._known: dict[int, psutil.Process] = {}
+        self.survivors: list[psutil.Process] = []  # what the last stop could not end (should stay empty)
 
     def start(self) -> ManagedProcess:
         """Spawn the process (output appended to ``log_path``); :class:`ProcessError` if exec fails.
@@ -177,7 +210,7 @@ class ManagedProcess:
         if self._popen is not None:
             self._popen.wait()  # reap the previous run (it exited)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **(self.env or {})}
+        env = {k: v for k, v in os.environ.items() if k not in self.unset} | (self.env or {})
         self._known.clear()
         with open(self.log_path, "ab", buffering=0) as out:
             try:
@@ -250,24 +283,8 @@ class ManagedProcess:
             raise ProcessError(f"{self.name} was never started", name=self.name)
         if popen.returncode is not None:
             return popen.returncode
-        loop = asyncio.get_running_loop()
-        try:
-            fd = os.pidfd_open(popen.pid)
-        except (OSError, AttributeError):  # old kernel or not Linux: block a worker thread instead
+        if not await _pidfd_wait(popen.pid, lambda: _exited(popen)):  # old kernel or not Linux: a worker thread
             return await asyncio.to_thread(popen.wait)
-        exited: asyncio.Future[None] = loop.create_future()
-
-        def on_readable() -> None:
-            if not exited.done():
-                exited.set_result(None)
-
-        loop.add_reader(fd, on_readable)
-        try:
-            if not _exited(popen):
-                await exited
-        finally:
-            loop.remove_reader(fd)
-            os.close(fd)
         self._remember_group()  # before reaping: what it left behind in its group, for stop()
         return popen.wait()  # the process is a zombie by now: reaping does not block
 
@@ -322,8 +339,18 @@ class ManagedProcess:
             self._wait_all(popen, others, 5.0)
         self._killpg(signal.SIGKILL)  # anything that joined the group meanwhile
         rc = popen.wait()
+        self.survivors = [p for p in others if not is_gone(p)]
+        if self.survivors:
+            log.error("%s: %d process(es) of its tree survived SIGKILL: %s", self.name, len(self.survivors),
+                      ", ".join(str(p.pid) for p in self.survivors))
         self._known.clear()
         return rc
+
+    def leftovers(self) -> list[psutil.Process]:
+        """Processes of its tree still alive after the process itself exited (e.g. vLLM's EngineCore when
+        only the API server was killed): what :meth:`stop` still has to stop."""
+        return [p for pid, p in self._known.items() if self._popen is not None and pid != self._popen.pid
+                and not is_gone(p)]
 
     def _signal_all(self, others: Sequence[psutil.Process], sig: int) -> None:
         """The group, every remembered descendant, and the child itself (even if it left its group)."""
@@ -354,3 +381,192 @@ class ManagedProcess:
         self.tree()
         self._killpg(signal.SIGKILL)
         kill_tree(self._known.values(), signal.SIGKILL)
+
+
+class WorkerProcess(Protocol):
+    """A worker's process as the node agent sees it: one it started (:class:`ManagedProcess`) or one it
+    adopted (:class:`AdoptedProcess`). ``pid`` is None while none is known (a server known by URL only)."""
+
+    name: str
+    survivors: list[psutil.Process]
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def is_running(self) -> bool: ...
+
+    def tree(self) -> list[psutil.Process]: ...
+
+    def leftovers(self) -> list[psutil.Process]: ...
+
+    def kill(self) -> None: ...
+
+    def signal(self, sig: int) -> None: ...
+
+    async def wait_exit(self) -> int | None: ...
+
+    async def wait_ready(self, ready: Callable[[], Awaitable[bool]], *, timeout: float,
+                         interval: float = 0.1) -> None: ...
+
+    async def stop(self, grace: float = 5.0) -> int | None: ...
+
+    def log_tail(self, lines: int = 30) -> str: ...
+
+
+class AdoptedProcess:
+    """The process of a server fleetward did not start, found through ``locate`` (a pidfile, a systemd unit,
+    a container; None: known by URL only, no process to watch).
+
+    It is watched like a child (a pidfd wakes :meth:`wait_exit` the moment it exits, its tree is sampled
+    and remembered) but it is not ours: its exit code is unknown (None), and only :meth:`kill` and
+    :meth:`stop`, called when the operator configured how to restart it, act on it. Every process is
+    held by psutil identity (pid and start time), so a reused pid is never signalled.
+    """
+
+    def __init__(self, name: str, locate: Callable[[], int | None] | None) -> None:
+        self.name = name
+        self._locate = locate
+        self._proc: psutil.Process | None = None
+        self._known: dict[int, psutil.Process] = {}
+        self.survivors: list[psutil.Process] = []
+        self.refresh()
+
+    def refresh(self) -> int | None:
+        """Find the process again (after a restart: a new pid); its pid, or None."""
+        pid = None
+        if self._locate is not None:
+            with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):
+                pid = self._locate()
+        proc = None
+        if pid:
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(pid)
+        if proc is not None and (self._proc is None or proc.pid != self._proc.pid or not self._proc.is_running()):
+            self._proc = proc
+            self._known = {proc.pid: proc}
+        return self.pid
+
+    @property
+    def watched(self) -> bool:
+        """Whether there is a process to watch at all (not a server known by URL only)."""
+        return self._locate is not None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def is_running(self) -> bool:
+        if not self.watched:
+            return True  # nothing to watch: its health is the supervisor's to judge, by its behaviour
+        return self._proc is not None and not is_gone(self._proc)
+
+    def tree(self) -> list[psutil.Process]:
+        if self._proc is None or is_gone(self._proc):
+            return []
+        procs = tree_of(self._proc.pid)
+        if procs and procs[0].create_time() != self._proc.create_time():
+            return []  # the pid now belongs to another process
+        for p in procs:
+            self._known[p.pid] = p
+        return procs
+
+    def leftovers(self) -> list[psutil.Process]:
+        root = self.pid
+        return [p for pid, p in self._known.items() if pid != root and not is_gone(p)]
+
+    def kill(self) -> None:
+        self.tree()
+        kill_tree(self._known.values(), signal.SIGKILL)
+
+    def signal(self, sig: int) -> None:
+        if self._proc is not None:
+            kill_tree([self._proc], sig)
+
+    async def wait_exit(self) -> int | None:
+        """Return (None: the code of a process we did not start is not ours to read) once it exits."""
+        proc = self._proc
+        if proc is None:
+            await asyncio.Event().wait()  # known by URL only: nothing to wait for until cancelled
+            return None
+        await _pidfd_wait(proc.pid, lambda: is_gone(proc))  # False: no pidfd, as it is already gone
+        return None
+
+    async def wait_ready(self, ready: Callable[[], Awaitable[bool]], *, timeout: float,
+                         interval: float = 0.1) -> None:
+        """Poll ``ready()`` (finding the process again on the way) until it is true or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(Exception):
+                if await ready():
+                    self.refresh()
+                    return
+            if time.monotonic() >= deadline:
+                raise ProcessError(f"{self.name} not ready after {timeout:.0f}s", name=self.name)
+            self.refresh()
+            await asyncio.sleep(interval)
+
+    def stop_now(self, grace: float = 5.0) -> int | None:
+        """CONT, TERM, wait, KILL: the whole tree as last seen (what a restart must clear first)."""
+        self.tree()
+        procs = [p for p in self._known.values() if not is_gone(p)]
+        for sig in (signal.SIGCONT, signal.SIGTERM):
+            kill_tree(procs, sig)
+        _, alive = psutil.wait_procs(procs, timeout=grace)
+        if alive:
+            log.warning("%s: %d process(es) ignored SIGTERM for %.1fs; killing", self.name, len(alive), grace)
+            kill_tree(alive, signal.SIGKILL)
+            psutil.wait_procs(alive, timeout=5.0)
+        self.survivors = [p for p in procs if not is_gone(p)]
+        if self.survivors:
+            log.error("%s: %d process(es) survived SIGKILL: %s", self.name, len(self.survivors),
+                      ", ".join(str(p.pid) for p in self.survivors))
+        self._known.clear()
+        return None
+
+    async def stop(self, grace: float = 5.0) -> int | None:
+        return await asyncio.to_thread(self.stop_now, grace)
+
+    def log_tail(self, lines: int = 30) -> str:
+        return ""
+
+
+RUN_MARK = "FLEETWARD_RUN"  # set by a fleet in its own environment: every process it starts inherits it
+
+
+def marked_processes(mark: str, var: str = RUN_MARK) -> list[psutil.Process]:
+    """Every live process (but this one) whose environment carries ``var=mark``: whatever a run started,
+    however deep, including what was reparented to init when its parent died."""
+    found = []
+    me = os.getpid()
+    for p in psutil.process_iter():
+        if p.pid == me:
+            continue
+        with contextlib.suppress(psutil.Error, OSError):
+            if p.environ().get(var) == mark and not is_gone(p):
+                found.append(p)
+    return found
+
+
+def pid_from_file(path: Path) -> int | None:
+    """The pid written in ``path`` (a pidfile), or None when there is none."""
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    return int(text) if text else None
+
+
+def pid_of_unit(unit: str) -> int | None:
+    """The main pid of a systemd unit (``systemctl show``), or None while it has none."""
+    out = subprocess.run(["systemctl", "show", "--property", "MainPID", "--value", unit], capture_output=True,
+                         text=True, timeout=10, check=True).stdout.strip()
+    return int(out) or None
+
+
+def pid_of_container(name: str) -> int | None:
+    """The host pid of a running container's main process (``docker inspect``), or None."""
+    out = subprocess.run(["docker", "inspect", "--format", "{{.State.Pid}}", name], capture_output=True, text=True,
+                         timeout=10, check=True).stdout.strip()
+    return int(out) or None

@@ -10,15 +10,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetward.fleet.config import AttachConfig
 from fleetward.fleet.etcd import StateStore, election_leader
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.worker import HealthRecord, HealthState, WorkerRecord
 
-__all__ = ["FleetSnapshot", "FleetView", "Leader", "read_fleet", "read_leader"]
+__all__ = ["FleetSnapshot", "FleetView", "Leader", "publish_attachments", "read_fleet", "read_leader",
+           "wait_registered"]
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +122,28 @@ async def read_leader(store: StateStore, keys: Keys, election: str = "supervisor
         return None
     body = json.loads(candidate)
     return Leader(str(body["id"]), str(body.get("url") or ""))
+
+
+async def publish_attachments(store: StateStore, keys: Keys, entries: Iterable[AttachConfig], node: str) -> list[str]:
+    """Write each entry to ``attach/<id>`` (its node filled in) for the node agents to adopt; the worker ids."""
+    ids = []
+    for entry in entries:
+        entry = entry.model_copy(update={"node": entry.node or node})
+        wid = entry.worker_id(node)
+        await store.put(keys.attached(wid), json.dumps(entry.model_dump(mode="json")).encode())
+        ids.append(wid)
+    return ids
+
+
+async def wait_registered(store: StateStore, keys: Keys, workers: Iterable[str], *, timeout: float,
+                          interval: float = 0.1) -> None:
+    """Until every one of ``workers`` is registered (``workers/<id>``), or :class:`TimeoutError`."""
+    wanted = set(workers)
+    async with asyncio.timeout(timeout):
+        while True:
+            if not wanted - {kv.key[len(keys.workers):] for kv in (await store.get_prefix(keys.workers)).items}:
+                return
+            await asyncio.sleep(interval)
 
 
 class FleetView:

@@ -41,9 +41,11 @@ from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import SupervisorConfig
 from fleetward.fleet.errors import FleetwardError, StoreError, UnavailableError
 from fleetward.fleet.etcd import Compare, LeaseKeeper, Put, StateStore
+from fleetward.fleet.external import LeftForOperator
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.procs import free_port, port_is_free
 from fleetward.fleet.worker import HealthRecord, HealthState, WorkerRecord, WorkerSpec
+from fleetward.supervisor.adoption import Adopter
 from fleetward.supervisor.detectors import RUNNING, EngineFrozenDetector, EngineSample, parse_prometheus
 from fleetward.supervisor.gpu import GpuHealthSource
 from fleetward.supervisor.signals import Severity, Signal
@@ -60,9 +62,10 @@ def launched_health(node: str, now: float) -> HealthRecord:
     return HealthRecord(HealthState.STARTING, reason="launched", detector="agent", since=now, extra={"node": node})
 
 
-def running_signal(worker: str, pid: int, now: float) -> Signal:
+def running_signal(worker: str, pid: int | None, now: float) -> Signal:
     """The process detector's ``ok`` for a worker that registers (``signals/<id>/process``)."""
-    return Signal(worker, "process", Severity.OK, f"running (pid {pid})", now)
+    what = f"running (pid {pid})" if pid is not None else "serving (known by URL only: no process watched)"
+    return Signal(worker, "process", Severity.OK, what, now)
 
 
 class NodeAgent:
@@ -73,7 +76,8 @@ class NodeAgent:
         self.store = store
         self.bus = bus
         self.keys = keys
-        self.backend = backend
+        self.backend = backend  # how this node's own workers are started
+        self._backends: dict[str, Backend] = {}  # a worker's own backend, where it is not ``backend`` (adopted)
         self.node = node
         self.log_dir = log_dir
         self.lease_ttl = lease_ttl
@@ -96,6 +100,7 @@ class NodeAgent:
         self._http = httpx.AsyncClient(timeout=2.0)
         self._raised: dict[str, set[str]] = {}  # worker -> detectors whose last signal here was not ok
         self._degraded_gpus: set[int] = set()  # GPUs throttled right now
+        self.adopter = Adopter(self)  # servers this node protects but did not start (``attach/``)
 
     # -- life -------------------------------------------------------------------------------------------
 
@@ -105,6 +110,7 @@ class NodeAgent:
             asyncio.create_task(self._renew_lost_lease(), name="agent-lease"),
             asyncio.create_task(self._follow_actions(), name="agent-actions"),
             asyncio.create_task(self._monitor_engines(), name="agent-engines"),
+            asyncio.create_task(self.adopter.follow(), name="agent-attach"),
         ]
         if self.gpu is not None:
             self._tasks.append(asyncio.create_task(self._monitor_gpus(), name="agent-gpus"))
@@ -117,7 +123,7 @@ class NodeAgent:
         handles = []
         for spec in specs:
             self.specs[spec.id] = spec
-            await self._initial_health(spec.id)
+            await self.initial_health(spec.id)
             try:
                 handle = self.backend.launch(spec, self.log_dir, self.worker_env)
             except FleetwardError as exc:
@@ -137,7 +143,7 @@ class NodeAgent:
                 await self._start_failed(handle.spec.id, str(exc))
                 note(handle.spec.id, "failed")
                 return
-            await self._register(handle)
+            await self.register(handle)
             note(handle.spec.id, "ready")
 
         async with asyncio.TaskGroup() as tg:
@@ -147,6 +153,7 @@ class NodeAgent:
     async def aclose(self, *, grace: float = 10.0) -> None:
         """Stop every worker (ordered), revoke the lease (keys vanish now), publish ``worker.down``."""
         self._closing = True
+        await self.adopter.aclose()
         tasks = [*self._watchers.values(), *self._tasks]
         for task in tasks:
             task.cancel()
@@ -158,7 +165,10 @@ class NodeAgent:
         for wid in list(self._tree_fds):
             self._forget_tree(wid)
         handles = list(self.handles.values())
-        await asyncio.gather(*(self.backend.stop(h, grace=grace) for h in handles), return_exceptions=True)
+        # Servers someone else runs are left running: the agent only gives them up.
+        owned = [h for h in handles if self._backend_for(h.spec.id).owns_processes]
+        await asyncio.gather(*(self._backend_for(h.spec.id).stop(h, grace=grace) for h in owned),
+                             return_exceptions=True)
         if self._lease is not None:
             await self._lease.aclose()
             self._lease = None
@@ -170,6 +180,42 @@ class NodeAgent:
             await self.bus.publish("worker.down", worker=h.spec.id, node=self.node, reason="stopped")
         self.handles.clear()
         await self._http.aclose()
+
+    def _backend_for(self, worker_id: str) -> Backend:
+        return self._backends.get(worker_id, self.backend)
+
+    def adopted_backend(self, worker_id: str, backend: Backend, spec: WorkerSpec) -> None:
+        """A worker this agent protects but did not start (see :mod:`fleetward.supervisor.adoption`)."""
+        self._backends[worker_id] = backend
+        self.specs[worker_id] = spec
+
+    async def forget(self, worker_id: str) -> None:
+        """Stop protecting a worker without touching its process: its registration and records go."""
+        watcher = self._watchers.pop(worker_id, None)
+        if watcher is not None:
+            watcher.cancel()
+        self._forget_tree(worker_id)
+        self.handles.pop(worker_id, None)
+        self.specs.pop(worker_id, None)
+        self._backends.pop(worker_id, None)
+        with contextlib.suppress(UnavailableError, StoreError):
+            await self.store.delete(self.keys.worker(worker_id))
+            await self.store.delete(self.keys.health_of(worker_id))
+            await self.store.delete(self.keys.signals + worker_id + "/", prefix=True)
+        await self.bus.publish("worker.down", worker=worker_id, node=self.node, reason="given up")
+
+    async def _leave_for_operator(self, worker_id: str) -> None:
+        """A server that cannot be restarted from here: deregistered (no new work goes to it), left
+        running for an operator, and taken back once it serves again."""
+        watcher = self._watchers.pop(worker_id, None)
+        if watcher is not None:
+            watcher.cancel()
+        self._forget_tree(worker_id)
+        handle = self.handles.pop(worker_id, None)
+        with contextlib.suppress(UnavailableError):
+            await self.store.delete(self.keys.worker(worker_id))
+        await self.bus.publish("worker.down", worker=worker_id, node=self.node, reason="left for an operator")
+        self.adopter.watch_for_return(worker_id, handle.process.pid if handle is not None else None)
 
     # -- this node's processes --------------------------------------------------------------------------
 
@@ -201,7 +247,7 @@ class NodeAgent:
 
     # -- registration and facts -------------------------------------------------------------------------
 
-    async def _initial_health(self, worker_id: str) -> None:
+    async def initial_health(self, worker_id: str) -> None:
         """``starting`` for a worker we launch, unless the leader already keeps a record of it."""
         rec = launched_health(self.node, self.clock.wall())
         key = self.keys.health_of(worker_id)
@@ -224,8 +270,12 @@ class NodeAgent:
         else:
             raised.add(detector)
 
-    async def _register(self, handle: WorkerHandle) -> None:
+    async def register(self, handle: WorkerHandle) -> None:
+        """Register a ready worker under the lease (``workers/<id>``), then watch its process's exit."""
         spec = handle.spec
+        old = self._watchers.pop(spec.id, None)
+        if old is not None:
+            old.cancel()
         self.failed.pop(spec.id, None)
         ok = running_signal(spec.id, handle.process.pid, self.clock.wall())
         await self.signal(spec.id, ok.detector, ok.severity, ok.reason)
@@ -255,7 +305,7 @@ class NodeAgent:
         if self._closing or self.handles.get(handle.spec.id) is not handle:
             return  # we stopped it on purpose
         worker_id = handle.spec.id
-        reason = f"process exited with code {code}"
+        reason = f"process exited with code {code}" if code is not None else "process exited"
         log.warning("worker %s: %s", worker_id, reason)
         self.handles.pop(worker_id, None)
         # The signal first, then the deregistration: the leader learns why before it sees it go.
@@ -263,6 +313,15 @@ class NodeAgent:
         with contextlib.suppress(UnavailableError):
             await self.store.delete(self.keys.worker(worker_id))
         await self.bus.publish("worker.down", worker=worker_id, node=self.node, reason=reason, exit_code=code)
+        # What the process left behind (vLLM's EngineCore and Worker outlive a killed API server, holding
+        # memory, and on a GPU its memory): stopped now, not at the next restart, which may never come.
+        leftovers = handle.process.leftovers()
+        if leftovers:
+            log.warning("worker %s: %d process(es) of its tree outlived it (pids %s); stopping them", worker_id,
+                        len(leftovers), ", ".join(str(p.pid) for p in leftovers))
+            await self._backend_for(worker_id).stop(handle, grace=5)
+            if not handle.process.survivors:
+                log.info("worker %s: its tree is gone", worker_id)
 
     async def _renew_lost_lease(self) -> None:
         while True:
@@ -331,8 +390,8 @@ class NodeAgent:
             if ticks % 8 == 0:
                 await self._read_running()
             for wid, handle in list(self.handles.items()):
-                if not handle.process.is_running or wid in self._restarting:
-                    continue
+                if handle.process.pid is None or not handle.process.is_running or wid in self._restarting:
+                    continue  # no process to look at (a server known by URL only), or it is being replaced
                 sample = await asyncio.to_thread(self._engine_sample, handle)
                 watched = self._tree_fds.get(wid, {})
                 for pid, name, _, _ in sample.processes:
@@ -446,8 +505,9 @@ class NodeAgent:
     async def _stop(self, worker_id: str) -> None:
         self._forget_tree(worker_id)
         handle = self.handles.pop(worker_id, None)
-        if handle is not None:
-            await self.backend.stop(handle, grace=5)
+        backend = self._backend_for(worker_id)
+        if handle is not None and backend.owns_processes:
+            await backend.stop(handle, grace=5)
         with contextlib.suppress(UnavailableError):
             await self.store.delete(self.keys.worker(worker_id))
 
@@ -477,6 +537,11 @@ class NodeAgent:
             return await self._restart(worker_id, spec=spec, delay=delay)
 
     async def _restart(self, worker_id: str, *, spec: WorkerSpec | None, delay: float) -> WorkerHandle:
+        backend = self._backend_for(worker_id)
+        if not backend.can_restart:
+            await self._leave_for_operator(worker_id)
+            raise LeftForOperator(f"{worker_id} is a server fleetward did not start, with no restart_command: "
+                                  "drained and left for an operator (it is taken back once it serves again)")
         self._restarting.add(worker_id)
         try:
             self._forget_tree(worker_id)
@@ -485,7 +550,7 @@ class NodeAgent:
             if watcher is not None:
                 watcher.cancel()
             if old is not None:
-                await self.backend.stop(old, grace=5)
+                await backend.stop(old, grace=5)
             spec = spec or self.specs.get(worker_id)
             if spec is None:
                 raise FleetwardError(f"unknown worker {worker_id} on node {self.node}")
@@ -502,20 +567,21 @@ class NodeAgent:
                                                                          max=self.config.backoff_max_s),
                                                    sleep=self.clock.sleep, reraise=True):
                     with attempt:
-                        if not port_is_free(spec.host, spec.port):
+                        # Our own worker moves to a free port; a server someone else runs keeps its address.
+                        if backend.owns_processes and not port_is_free(spec.host, spec.port):
                             spec = dataclasses.replace(spec, port=free_port(spec.host))
                         self.specs[worker_id] = spec
-                        handle = self.backend.launch(spec, self.log_dir, self.worker_env)
+                        handle = backend.launch(spec, self.log_dir, self.worker_env)
                         self.handles[worker_id] = handle
                         try:
-                            await self.backend.wait_ready(handle)
+                            await backend.wait_ready(handle)
                         except FleetwardError:
                             self.handles.pop(worker_id, None)
-                            await self.backend.stop(handle, grace=2)
+                            await backend.stop(handle, grace=2)
                             raise
             except RetryError as exc:  # pragma: no cover - reraise=True gives the last error instead
                 raise FleetwardError(str(exc)) from exc
-            await self._register(handle)
+            await self.register(handle)
             return handle
         finally:
             self._restarting.discard(worker_id)

@@ -20,7 +20,9 @@ Per test (function-scoped):
 - ``make_etcd(**kw)`` / ``make_broker(**kw)``: private etcd / broker instances for tests that stop or
   restart them (the shared ones are never restarted); stopped after the test;
 - ``spawn_python(code, *args, ready="READY")``: run ``python -c code args...`` as a
-  :class:`ManagedProcess` and wait until its output holds the ``ready`` line; stopped after the test.
+  :class:`ManagedProcess` and wait until its output holds the ``ready`` line; stopped after the test;
+- ``outside_servers(n, sim_config)``: simulated workers started as an operator starts servers (detached,
+  a pidfile each, a command to start one again), for fleetward to adopt; killed after the test.
 
 Leftover processes: after each test module, any process started during the module that is still alive
 (a descendant of pytest, or an orphan carrying this session's mark in its environment) and not registered
@@ -35,6 +37,7 @@ import contextlib
 import inspect
 import os
 import re
+import subprocess
 import sys
 import uuid
 import warnings
@@ -47,11 +50,12 @@ import pytest
 import pytest_asyncio
 
 from fleetward.fleet.bus import MqttBus
+from fleetward.fleet.config import AttachConfig, SimConfig
 from fleetward.fleet.errors import FleetwardError
 from fleetward.fleet.etcd import EtcdStore
 from fleetward.fleet.infra import LocalBroker, LocalEtcd
 from fleetward.fleet.keys import Keys
-from fleetward.fleet.procs import ManagedProcess, is_gone
+from fleetward.fleet.procs import ManagedProcess, free_port, is_gone, pid_from_file
 
 # -- leftover processes -----------------------------------------------------------------------------------
 
@@ -307,3 +311,71 @@ async def spawn_python(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
         for proc in started:
             await proc.stop(grace=2.0)
 
+
+
+# -- servers fleetward did not start -----------------------------------------------------------------------
+
+# What an operator's start script does: run the server detached (its own session), write its pid, return.
+START = """
+import subprocess, sys
+port, pidfile, log, config = sys.argv[1:5]
+p = subprocess.Popen([sys.executable, "-m", "fleetward.sim.server", "--port", port, "--config-json", config],
+                     stdout=open(log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                     start_new_session=True)
+open(pidfile, "w").write(str(p.pid))
+"""
+
+
+class OutsideServer:
+    """One server started outside fleetward, and the command that starts it (again)."""
+
+    def __init__(self, root: Path, name: str, config: SimConfig) -> None:
+        self.config = config
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.pidfile = root / f"{name}.pid"
+        self.command = [sys.executable, "-c", START, str(self.port), str(self.pidfile), str(root / f"{name}.log"),
+                        self.config.model_dump_json()]
+
+    def start(self) -> None:
+        subprocess.run(self.command, check=True, timeout=30)
+
+    @property
+    def process(self) -> psutil.Process | None:
+        pid = pid_from_file(self.pidfile)
+        try:
+            return psutil.Process(pid) if pid else None
+        except psutil.NoSuchProcess:
+            return None
+
+    def kill(self) -> None:
+        p = self.process
+        if p is not None and not is_gone(p):
+            p.kill()
+
+    def entry(self, *, restart: bool, process: bool = True, **kw: Any) -> AttachConfig:
+        return AttachConfig(url=self.url, process={"pidfile": self.pidfile} if process else None,
+                            restart_command=self.command if restart else (), **kw)
+
+
+
+
+@pytest.fixture
+def outside_servers(tmp_path: Path) -> Iterator[Callable[..., list[OutsideServer]]]:
+    """``outside_servers(n, sim_config)``: n simulated workers started the way an operator starts theirs
+    (detached, a pidfile each), for fleetward to adopt. Killed after the test, wherever they were restarted."""
+    made: list[OutsideServer] = []
+
+    def start(n: int, config: SimConfig) -> list[OutsideServer]:
+        batch = [OutsideServer(tmp_path / "outside", f"s{len(made) + i}", config) for i in range(n)]
+        (tmp_path / "outside").mkdir(exist_ok=True)
+        for server in batch:
+            server.start()
+        made.extend(batch)
+        return batch
+
+    try:
+        yield start
+    finally:
+        for server in made:
+            server.kill()

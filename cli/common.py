@@ -1,0 +1,36 @@
+"""What the commands share: the consoles, and finding the local fleet (its state file, its endpoints)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from fleetward.fleet.config import FleetConfig
+from fleetward.fleet.state import read_state, state_path
+
+__all__ = ["err", "local_endpoint", "out", "state_file"]
+
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def state_file(run_dir: Path | None, cluster: str | None) -> Path:
+    defaults = FleetConfig()
+    return state_path(run_dir or defaults.run_dir, cluster or defaults.cluster)
+
+
+def local_endpoint(args: argparse.Namespace, kind: str) -> tuple[str, str]:
+    """(endpoint, cluster) from the flag, the environment, or the local fleet's state file."""
+    flag = getattr(args, kind, None)
+    cluster = args.cluster or os.environ.get("FLEETWARD_CLUSTER") or FleetConfig().cluster
+    if flag:
+        return flag, cluster
+    env = os.environ.get(f"FLEETWARD_{kind.upper()}")
+    if env:
+        return env, cluster
+    data = read_state(state_file(args.run_dir, args.cluster), hint=f", or pass --{kind} host:port", field=kind)
+    return data[kind], data.get("cluster", cluster)

@@ -1,0 +1,202 @@
+"""Servers fleetward did not start: adopted by URL (and by their process), protected, never killed blindly.
+
+The servers here are simulated workers started the way an operator starts theirs (conftest's
+``outside_servers``): a command that runs the server detached and writes a pidfile (not a child of fleetward,
+nor of this test once that command ended).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import psutil
+import pytest
+import pytest_asyncio
+
+from fleetward.chaos.harness import TestFleet
+from fleetward.chaos.workload import sse_lines
+from fleetward.fleet.config import AttachConfig, FleetConfig, RouterConfig, SimConfig, SupervisorConfig
+from fleetward.fleet.errors import ConfigError
+from fleetward.fleet.procs import is_gone
+from fleetward.fleet.registry import read_fleet
+from fleetward.migration.policy import LeastLoadedAffinity, prefix_key
+from fleetward.sim.model import SimModel
+from fleetward.sim.tokenizer import encode
+
+SIM = SimConfig(decode_step_ms=5.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=11)
+MODEL = SimModel(seed=SIM.seed)
+SUPERVISOR = SupervisorConfig(restart_budget=1000, backoff_initial_s=0.05, backoff_max_s=0.2)
+
+Server = Any  # conftest's OutsideServer
+
+
+@pytest.fixture
+def servers(outside_servers: Any) -> list[Server]:
+    return list(outside_servers(2, SIM))
+
+
+async def adopted_fleet(tmp_path: Path, etcd: str, mqtt: str, cluster: str, entries: list[AttachConfig]
+                        ) -> TestFleet:
+    fleet = TestFleet(etcd=etcd, mqtt=mqtt, cluster=cluster, run_dir=tmp_path / "fleet", workers=0, attach=entries,
+                      supervisor=SUPERVISOR, routing=RouterConfig(stall_floor_s=0.5), node="n1")
+    await fleet.start()
+    await fleet.start_router("r0")
+    await fleet.wait_healthy(timeout=60)
+    return fleet
+
+
+@pytest_asyncio.fixture
+async def restartable(tmp_path: Path, etcd_endpoint: str, broker_endpoint: str, cluster: str,
+                      servers: list[Server]) -> AsyncIterator[TestFleet]:
+    fleet = await adopted_fleet(tmp_path, etcd_endpoint, broker_endpoint, cluster,
+                                [s.entry(restart=True) for s in servers])
+    try:
+        yield fleet
+    finally:
+        await fleet.aclose()
+
+
+async def stream(router_url: str, prompt: list[int], n: int, *, on_tokens: Any = None) -> list[int]:
+    tokens: list[int] = []
+    body = {"model": SIM.model_name, "prompt": prompt, "max_tokens": n, "stream": True, "return_token_ids": True}
+    async with httpx.AsyncClient(timeout=60) as client, \
+            client.stream("POST", router_url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in sse_lines(r.aiter_bytes()):
+            if line.startswith("data: {"):
+                data = orjson.loads(line[6:])
+                assert "error" not in data, data
+                tokens += data["choices"][0]["token_ids"]
+                if on_tokens is not None:
+                    await on_tokens(len(tokens))
+    return tokens
+
+
+def serving(fleet: TestFleet, prompt: list[int]) -> str:
+    return LeastLoadedAffinity().choose(fleet.worker_ids, {}, prefix_key(prompt))
+
+
+def by_id(fleet: TestFleet, servers: list[Server], worker: str) -> Server:
+    return next(s for s in servers if fleet.url(worker) == s.url)
+
+
+async def health(fleet: TestFleet, worker: str) -> tuple[str, str]:
+    h = (await read_fleet(fleet.store, fleet.keys)).health.get(worker)
+    return (h.state.value, h.reason) if h is not None else ("none", "")
+
+
+async def test_adopted_servers_are_routed_and_a_killed_ones_stream_stays_exact_then_its_command_restarts_it(
+        restartable: TestFleet, servers: list[Server], wait_until: Any) -> None:
+    fleet = restartable
+    assert sorted(fleet.url(w) for w in fleet.worker_ids) == sorted(s.url for s in servers)
+    status = await fleet.fleet_status()
+    assert {w["health"] for w in status["workers"]} == {"ready"}
+    prompt = encode("an adopted server dies mid-stream: ")
+    victim = serving(fleet, prompt)
+    server = by_id(fleet, servers, victim)
+    old = server.process
+    assert old is not None and fleet.processes(victim)[0].pid == old.pid, "its process is watched"
+
+    async def kill_at(n: int) -> None:
+        if n >= 30 and not is_gone(old):
+            old.kill()
+
+    got = await stream(fleet.routers[0].url, prompt, 120, on_tokens=kill_at)
+    assert got == MODEL.continuation(prompt, 120), "the stream moved to the other server and stayed exact"
+    # The operator's command brought it back: a new process, watched, canaried, ready.
+    await wait_until(lambda: (p := server.process) is not None and p.pid != old.pid, timeout=30,
+                     message="the restart command started the server again")
+    await fleet.wait_healthy(timeout=60)
+    assert fleet.processes(victim)[0].pid == server.process.pid  # type: ignore[union-attr]
+
+
+async def test_a_frozen_adopted_server_is_detected_through_its_process(
+        restartable: TestFleet, servers: list[Server], wait_until: Any) -> None:
+    fleet = restartable
+    victim = fleet.worker_ids[0]
+    process = by_id(fleet, servers, victim).process
+    assert process is not None
+    process.send_signal(signal.SIGSTOP)
+    try:
+        async def frozen() -> bool:
+            state, reason = await health(fleet, victim)
+            return state in ("unhealthy", "restarting") and "stopped" in reason
+
+        await wait_until(frozen, timeout=20, message="the engine-frozen detector saw the stopped process")
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(signal.SIGCONT)
+    await fleet.wait_healthy(timeout=60)
+
+
+async def test_without_a_restart_command_a_failed_server_is_drained_left_running_and_taken_back(
+        tmp_path: Path, etcd_endpoint: str, broker_endpoint: str, cluster: str, servers: list[Server],
+        wait_until: Any) -> None:
+    fleet = await adopted_fleet(tmp_path, etcd_endpoint, broker_endpoint, cluster,
+                                [s.entry(restart=False) for s in servers])
+    try:
+        victim = fleet.worker_ids[0]
+        server = by_id(fleet, servers, victim)
+        process = server.process
+        assert process is not None
+        process.send_signal(signal.SIGSTOP)  # hung, not dead: fleetward must not kill it
+
+        async def left() -> bool:
+            state, reason = await health(fleet, victim)
+            return state == "dead" and "left for an operator" in reason
+
+        await wait_until(left, timeout=30, message="the hung server was drained and left for an operator")
+        assert not is_gone(process), "a server fleetward did not start and cannot restart is never killed"
+        assert victim not in {w.id for w in (await read_fleet(fleet.store, fleet.keys)).routable()}
+        # The operator restarts it; fleetward takes it back.
+        process.kill()
+        await asyncio.to_thread(server.start)
+        await fleet.wait_healthy(timeout=60)
+        assert fleet.processes(victim)[0].pid == server.process.pid  # type: ignore[union-attr]
+    finally:
+        await fleet.aclose()
+
+
+async def test_a_server_known_by_url_only_is_protected_and_given_up_without_being_touched(
+        tmp_path: Path, etcd_endpoint: str, broker_endpoint: str, cluster: str, servers: list[Server],
+        wait_until: Any) -> None:
+    fleet = await adopted_fleet(tmp_path, etcd_endpoint, broker_endpoint, cluster,
+                                [s.entry(restart=False, process=False) for s in servers])
+    try:
+        assert all(fleet.processes(w) == [] for w in fleet.worker_ids), "no process to watch: URL only"
+        prompt = encode("by url only: ")
+        assert await stream(fleet.routers[0].url, prompt, 20) == MODEL.continuation(prompt, 20)
+        gone = fleet.worker_ids[0]
+        await fleet.store.delete(fleet.keys.attached(gone))  # what `fleetward worker remove` does
+
+        async def given_up() -> bool:
+            return gone not in (await read_fleet(fleet.store, fleet.keys)).workers
+
+        await wait_until(given_up, timeout=10, message="the agent gave the server up")
+    finally:
+        await fleet.aclose()
+    assert all(s.process is not None and not is_gone(s.process) for s in servers), \
+        "giving a server up, and stopping the agent, leave it running"
+
+
+def test_an_attach_entry_is_checked_with_file_line_and_field(tmp_path: Path) -> None:
+    from fleetward.fleet.config import load_fleet_config
+
+    path = tmp_path / "fleet.yaml"
+    path.write_text("workers: 0\nattach:\n  - url: http://10.0.0.5:8000\n    process: {pidfile: /run/a.pid, "
+                    "container: vllm}\n")
+    with pytest.raises(ConfigError) as info:
+        load_fleet_config(path)
+    assert (info.value.line, info.value.field) == (4, "attach[0].process")
+    assert "exactly one of pidfile, systemd_unit and container" in str(info.value)
+    ok = FleetConfig.model_validate({"attach": [{"url": "http://10.0.0.5:8000", "restart_command":
+                                                  "systemctl restart vllm@0"}]})
+    assert ok.attach[0].restart_command == ("systemctl", "restart", "vllm@0")
+    assert ok.attach[0].worker_id("gpu-3") == "gpu-3-10-0-0-5-8000"

@@ -1,0 +1,170 @@
+"""A production install: the three daemons from one YAML file and a token file, beside servers someone else
+runs, and `fleetward worker add|remove` at run time. Processes, flags and files as docs/deploy.md says."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest_asyncio
+import yaml
+
+from fleetward.fleet.config import SimConfig, load_fleet_config
+from fleetward.fleet.etcd import EtcdStore
+from fleetward.fleet.keys import Keys
+from fleetward.fleet.launch import fleetward_argv, start_service
+from fleetward.fleet.procs import ManagedProcess, free_port, is_gone
+from fleetward.fleet.registry import read_fleet
+
+ROOT = Path(__file__).resolve().parents[1]
+SIM = SimConfig(decode_step_ms=3.0, seed=3)
+
+
+def test_the_example_fleet_file_is_valid() -> None:
+    config = load_fleet_config(ROOT / "deploy" / "fleet.example.yaml")
+    assert config.workers == 0 and len(config.attach) == 2
+    assert config.attach[0].restart_command == ("systemctl", "restart", "vllm@0.service")
+    for unit in ("agent", "controller", "router"):
+        text = (ROOT / "deploy" / "systemd" / f"fleetward-{unit}.service").read_text()
+        assert f"fleetward {unit} --config /etc/fleetward/fleet.yaml" in text
+
+
+class Install:
+    def __init__(self, root: Path, etcd: str, mqtt: str, cluster: str, servers: list[Any]) -> None:
+        self.root = root
+        self.cluster = cluster
+        self.etcd = etcd
+        self.token_file = root / "admin-token"
+        self.token_file.write_text("daemon-test-token\n")
+        self.token_file.chmod(0o600)
+        self.router_port, self.control_port = free_port(), free_port()
+        self.config = root / "fleet.yaml"
+        self.config.write_text(yaml.safe_dump({
+            "cluster": cluster, "etcd": etcd, "mqtt": mqtt, "admin_token_file": str(self.token_file),
+            "run_dir": str(root / "state"), "workers": 0, "node": "host-a",
+            "attach": [{"url": servers[0].url, "id": "gpu0", "process": {"pidfile": str(servers[0].pidfile)},
+                        "restart_command": servers[0].command}],
+            "routing": {"port": self.router_port}, "supervisor": {"port": self.control_port}}))
+        self.daemons: list[ManagedProcess] = []
+
+    @property
+    def router(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}"
+
+    async def start(self) -> None:
+        env = {"PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"}
+        for name, url in (("controller", f"http://127.0.0.1:{self.control_port}"), ("router", self.router)):
+            svc = await start_service(name, fleetward_argv(name, "--config", str(self.config)), url=url,
+                                      log_path=self.root / f"{name}.log", env=env)
+            self.daemons.append(svc.process)
+        agent = ManagedProcess("agent", fleetward_argv("agent", "--config", str(self.config)),
+                               log_path=self.root / "agent.log", env=env).start()
+        self.daemons.append(agent)
+
+    async def stop(self) -> None:
+        for d in reversed(self.daemons):
+            await d.stop(grace=30)
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(fleetward_argv(*args, "--etcd", self.etcd, "--cluster", self.cluster),
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONSAFEPATH": "1"})
+
+
+@pytest_asyncio.fixture
+async def install(tmp_path: Path, etcd_endpoint: str, broker_endpoint: str, cluster: str,
+                  outside_servers: Any) -> AsyncIterator[tuple[Install, list[Any]]]:
+    servers = outside_servers(2, SIM)
+    inst = Install(tmp_path, etcd_endpoint, broker_endpoint, cluster, servers)
+    await inst.start()
+    try:
+        yield inst, servers
+    finally:
+        await inst.stop()
+
+
+async def test_three_daemons_from_one_file_protect_servers_they_did_not_start(
+        install: tuple[Install, list[Any]], wait_until: Any) -> None:
+    inst, servers = install
+    keys = Keys(inst.cluster)
+    async with EtcdStore(inst.etcd) as store:
+        async def ready(worker: str) -> bool:
+            h = (await read_fleet(store, keys)).health.get(worker)
+            return h is not None and h.state.value == "ready"
+
+        await wait_until(lambda: ready("gpu0"), timeout=60, message="gpu0 adopted and canaried")
+        async with httpx.AsyncClient(timeout=30) as client:
+            r = await client.post(f"{inst.router}/v1/completions",
+                                  json={"model": SIM.model_name, "prompt": [40, 41], "max_tokens": 5})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+        # A second server at run time, on the agent's node; then given up again.
+        added = inst.cli("worker", "add", servers[1].url, "--node", "host-a", "--id", "gpu1")
+        assert added.returncode == 0, added.stderr
+        assert "gpu1: adopted" in added.stdout and "drained and left for an operator" in added.stdout
+        await wait_until(lambda: ready("gpu1"), timeout=60, message="gpu1 adopted at run time")
+        removed = inst.cli("worker", "remove", "gpu1")
+        assert removed.returncode == 0 and "keeps running" in removed.stdout, removed.stderr
+        assert "gpu1" not in (await read_fleet(store, keys)).workers
+        unknown = inst.cli("worker", "remove", "nobody")
+        assert unknown.returncode == 2 and "not a server fleetward adopted" in unknown.stderr
+
+        # The operator's commands take the token from a file.
+        drained = inst.cli("drain", "gpu0", "--admin-token-file", str(inst.token_file))
+        assert drained.returncode == 0, drained.stderr
+    await inst.stop()
+    assert all(not is_gone(s.process) for s in servers), "stopping the daemons leaves the servers running"
+
+
+def test_a_token_file_readable_by_others_is_refused(tmp_path: Path, etcd_endpoint: str,
+                                                    broker_endpoint: str) -> None:
+    token = tmp_path / "admin-token"
+    token.write_text("t\n")
+    token.chmod(0o644)
+    r = subprocess.run(fleetward_argv("controller", "--etcd", etcd_endpoint, "--mqtt", broker_endpoint,
+                                      "--admin-token-file", str(token)),
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert r.returncode == 2 and "readable by others (chmod 600 it)" in r.stderr, r.stderr
+
+
+
+async def test_up_with_no_workers_of_its_own_adopts_the_servers_of_its_file(
+        tmp_path: Path, outside_servers: Any, wait_until: Any) -> None:
+    """The README's path beside servers one started oneself: `fleetward up --config f.yaml` with `workers: 0`
+    and `attach:`; a request through its router reaches them; Ctrl-C leaves them running, and nothing of
+    fleetward's."""
+    servers = outside_servers(2, SIM)
+    config = tmp_path / "beside.yaml"
+    config.write_text(yaml.safe_dump({"workers": 0, "attach": [
+        {"url": s.url, "process": {"pidfile": str(s.pidfile)}} for s in servers]}))
+    env = {"PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"}
+    up = ManagedProcess("fleetward up", fleetward_argv("up", "--config", str(config), "--run-dir", str(tmp_path),
+                                                       "--cluster", "beside"),
+                        log_path=tmp_path / "up.log", env=env).start()
+    try:
+        def router() -> str | None:
+            for line in up.log_tail(60).splitlines():
+                if line.strip().startswith("router "):
+                    return line.split()[1]
+            return None
+
+        url = await wait_until(router, timeout=90, interval=0.2, message="up prints its router")
+        assert "adopted" in up.log_tail(60)
+
+        async def answered() -> bool:
+            async with httpx.AsyncClient(timeout=10) as client:
+                r = await client.post(f"{url}/v1/completions", json={"model": SIM.model_name, "prompt": [40],
+                                                                     "max_tokens": 3})
+            return r.status_code == 200
+
+        await wait_until(answered, timeout=60, interval=0.5, message="a request through up's router")
+        up.signal(15)
+        assert await up.wait_exit() == 0
+        assert "no process left behind" in up.log_tail()
+        assert all(not is_gone(s.process) for s in servers), "the adopted servers keep running"
+    finally:
+        await up.stop()
