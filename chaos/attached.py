@@ -4,7 +4,8 @@
 the fleet ``fleetward up`` runs (``<run dir>/<cluster>/fleet.json``). What works through the fleet's own
 interfaces works: its state, its events, simulated workers' fault switches, the supervisor's control
 API. Its processes are not ours to kill or restart: those levers raise
-:class:`~fleetward.fleet.handle.NotOurs`.
+:class:`~fleetward.fleet.handle.NotOurs`; they may still be looked at (:meth:`AttachedFleet.command_line`: how
+a worker was started), and a worker may be asked for a completion (:meth:`AttachedFleet.complete`).
 """
 
 from __future__ import annotations
@@ -110,6 +111,29 @@ class AttachedFleet(FleetClient):
 
     def processes(self, worker: str) -> list[psutil.Process]:
         return []
+
+    def command_line(self, worker: str) -> list[str] | None:
+        """The command line of the worker's server process, by the pid its node agent registered; ``None``
+        when there is none here (no pid, a worker on another host, a process gone)."""
+        rec = self.records.get(worker)
+        if rec is None or rec.pid is None:
+            return None
+        try:
+            return psutil.Process(rec.pid).cmdline()
+        except psutil.Error:
+            return None
+
+    async def complete(self, worker: str, prompt: Sequence[int], max_tokens: int) -> list[int] | None:
+        """The token ids of a greedy completion of ``prompt`` straight from the worker; ``None`` when it
+        does not answer with them."""
+        body = {"model": self.spec(worker).model, "prompt": list(prompt), "max_tokens": max_tokens,
+                "temperature": 0, "return_token_ids": True}
+        try:
+            r = await self._http.post(f"{self.url(worker)}/v1/completions", json=body)
+            ids = r.json()["choices"][0]["token_ids"] if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, LookupError, TypeError):
+            return None
+        return [int(t) for t in ids] if isinstance(ids, list) else None
 
     def engine_processes(self, worker: str) -> list[psutil.Process]:
         return []

@@ -6,7 +6,8 @@
     fleetward chaos validate FILE...
 
 Exit codes: 0 the run completed, the hypothesis held and no checker failed; 1 otherwise; 2 a bad
-experiment file or flag; 130 interrupted. ``--strict`` also exits 3 when a checker could not tell
+experiment file or flag, or a fleet to attach to that is not the declared one (the run never began: no
+checks are printed, only the error); 130 interrupted. ``--strict`` also exits 3 when a checker could not tell
 (``unknown``).
 """
 
@@ -48,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("file", type=Path, help="experiment YAML (see docs/chaos.md)")
     run.add_argument("--out", type=Path, help="the run folder (default runs/chaos/<time>-<title>)")
     run.add_argument("--attach", action="store_true", help="use the fleet `fleetward up` runs instead of "
-                     "bringing one up (process faults are not available then)")
+                     "bringing one up (process faults are not available then); the experiment's workers "
+                     "<fleet.node>-w<i> are the fleet's <its node>-w<i>")
     run.add_argument("--cluster", help="with --attach: the local fleet's cluster (default: the experiment's, or "
                      "local)")
     run.add_argument("--run-dir", dest="run_dir", type=Path, default=Path(".fleetward"),

@@ -28,12 +28,20 @@ Experiment files as tests
 Markers
     ``fleetward_chaos`` (a chaos scenario), ``root`` (needs root: skipped with a reason otherwise;
     experiments with a root-only fault get it automatically).
+
+Async tests
+    The fleet and experiment fixtures are used from ``async def`` tests, which pytest runs only through a
+    plugin (pytest-asyncio: ``@pytest.mark.asyncio`` or ``asyncio_mode = "auto"``; or anyio's marker). An
+    ``async def`` test that uses a ``fleetward_*`` fixture and that no such plugin takes fails at setup,
+    before any fixture starts, saying what to add (pytest alone says only that async functions are not
+    natively supported). docs/chaos.md has a complete example.
 """
 
 from __future__ import annotations
 
 import asyncio
 import fnmatch
+import inspect
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -61,9 +69,35 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "root: needs root (skipped with a reason otherwise)")
 
 
+_FIXTURES = ("fleetward_etcd", "fleetward_mqtt", "fleetward_fleet", "fleetward_proxy", "fleetward_gpu",
+             "fleetward_experiment")
+_ASYNC_MARKERS = ("asyncio", "anyio")  # pytest-asyncio (its auto mode adds the marker at collection), anyio
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    unrun = _unrun_coroutine(item)
+    if unrun is not None:
+        pytest.fail(unrun, pytrace=False)
     if item.get_closest_marker("root") is not None and os.geteuid() != 0:
         pytest.skip("needs root (this test run is not root)")
+
+
+def _unrun_coroutine(item: pytest.Item) -> str | None:
+    """What to add when ``item`` is an ``async def`` test using our fixtures that no plugin will run."""
+    fn = getattr(item, "obj", None)
+    if not isinstance(item, pytest.Function) or not (inspect.iscoroutinefunction(fn)
+                                                     or inspect.isasyncgenfunction(fn)):
+        return None
+    ours = [f for f in item.fixturenames if f in _FIXTURES]
+    if not ours or any(item.get_closest_marker(m) is not None for m in _ASYNC_MARKERS):
+        return None
+    named = [f for f in inspect.signature(fn).parameters if f in ours] or ours  # not those they depend on
+    install = "" if item.config.pluginmanager.hasplugin("asyncio") else "pip install pytest-asyncio, then "
+    return (f"{item.name} is an async def test (it uses {', '.join(named)}) and nothing runs it: "
+            f"{install}mark it @pytest.mark.asyncio, or set asyncio_mode = \"auto\" in the pytest config "
+            "(with asyncio_default_fixture_loop_scope = \"function\"); see \"A complete example\" in "
+            "fleetward's docs/chaos.md")
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
@@ -122,6 +156,10 @@ class ExperimentItem(pytest.Item):
             raise ExperimentFailed(result)
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
+        from fleetward.fleet.errors import ConfigError
+
+        if isinstance(excinfo.value, ConfigError):  # the run never began (e.g. the root-only faults)
+            return f"experiment {self.experiment.title!r} could not run: {excinfo.value}"
         if isinstance(excinfo.value, ExperimentFailed):
             result = excinfo.value.result
             return "\n".join([f"experiment {self.experiment.title!r} did not pass:",

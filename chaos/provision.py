@@ -9,14 +9,24 @@ fault context when the testbed started the fleet (proxies, etcd members, the fak
   says: its own etcd (1 or 3 members) and broker unless given, proxies, controllers, fake GPUs;
 - :func:`given_fleet`: a running ``TestFleet`` (e.g. a test session's vLLM workers, which take a minute to
   start), used as it is; the routers it lacks are started for the run and stopped after it;
-- :func:`attached_fleet`: the fleet ``fleetward up`` runs (``<run dir>/<cluster>/fleet.json``).
+- :func:`attached_fleet`: the fleet ``fleetward up`` runs (``<run dir>/<cluster>/fleet.json``). The
+  experiment's workers ``<fleet.node>-w<i>`` stand for the fleet's ``<its node>-w<i>`` when the fleet has no
+  workers of the experiment's node (:func:`on_node`: the experiment is renamed, targets included). A
+  simulated fleet is checked against the model its workers really run (:func:`attached_sim_config`), which
+  is then the run's reference.
+
+A fleet that is not the declared one (other workers, fewer routers, another backend, another simulated
+model, no fleet at all) is a :class:`~fleetward.fleet.errors.ConfigError` before anything runs.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import contextlib
+import re
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,12 +34,15 @@ from typing import Any, TypeVar
 from fleetward.chaos.attached import AttachedFleet
 from fleetward.chaos.experiment import Experiment, declared_ids
 from fleetward.chaos.harness import FleetContext, TestFleet
-from fleetward.fleet.backends import Backend, VllmBackend
+from fleetward.fleet.backends import Backend, SimBackend, VllmBackend
+from fleetward.fleet.config import SimConfig
 from fleetward.fleet.errors import ConfigError
 from fleetward.fleet.handle import Fleet
 from fleetward.fleet.state import read_admin_token, read_state, state_path
+from fleetward.sim.model import SimModel
 
-__all__ = ["Provisioned", "attached_fleet", "given_fleet", "own_fleet", "worker_backend"]
+__all__ = ["Provisioned", "attached_fleet", "attached_sim_config", "given_fleet", "on_node", "own_fleet",
+           "worker_backend"]
 
 T = TypeVar("T")
 Say = Callable[[str], None]
@@ -43,6 +56,7 @@ class Provisioned:
     supervised: bool | None  # None: not known (an attached fleet); the checkers infer it from the history
     context: FleetContext | None = None  # the harness's fault context (the testbed started the fleet)
     started_routers: list[Any] = field(default_factory=list)
+    experiment: Experiment | None = None  # the experiment as it applies to this fleet, when renamed for it
 
 
 def worker_backend(exp: Experiment, *, base: Path | None, run_dir: Path, say: Say) -> Backend:
@@ -135,17 +149,103 @@ async def attached_fleet(exp: Experiment, *, run_dir: Path, cluster: str | None,
     try:
         await fleet.start()
         declared = declared_ids(exp.fleet, "worker") or []
+        node = str(state.get("node") or exp.fleet.node)
+        if node != exp.fleet.node and not set(declared) & set(fleet.worker_ids):
+            say(f"the experiment's workers {exp.fleet.node}-w<i> are this fleet's {node}-w<i>")
+            exp = on_node(exp, node)
+            declared = declared_ids(exp.fleet, "worker") or []
         missing = [w for w in declared if w not in fleet.worker_ids]
         if missing:
             raise ConfigError(f"the attached fleet's workers are {', '.join(fleet.worker_ids) or 'none'}; the "
-                              f"experiment declares {', '.join(declared)} (set fleet.node and fleet.workers to "
-                              "match)", field="fleet.workers")
+                              f"experiment declares {', '.join(declared)} (set fleet.workers to match; worker ids "
+                              "are <node>-w<i>)", field="fleet.workers")
         if len(fleet.routers) < exp.fleet.routers:
             raise ConfigError(f"the attached fleet has {len(fleet.routers)} router(s); the experiment declares "
                               f"{exp.fleet.routers}", field="fleet.routers")
+        kinds = sorted({fleet.records[w].backend for w in declared if w in fleet.records} - {exp.fleet.backend})
+        if kinds:
+            raise ConfigError(f"the attached fleet's workers are {'/'.join(kinds)} workers; the experiment declares "
+                              f"{exp.fleet.backend} workers", field="fleet.backend")
+        if exp.fleet.backend == "sim":
+            fleet.backend = SimBackend(await attached_sim_config(fleet, declared, exp.fleet.sim, say=say))
         ids = {"worker": declared, "router": [r.id for r in fleet.routers][:exp.fleet.routers], "kv": ["kv"],
                "fleet": ["fleet"]}
         say(f"attached to fleet {fleet.cluster} ({len(fleet.worker_ids)} workers)")
-        yield Provisioned(fleet, ids, None)
+        yield Provisioned(fleet, ids, None, experiment=exp)
     finally:
         await fleet.aclose()
+
+
+def on_node(exp: Experiment, node: str) -> Experiment:
+    """``exp`` with its workers ``<fleet.node>-w<i>`` named ``<node>-w<i>``, in its fleet and in every target
+    (``node-w1`` and ``router->worker:node-w1`` alike)."""
+    own = re.compile(rf"(^|:){re.escape(exp.fleet.node)}(-w\d+)$")
+
+    def rename(i: str) -> str:
+        return own.sub(lambda m: f"{m[1]}{node}{m[2]}", i)
+
+    method = tuple(a if a.target is None else a.model_copy(update={"target": a.target.model_copy(
+        update={"ids": tuple(map(rename, a.target.ids))})}) for a in exp.method)
+    return exp.model_copy(update={"fleet": exp.fleet.model_copy(update={"node": node}), "method": method})
+
+
+# What a simulated worker is asked to confirm its model: a few prompts, greedy, EOS allowed.
+_PROBES = tuple([40 + k, 41, 42, 43, 44 + k] for k in range(4))
+_PROBE_TOKENS = 48
+_SIM_ARGV = argparse.ArgumentParser(add_help=False)
+_SIM_ARGV.add_argument("--config-json")
+_SIM_ARGV.add_argument("--model-name")
+
+
+def _sim_config_of(argv: Sequence[str]) -> SimConfig | None:
+    """The config of a simulated worker started as :meth:`~fleetward.fleet.backends.SimBackend.argv` starts
+    one; ``None`` for any other command line."""
+    if "fleetward.sim.server" not in argv:
+        return None
+    args, _ = _SIM_ARGV.parse_known_args(list(argv[list(argv).index("fleetward.sim.server") + 1:]))
+    try:
+        config = SimConfig.model_validate_json(args.config_json) if args.config_json else SimConfig()
+    except ValueError:
+        return None
+    return config.model_copy(update={"model_name": args.model_name}) if args.model_name else config
+
+
+def _model(c: SimConfig) -> str:
+    return f"seed {c.seed}, eos_probability {c.eos_probability:g}"
+
+
+async def attached_sim_config(fleet: AttachedFleet, workers: Sequence[str], declared: SimConfig, *,
+                              say: Say) -> SimConfig:
+    """The config of the attached fleet's simulated workers, whose model is the run's reference.
+
+    Read from the workers' command lines where they run here, else the experiment's ``fleet.sim``; either
+    way every worker that answers a greedy probe must answer what that model generates. A
+    :class:`ConfigError` (``fleet.sim``) when the workers disagree, when one answers otherwise, or when
+    the model could neither be read nor confirmed: no reference at all rather than a wrong one.
+    """
+    read = {w: c for w in workers if (c := _sim_config_of(fleet.command_line(w) or ())) is not None}
+    if len({(c.seed, c.eos_probability) for c in read.values()}) > 1:
+        raise ConfigError("the attached fleet's simulated workers run different models ("
+                          + "; ".join(f"{w}: {_model(c)}" for w, c in read.items())
+                          + "): no one reference fits them", field="fleet.sim")
+    config, source = next(((c, "read from the workers' command lines") for c in read.values()),
+                          (declared, "the experiment's fleet.sim"))
+    model = SimModel(config.seed, config.eos_probability)
+    async with asyncio.TaskGroup() as tg:  # at once: a worker batches them, as it would a workload
+        probes = [(w, prompt, tg.create_task(fleet.complete(w, prompt, _PROBE_TOKENS)))
+                  for w in workers for prompt in _PROBES]
+    answered = [(w, prompt, got) for w, prompt, task in probes if (got := task.result()) is not None]
+    for w, prompt, got in answered:  # a worker that does not answer: the steady-state hypothesis will say so
+        want = model.continuation(prompt, _PROBE_TOKENS)
+        if got != want:
+            raise ConfigError(f"worker {w} does not generate what the simulated model with {_model(config)} "
+                              f"({source}) does: a greedy probe of {prompt} gave {got[:8]}... where that model "
+                              f"gives {want[:8]}...; set fleet.sim.seed and fleet.sim.eos_probability to the "
+                              "fleet's, or clear the worker's fault switches", field="fleet.sim")
+    if not read and not answered:
+        raise ConfigError("cannot tell which model the attached fleet's simulated workers run: their command lines "
+                          "are not readable here and none answered a probe", field="fleet.sim")
+    if (config.seed, config.eos_probability) != (declared.seed, declared.eos_probability):
+        say(f"the reference is the fleet's simulated model ({_model(config)}), not the experiment's fleet.sim "
+            f"({_model(declared)})")
+    return config

@@ -18,7 +18,10 @@ One run, in order (Chaos Toolkit's life of an experiment, with a workload and ti
 
 The run folder holds ``journal.json``, ``history.jsonl``, ``report.html``, ``reference.jsonl`` (when
 recorded) and ``logs/``. :func:`~fleetward.chaos.judge.check_run` re-runs the checkers on a saved folder.
-The exit code is 1 when the run did not complete, the hypothesis deviated or a checker failed; else 0.
+The exit code is 1 when the run did not complete, the hypothesis deviated or a checker failed; else 0. A
+run that cannot begin because its input is wrong (the experiment, or a fleet that is not the declared one:
+other workers, fewer routers, no running fleet to attach to) raises
+:class:`~fleetward.fleet.errors.ConfigError` instead, and leaves no run folder.
 
 The stages live in their own modules: the fleet (:mod:`.provision`), targets (:mod:`.targets`), probes
 (:mod:`.probes`), rollbacks (:mod:`.rollbacks`) and judging (:mod:`.judge`); this module drives them.
@@ -193,12 +196,16 @@ class Runner:
             "steady_states": {"before": None, "after": None}, "run": self.activities, "rollbacks": [],
         }
         reason = ""
+        ran = False  # the steady-state hypothesis was checked: from here on, a run with a journal
         self._say("phase", f"run folder {run_dir}")
         try:
             async with self._fleet(run_dir) as provisioned:
                 self.fleet = fleet = provisioned.fleet
                 self.fleet_ctx, self.supervised = provisioned.context, provisioned.supervised
                 self._declared = provisioned.declared
+                if provisioned.experiment is not None:  # renamed for the attached fleet: what runs
+                    self.exp = exp = provisioned.experiment
+                    journal["experiment"] = exp.to_json()
                 journal["fleet"] = await self._describe_fleet()
                 async with self._recording(), Workload(
                         exp.workload, seed=exp.seed, recorder=self.history, routers=self._router_urls(),
@@ -211,6 +218,7 @@ class Runner:
 
                         self.services["kv"] = FaultyKvTransfer()
                     self.services.update(self.opts.services)
+                    ran = True
                     before = await self._hypothesis("before")
                     journal["steady_states"]["before"] = before
                     if not before["steady_state_met"]:
@@ -234,6 +242,10 @@ class Runner:
             self.history.add("note", text=reason)
             journal.setdefault("reference", {"kind": "none", "reason": "the run was stopped"})
         except (FleetwardError, OSError, httpx.HTTPError) as exc:
+            if isinstance(exc, ConfigError) and not ran:  # not the fleet declared: nothing ran, nothing to judge
+                self.history.close()
+                _discard(run_dir)
+                raise
             journal["status"] = "failed"
             reason = reason or f"{type(exc).__name__}: {exc}"
             log.error("run failed: %s", reason)
@@ -622,6 +634,13 @@ class Runner:
         self.phase = "reference run"
         return await record_reference(self.history.records, self.workload, self.exp.workload, run_dir,
                                       say=lambda text: self._say("phase", text))
+
+
+def _discard(run_dir: Path) -> None:
+    """Remove the run folder of a run that never began (it was empty before; fleet logs, if any, stay)."""
+    with contextlib.suppress(OSError):
+        (run_dir / "history.jsonl").unlink()
+        run_dir.rmdir()
 
 
 def _describe(fault: Fault) -> dict[str, Any]:

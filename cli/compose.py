@@ -10,6 +10,7 @@ and store clients, then broker and etcd) and leaves no process behind. It implem
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -25,7 +26,8 @@ from pydantic import SecretStr
 from fleetward.fleet import handle as fleet_handle
 from fleetward.fleet.backends import Backend, VllmBackend, make_backend
 from fleetward.fleet.bus import MqttBus
-from fleetward.fleet.config import FleetConfig, admin_token_for
+from fleetward.fleet.config import FleetConfig, RouterConfig, SupervisorConfig, admin_token_for
+from fleetward.fleet.errors import FleetwardError
 from fleetward.fleet.etcd import EtcdStore
 from fleetward.fleet.handle import AgentWorkers, Fleet, FleetClient, RouterRef
 from fleetward.fleet.infra import LocalBroker, LocalEtcd
@@ -80,6 +82,8 @@ class LocalFleet(AgentWorkers, FleetClient):
         self._mark = os.environ.get(RUN_MARK)
         self.left_behind: list[str] = []  # what aclose() found still running, and killed
         self.adopted: list[str] = []  # the servers of ``attach:`` (registered once they answer)
+        self._lock: int | None = None  # the run folder's lock while this fleet holds it (see _claim)
+        self._started_at = time.time()
 
     async def __aenter__(self) -> LocalFleet:
         try:
@@ -121,8 +125,35 @@ class LocalFleet(AgentWorkers, FleetClient):
             ensure_tiny_model(self.backend.model_path, say=lambda text: self._progress("model", text))
         self.backend.check()
 
+    @property
+    def claimed(self) -> bool:
+        """Whether this fleet holds its run folder (it started, or is starting, there)."""
+        return self._lock is not None
+
+    def _claim(self) -> None:
+        """Hold ``<run dir>/<cluster>/fleet.lock`` for the fleet's life, or refuse to start: a live fleet's
+        etcd data, state file and admin token are not ours to delete (a failed start's clean-up would). The
+        kernel releases the lock when its holder dies, however it dies: nothing stale to clean up."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / "fleet.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode(errors="replace").split()
+            os.close(fd)
+            pid = holder[0] if holder else "?"
+            since = (f", started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(float(holder[1])))}"
+                     if len(holder) > 1 else "")
+            raise FleetwardError(
+                f"a fleet already runs in {self.root} (pid {pid}{since}): stop it first (Ctrl-C in its terminal, "
+                f"or kill -TERM {pid}), or start this one with another --cluster or --run-dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} {self._started_at}\n".encode())
+        self._lock = fd
+
     async def start(self) -> None:
         c = self.config
+        self._claim()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         specs = self._specs()  # fail early on busy worker ports
         if not c.etcd:
@@ -157,7 +188,7 @@ class LocalFleet(AgentWorkers, FleetClient):
                            f"{', '.join(self.adopted)}")
         if c.router:
             self._progress("router", "starting the router")
-            router = await self.start_router(f"{c.node}-router", port=c.router_port)
+            router = await self.start_router(f"{c.node}-router", port=c.routing.port)
             self._progress("router", f"the router is up on {router.url}")
         self._write_state()
 
@@ -167,13 +198,18 @@ class LocalFleet(AgentWorkers, FleetClient):
         return write_service_config(self.root / "fleet.yaml", cluster=c.cluster, routing=c.routing,
                                     supervisor=c.supervisor)
 
+    def _host_of(self, section: RouterConfig | SupervisorConfig) -> str:
+        """A section's own ``host`` when the file sets it, else the fleet's (``host``, ``--host``)."""
+        return section.host if "host" in section.model_fields_set else self.config.host
+
     async def _start_controller(self) -> None:
         c = self.config
-        port = ensure_port(c.host, c.supervisor.port, name="supervisor controller")
-        url = f"http://{c.host}:{port}"
+        host = self._host_of(c.supervisor)
+        port = ensure_port(host, c.supervisor.port, name="supervisor controller")
+        url = f"http://{host}:{port}"
         self._progress("controller", f"starting the supervisor controller on {url}")
         argv = controller_argv(etcd=self.etcd_endpoint, mqtt=self.mqtt_endpoint, cluster=c.cluster,
-                               config=self._fleet_yaml(), host=c.host, port=port, controller_id=f"{c.node}-controller")
+                               config=self._fleet_yaml(), host=host, port=port, controller_id=f"{c.node}-controller")
         self.controller = await start_service(
             "controller", argv, url=url, log_path=self.log_dir / "controller.log",
             env=service_env(admin_token=self.admin_secret.get_secret_value()))
@@ -182,11 +218,12 @@ class LocalFleet(AgentWorkers, FleetClient):
         """A router process (another replica after the first); returns once it serves."""
         c = self.config
         rid = router_id or f"{c.node}-router-{len(self.routers)}"
-        port = ensure_port(c.host, port, name="router")
+        host = self._host_of(c.routing)
+        port = ensure_port(host, port, name="router")
         argv = router_argv(etcd=self.etcd_endpoint, mqtt=self.mqtt_endpoint, cluster=c.cluster,
-                           config=self._fleet_yaml(), host=c.host, port=port, router_id=rid)
+                           config=self._fleet_yaml(), host=host, port=port, router_id=rid)
         log_name = "router.log" if not self.routers else f"{rid}.log"
-        router = await start_service(rid, argv, url=f"http://{c.host}:{port}", log_path=self.log_dir / log_name)
+        router = await start_service(rid, argv, url=f"http://{host}:{port}", log_path=self.log_dir / log_name)
         self.routers.append(router)
         self._write_state()
         return router
@@ -234,7 +271,7 @@ class LocalFleet(AgentWorkers, FleetClient):
             "etcd": self.etcd_endpoint,
             "mqtt": self.mqtt_endpoint,
             "pid": os.getpid(),
-            "started_at": time.time(),
+            "started_at": self._started_at,
             "logs": str(self.log_dir),
             "admin_token_file": str(token_file),
             "node": self.config.node,
@@ -289,10 +326,14 @@ class LocalFleet(AgentWorkers, FleetClient):
             await self.etcd.stop()
             self.etcd = None
         self._reap_marked()
+        if self._lock is None:
+            return  # another fleet runs here: its files are not ours
         self.state_file.remove()
         if self.config.admin_token_file is None:
             with contextlib.suppress(FileNotFoundError):
                 (self.root / "admin-token").unlink()
+        os.close(self._lock)  # releases the lock
+        self._lock = None
 
 
 _: type[Fleet] = LocalFleet  # mypy checks that the local fleet is a Fleet

@@ -65,6 +65,8 @@ def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mqtt", help="use this MQTT broker (host:port) instead of starting one")
     p.add_argument("--mqtt-port", dest="mqtt_port", type=int, help="port for the embedded broker")
     p.add_argument("--worker-base-port", dest="worker_base_port", type=int, help="first worker port")
+    p.add_argument("--router-port", dest="router_port", type=int, help="the router's port (routing.port); default a "
+                   "free one")
     p.add_argument("--lease-ttl", dest="lease_ttl_s", type=int, help="registration lease TTL in seconds")
     p.add_argument("--node", help="this node's name; default the host name")
     p.add_argument("--admin-token-file", dest="admin_token_file", type=Path,
@@ -73,10 +75,10 @@ def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
 
 def _fleet_config(args: argparse.Namespace) -> FleetConfig:
     overrides: dict[str, Any] = {f: getattr(args, f) for f in _UP_FIELDS if getattr(args, f, None) is not None}
-    config = load_fleet_config(args.config, overrides)
-    if getattr(args, "model", None):
-        config = config.model_copy(update={"vllm": config.vllm.model_copy(update={"model": args.model})})
-    return config
+    for flag, key in (("model", "vllm.model"), ("router_port", "routing.port")):
+        if getattr(args, flag, None) is not None:
+            overrides[key] = getattr(args, flag)
+    return load_fleet_config(args.config, overrides)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -160,8 +162,12 @@ def _parser() -> argparse.ArgumentParser:
         w.add_argument("--etcd", help="etcd host:port (default: the local fleet's)")
         w.add_argument("--run-dir", dest="run_dir", type=Path, default=None)
 
-    for verb, what in (("drain", "stop routing new work to a worker, let its streams finish or migrate, then stop "
-                                 "it"), ("undrain", "cancel a drain"), ("restart", "restart a worker now"),
+    for verb, what in (("drain", "cordon a worker: no new work goes to it, its streams finish (or migrate after "
+                                 "--deadline); it then stays out of routing until undrained (--then stop|restart "
+                                 "stops or restarts it instead)"),
+                       ("undrain", "take a drained worker back into routing (a stopped one is started again)"),
+                       ("restart", "restart a worker gracefully: its streams migrate first (a stopped one is "
+                                   "simply started)"),
                        ("unquarantine", "clear a worker's quarantine (a self-test runs first)")):
         op = sub.add_parser(verb, help=what)
         op.add_argument("worker")
@@ -172,7 +178,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="the admin token (default: FLEETWARD_ADMIN_TOKEN, or the local fleet's)")
         if verb == "drain":
             op.add_argument("--deadline", type=float, default=None, help="seconds before remaining streams migrate")
-            op.add_argument("--then", choices=["stop", "restart"], default="stop")
+            op.add_argument("--then", choices=["cordon", "stop", "restart"], default="cordon",
+                            help="after the drain: stay cordoned (default), stop the worker, or restart it")
 
     # Parsed by fleetward.chaos.bench itself, imported only when asked for.
     bench = sub.add_parser("bench", add_help=False, help="benchmarks: router, migration, restart, checkpoints "
@@ -214,16 +221,20 @@ _HEALTH_STYLE = {"ready": "green", "starting": "cyan", "suspect": "yellow", "dra
 
 def _print_status(status: dict[str, Any]) -> None:
     table = Table(title=f"fleet {status['cluster']}", title_justify="left")
-    for col in ("WORKER", "ROLE", "URL", "MODEL", "NODE", "HEALTH", "AGE"):
+    for col in ("WORKER", "ROLE", "URL", "MODEL", "NODE", "PIDS", "HEALTH", "AGE"):
         table.add_column(col)
     for w in status["workers"]:
         style = _HEALTH_STYLE.get(w["health"], "")
         health = f"[{style}]{w['health']}[/]" if style else w["health"]
         if w.get("reason") and w["health"] != "ready":
             health += f" ({w['reason'][:60]})"
-        table.add_row(w["id"], w["role"] or "-", w["url"] or "-", w["model"] or "-", w["node"] or "-", health,
-                      _age(w["since"]))
+        pids = " ".join(str(p) for p in w["pids"]) or "-"
+        table.add_row(w["id"], w["role"] or "-", w["url"] or "-", w["model"] or "-", w["node"] or "-", pids,
+                      health, _age(w["since"]))
     out.print(table)
+    controller = status["controller"]
+    out.print(f"supervisor: {controller['id']} {controller['url'] or '(no control API)'}" if controller
+              else "supervisor: [red]no controller leads this cluster[/] (drain/restart need one)")
     if status["routers"]:
         out.print("routers: " + ", ".join(f"{r['id']} {r['url']}" for r in status["routers"]))
     if not status["workers"]:
@@ -251,6 +262,8 @@ async def _cmd_up(args: argparse.Namespace) -> int:
         elif what == "failed":
             failed.add(step)
             err.print(f"  worker {step} [red]failed to start[/] (see `fleetward status`)")
+        elif what == "retrying":
+            err.print(f"  worker {step} [yellow]did not start; starting it again[/] (with backoff)")
         elif what == "launched":
             pass
         else:
@@ -285,9 +298,12 @@ async def _cmd_up(args: argparse.Namespace) -> int:
         return 0
     finally:
         waiter.cancel()
+        claimed = fleet.claimed
         with err.status("stopping…"):
             await fleet.aclose()
-        if fleet.left_behind:
+        if not claimed:
+            pass  # refused before starting anything (another fleet runs there): the error says so
+        elif fleet.left_behind:
             err.print(f"[yellow]stopped; {len(fleet.left_behind)} process(es) had outlived their parents and were "
                       f"killed:[/] {escape('; '.join(fleet.left_behind))}")
         else:
@@ -320,7 +336,7 @@ async def _cmd_status(args: argparse.Namespace) -> int:
     endpoint, cluster = local_endpoint(args, "etcd")
     store = EtcdStore(endpoint, attempts=3, retry_budget_s=5.0, timeout_s=3.0)
     try:
-        fleet = await read_fleet(store, Keys(cluster))
+        fleet = await read_fleet(store, Keys(cluster), leader=True)
     finally:
         await store.aclose()
     status = fleet.to_status()
@@ -431,9 +447,15 @@ async def _cmd_operate(args: argparse.Namespace) -> int:
     async with httpx.AsyncClient(timeout=10) as client:
         r = await client.post(f"{leader.url}/v1/workers/{args.worker}/{path[args.command]}", json=body,
                               headers={"Authorization": f"Bearer {token}"})
+    try:
+        answer: dict[str, Any] = r.json()
+    except ValueError:
+        answer = {"error": r.text}
     if r.status_code != 200:
-        raise FleetwardError(f"{args.command} {args.worker}: {r.status_code} {r.text}")
-    out.print(f"{args.command} {args.worker}: accepted by {leader.id}; watch it with `fleetward status`")
+        raise FleetwardError(f"{args.command} {args.worker}: {answer.get('error') or r.text} (HTTP {r.status_code})")
+    out.print(f"{args.command} {escape(args.worker)} (was {answer.get('state', '?')}): "
+              f"{escape(str(answer.get('what', 'accepted')))}.\nAccepted by {leader.id}; watch it with "
+              f"`fleetward status`.")
     return 0
 
 

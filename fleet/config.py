@@ -59,15 +59,16 @@ class SimConfig(Frozen):
     beyond ~64k resident tokens.
     """
 
-    prefill_ms_per_token: float = Field(0.05, ge=0)
+    prefill_ms_per_token: float = Field(0.05, ge=0, description="prefill time per prompt token")
     decode_step_ms: float = Field(18.0, ge=0, description="decode step time with one sequence")
     decode_ms_per_seq: float = Field(0.35, ge=0, description="added step time per running sequence")
-    max_num_seqs: int = Field(256, ge=1)
-    kv_capacity_tokens: int = Field(65536, ge=16)
-    max_model_len: int = Field(4096, ge=16)
+    max_num_seqs: int = Field(256, ge=1, description="sequences decoded at once; more wait (vLLM's --max-num-seqs)")
+    kv_capacity_tokens: int = Field(65536, ge=16, description="KV cache size; requests beyond it queue")
+    max_model_len: int = Field(4096, ge=16, description="context length: a prompt that does not fit is a 400, "
+                               "max_tokens is clamped to what is left (as vLLM does)")
     eos_probability: float = Field(0.0, ge=0, le=1, description="chance per step that EOS is the token")
-    seed: int = 0
-    model_name: str = "sim-tiny"
+    seed: int = Field(0, description="the simulated model's weights: same seed, same tokens")
+    model_name: str = Field("sim-tiny", description="the served model name")
     kv_block_size: int = Field(16, ge=1, description="KV cache block size in tokens")
     max_num_batched_tokens: int = Field(
         8192, ge=1, description="tokens per step (one per running sequence plus admitted prompts)")
@@ -77,21 +78,21 @@ class VllmConfig(Frozen):
     """How a real vLLM worker is launched (``--backend vllm``)."""
 
     model: str | None = Field(None, description="model folder; default: the tiny local model, made on demand")
-    max_model_len: int = Field(2048, ge=16)
+    max_model_len: int = Field(2048, ge=16, description="vLLM's --max-model-len")
     dtype: str = Field("float32", description="bfloat16 segfaults in the CPU attention kernel on AMX hosts")
     kv_cache_space_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts")
-    enforce_eager: bool = True
-    extra_args: tuple[str, ...] = ()
+    enforce_eager: bool = Field(True, description="vLLM's --enforce-eager (no CUDA graphs / compilation)")
+    extra_args: tuple[str, ...] = Field((), description="more vLLM arguments, appended to its command line")
     nice: int = Field(0, ge=-20, le=19, description="scheduling niceness of the worker's processes; on a small "
                       "CPU host, a positive value keeps the control plane responsive next to spinning OMP threads")
-    start_timeout_s: float = Field(240.0, gt=0)
+    start_timeout_s: float = Field(240.0, gt=0, description="how long a worker may take to answer /health")
 
 
 class RouterConfig(Frozen):
     """The router (``fleetward router``, also started by ``fleetward up``)."""
 
-    host: str = "127.0.0.1"
-    port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    host: str = Field("127.0.0.1", description="address the router binds (``up``: the top-level host unless set)")
+    port: int = Field(0, ge=0, le=65535, description="the router's port (``up --router-port``); 0 picks a free one")
     migration_limit: int = Field(3, ge=0, description="resumes allowed per request after its first attempt")
     request_timeout_s: float = Field(600.0, gt=0, description="a request's deadline, migrations included")
     checkpoints: bool = Field(True, description="checkpoint journals to etcd (off only to measure their cost)")
@@ -106,35 +107,40 @@ class RouterConfig(Frozen):
     affinity_tokens: int = Field(64, ge=0, description="prompt prefix that picks the preferred worker; 0: off")
     affinity_slack: int = Field(4, ge=0, description="in-flight requests above the least loaded before affinity yields")
     drain_timeout_s: float = Field(30.0, ge=0, description="on shutdown, how long open streams may finish")
-    lease_ttl_s: int = Field(5, ge=2)
+    lease_ttl_s: int = Field(5, ge=2, description="the router's registration lease: a dead router vanishes within it")
     retry_after_s: int = Field(1, ge=1, description="Retry-After on 503 when no worker is healthy")
 
 
 class SupervisorConfig(Frozen):
     """The supervisor: node agents' detectors and the leader-elected controller."""
 
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", description="address the control API binds (``up``: the top-level host unless "
+                      "set)")
     port: int = Field(0, ge=0, le=65535, description="the controller's control API; 0 picks a free port")
     lease_ttl_s: int = Field(5, ge=2, description="leadership lease: a dead leader is replaced within this")
-    canary_prompt: str = "The fleet keeps serving"
-    canary_max_tokens: int = Field(4, ge=1)
+    canary_prompt: str = Field("The fleet keeps serving", description="what a canary asks a worker")
+    canary_max_tokens: int = Field(4, ge=1, description="tokens a canary asks for")
     canary_timeout_s: float = Field(2.0, gt=0, description="deadline of a routine canary")
     canary_interval_s: float = Field(15.0, gt=0, description="an idle worker gets a canary this often")
     golden_quorum: int = Field(2, ge=1, description="workers that must agree before an output is golden")
     progress_interval_s: float = Field(0.25, gt=0, description="how often routers' stream progress is read")
-    metrics_interval_s: float = Field(10.0, gt=0)
-    metrics_frozen_after_s: float = Field(10.0, gt=0)
+    metrics_interval_s: float = Field(10.0, gt=0, description="how often workers' /metrics are scraped")
+    metrics_frozen_after_s: float = Field(10.0, gt=0, description="token counters standing still this long while "
+                                          "requests run: suspect")
     engine_check_interval_s: float = Field(0.25, gt=0, description="agent: engine process state sampling")
-    engine_no_progress_s: float = Field(5.0, gt=0)
-    gpu_poll_interval_s: float = Field(1.0, gt=0)
-    recover_canaries: int = Field(2, ge=1)
-    suspect_timeout_s: float = Field(30.0, gt=0)
+    engine_no_progress_s: float = Field(5.0, gt=0, description="agent: CPU-idle time of an engine with work that "
+                                        "counts as frozen")
+    gpu_poll_interval_s: float = Field(1.0, gt=0, description="agent: how often GPU health (NVML) is read")
+    recover_canaries: int = Field(2, ge=1, description="good canaries in a row before a suspect worker is ready again")
+    suspect_timeout_s: float = Field(30.0, gt=0, description="suspicion nothing resolves becomes unhealthy "
+                                     "(degraded GPUs excepted)")
     restart_budget: int = Field(3, ge=0, description="restarts within the window before a crash loop quarantines")
-    restart_window_s: float = Field(600.0, gt=0)
+    restart_window_s: float = Field(600.0, gt=0, description="the window restart_budget counts in")
     restart_attempts: int = Field(3, ge=1, description="agent: tries to bring a worker back per restart")
-    backoff_initial_s: float = Field(0.5, ge=0)
-    backoff_max_s: float = Field(30.0, ge=0)
-    drain_timeout_s: float = Field(60.0, ge=0)
+    backoff_initial_s: float = Field(0.5, ge=0, description="agent: first wait between start attempts (doubles)")
+    backoff_max_s: float = Field(30.0, ge=0, description="agent: longest wait between start attempts")
+    drain_timeout_s: float = Field(60.0, ge=0, description="`fleetward drain`'s default deadline before open "
+                                   "streams move")
 
 
 class ProcessRef(Frozen):
@@ -166,9 +172,9 @@ class AttachConfig(Frozen):
     id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
                            description="the worker id (default <node>-<host>-<port>)")
     model: str | None = Field(None, description="the served model name (default: what /v1/models lists)")
-    role: Literal["aggregated", "prefill", "decode"] = "aggregated"
+    role: Literal["aggregated", "prefill", "decode"] = Field("aggregated", description="its pool")
     node: str | None = Field(None, description="the node whose agent watches it (default: the agent's own)")
-    process: ProcessRef | None = None
+    process: ProcessRef | None = Field(None, description="how to find its process (none: watched by URL only)")
     restart_command: tuple[str, ...] = Field((), description="argv run to restart it (none: drain and leave it "
                                              "for an operator)")
 
@@ -190,28 +196,29 @@ class AttachConfig(Frozen):
 class FleetConfig(Frozen):
     """Everything ``fleetward up`` needs; each field is also a flag (``--workers``, ``--backend``, ...)."""
 
-    cluster: str = Field("local", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-    workers: int = Field(3, ge=0, le=512)
-    backend: Literal["sim", "vllm"] = "sim"
-    host: str = "127.0.0.1"
-    run_dir: Path = Path(".fleetward")
+    cluster: str = Field("local", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
+                         description="the cluster's name: its etcd prefix /fleetward/<cluster>/ and MQTT topics")
+    workers: int = Field(3, ge=0, le=512, description="workers this node starts")
+    backend: Literal["sim", "vllm"] = Field("sim", description="simulated workers, or real vLLM")
+    host: str = Field("127.0.0.1", description="the address everything binds to")
+    run_dir: Path = Field(Path(".fleetward"), description="where logs, data and the running fleet's state go")
     etcd: str | None = Field(None, description="attach to this etcd (host:port) instead of starting one")
     etcd_port: int = Field(0, ge=0, le=65535, description="port for the embedded etcd; 0 picks a free one")
     mqtt: str | None = Field(None, description="attach to this broker (host:port) instead of starting one")
-    mqtt_port: int = Field(0, ge=0, le=65535)
+    mqtt_port: int = Field(0, ge=0, le=65535, description="port for the embedded broker; 0 picks a free one")
     worker_base_port: int = Field(0, ge=0, le=65535, description="first worker port; 0 picks free ones")
     lease_ttl_s: int = Field(10, ge=2, le=3600, description="workers' registration lease (the agent's)")
-    node: str = Field(default_factory=lambda: os.uname().nodename)
+    node: str = Field(default_factory=lambda: os.uname().nodename, description="this node's name (default: the "
+                      "host name)")
     router: bool = Field(True, description="start a router in front of the workers")
     controller: bool = Field(True, description="start a supervisor controller (health verdicts, remediation)")
-    router_port: int = Field(0, ge=0, le=65535, description="the router's port; 0 picks a free one")
     attach: tuple[AttachConfig, ...] = Field((), description="servers fleetward did not start, to protect")
     admin_token_file: Path | None = Field(None, description="a file holding the admin token (mode 0600); "
                                           "FLEETWARD_ADMIN_TOKEN wins over it")
-    sim: SimConfig = SimConfig()
-    vllm: VllmConfig = VllmConfig()
-    routing: RouterConfig = RouterConfig()
-    supervisor: SupervisorConfig = SupervisorConfig()
+    sim: SimConfig = Field(SimConfig(), description="the simulated workers (``backend: sim``)")
+    vllm: VllmConfig = Field(VllmConfig(), description="the vLLM workers (``backend: vllm``)")
+    routing: RouterConfig = Field(RouterConfig(), description="the router")
+    supervisor: SupervisorConfig = Field(SupervisorConfig(), description="health detection and remediation")
 
     @field_validator("etcd", "mqtt")
     @classmethod
@@ -341,7 +348,8 @@ def validation_error(exc: ValidationError, *, file: str, lines: Mapping[Path_, i
 def load_model(model: type[M], path: str | Path, *, overrides: Mapping[str, Any] | None = None) -> M:
     """Read a YAML file into ``model``; errors name the file, the line and the field.
 
-    ``overrides`` (e.g. from command-line flags) are applied on top of the file's top-level keys.
+    ``overrides`` (e.g. from command-line flags) are applied on top of the file's keys; a dotted key
+    (``routing.port``) sets one key of a section and keeps the section's others.
     """
     file = str(path)
     try:
@@ -351,11 +359,22 @@ def load_model(model: type[M], path: str | Path, *, overrides: Mapping[str, Any]
     data, lines = parse_yaml(text, file=file)
     if not isinstance(data, dict):
         raise ConfigError("the top level must be a mapping of keys to values", file=file, line=1)
-    merged = {**data, **(overrides or {})}
     try:
-        return model.model_validate(merged)
+        return model.model_validate(_merge(data, overrides or {}))
     except ValidationError as exc:
         raise validation_error(exc, file=file, lines=lines) from None
+
+
+def _merge(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(data)
+    for key, value in overrides.items():
+        *sections, leaf = key.split(".")
+        at = merged
+        for section in sections:
+            inner = at.get(section)
+            at[section] = at = dict(inner) if isinstance(inner, Mapping) else {}
+        at[leaf] = value
+    return merged
 
 
 def load_fleet_config(path: str | Path | None, overrides: Mapping[str, Any] | None = None) -> FleetConfig:
@@ -363,6 +382,6 @@ def load_fleet_config(path: str | Path | None, overrides: Mapping[str, Any] | No
     if path is not None:
         return load_model(FleetConfig, path, overrides=overrides)
     try:
-        return FleetConfig.model_validate(dict(overrides or {}))
+        return FleetConfig.model_validate(_merge({}, overrides or {}))
     except ValidationError as exc:
         raise validation_error(exc, file="<command line>", lines={}) from None

@@ -32,6 +32,7 @@ class FleetSnapshot:
     workers: dict[str, WorkerRecord] = field(default_factory=dict)
     health: dict[str, HealthRecord] = field(default_factory=dict)
     routers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    controller: Leader | None = None  # the supervisor's leader (read by ``read_fleet(leader=True)``)
 
     def health_of(self, worker_id: str) -> HealthRecord | None:
         return self.health.get(worker_id)
@@ -80,16 +81,21 @@ class FleetSnapshot:
                 "role": rec.role if rec else None,
                 "model": rec.model if rec else None,
                 "node": rec.node if rec else None,
+                "pid": rec.pid if rec else None,
+                "pids": list(rec.pids or ([rec.pid] if rec.pid is not None else [])) if rec else [],
                 "health": h.state.value if h else ("unknown" if rec else HealthState.DEAD.value),
                 "since": h.since if h else (rec.started_at if rec else None),
                 "reason": h.reason if h else "",
             })
         routers = [{"id": rid, "url": r.get("url")} for rid, r in sorted(self.routers.items())]
-        return {"cluster": self.cluster, "routers": routers, "workers": workers}
+        return {"cluster": self.cluster, "controller": self.controller.to_json() if self.controller else None,
+                "routers": routers, "workers": workers}
 
 
-async def read_fleet(store: StateStore, keys: Keys, *, revision: int | None = None) -> FleetSnapshot:
-    """Workers, health and routers as of one revision (the current one unless ``revision`` is given).
+async def read_fleet(store: StateStore, keys: Keys, *, revision: int | None = None,
+                     leader: bool = False) -> FleetSnapshot:
+    """Workers, health and routers as of one revision (the current one unless ``revision`` is given);
+    with ``leader``, also who leads the supervisor now (elections are read at the current revision).
 
     Reads the three sections, not the whole cluster prefix: ``requests/`` holds one checkpoint per
     in-flight request (10,000 of them are some 65 MB), more than one gRPC response may carry.
@@ -101,6 +107,8 @@ async def read_fleet(store: StateStore, keys: Keys, *, revision: int | None = No
                  await store.get_prefix(keys.routers, revision=at)):
         for kv in snap.items:
             fleet.apply(keys, "put", kv.key, kv.value)
+    if leader:
+        fleet.controller = await read_leader(store, keys)
     return fleet
 
 

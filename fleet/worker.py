@@ -66,7 +66,8 @@ class WorkerRecord:
     backend: str
     gpus: tuple[int, ...] = ()
     started_at: float = 0.0
-    pid: int | None = None
+    pid: int | None = None  # the server process (None: known by URL only)
+    pids: tuple[int, ...] = ()  # its whole process tree when registered (vLLM: API server, EngineCore, ...)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -75,6 +76,7 @@ class WorkerRecord:
     def from_json(cls, raw: bytes) -> WorkerRecord:
         body: dict[str, Any] = json.loads(raw)
         body["gpus"] = tuple(body.get("gpus", ()))
+        body["pids"] = tuple(body.get("pids", ()))
         known = cls.__dataclass_fields__
         return cls(**{k: v for k, v in body.items() if k in known})
 

@@ -10,7 +10,8 @@ its router) reconnects to any replica with ``Last-Event-ID`` and continues from 
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
 ``GET /metrics``, and ``GET /fleetward/v1/progress`` (the per-worker token progress the supervisor's
-stream-progress detector reads).
+stream-progress detector reads). Every error, an unknown route (404) or method (405) included, has the
+OpenAI shape ``{"error": {"message", "type", "param", "code"}}``.
 
 One module (over 600 lines) because the request life reads as one story: validation, routing,
 streaming, stitching and migration share the journal and the upstream attempt.
@@ -25,7 +26,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fleetward.fleet.bus import EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
@@ -61,18 +63,21 @@ class RouterError(Exception):
     """A request ends with this status and message (before streaming: an HTTP error; after: an in-band one)."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, body: dict[str, Any] | None = None,
-                 retry_after: int | None = None) -> None:
+                 retry_after: int | None = None, headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.body = body
         self.retry_after = retry_after
+        self.headers = headers
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(self.retry_after)} if self.retry_after else None
+        headers = dict(self.headers or {})
+        if self.retry_after:
+            headers["Retry-After"] = str(self.retry_after)
         body = self.body or wire.error_body(self.status, self.message, param=self.param)
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        return JSONResponse(body, status_code=self.status, headers=headers or None)
 
 
 @dataclass(slots=True)
@@ -467,6 +472,19 @@ class Router:
 
     def app(self) -> FastAPI:
         app = FastAPI(title="fleetward router", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+            # Starlette's own refusals (no such route: 404; a route without this method: 405) in the OpenAI
+            # error shape of every other answer here, instead of FastAPI's {"detail": ...}.
+            method, path = request.method, request.url.path
+            if exc.status_code == 404:
+                message = f"no route {method} {path} on this router"
+            elif exc.status_code == 405:
+                message = f"{path} does not take {method}; it takes {(exc.headers or {}).get('Allow', 'nothing')}"
+            else:
+                message = str(exc.detail)
+            return RouterError(exc.status_code, message, headers=exc.headers).response()
 
         @app.get("/health")
         async def health() -> Response:

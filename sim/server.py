@@ -17,9 +17,18 @@ Endpoints
   ``continuous_usage_stats``, ``min_tokens``, ``add_generation_prompt`` (chat), the ``X-Request-Id``
   header. Accepted and ignored, because the simulated model is greedy and deterministic: ``temperature``,
   ``top_p``, ``top_k``, ``min_p``, ``seed``, the penalties, ``logit_bias``, ``bad_words``,
-  ``allowed_token_ids``, ``priority``, ``user`` (and any other key vLLM would accept). Refused with a 400
-  naming the parameter: ``n`` other than 1 (every choice would be identical), several prompts in one
-  request, ``echo``, ``logprobs``/``prompt_logprobs``/``top_logprobs``, beam search.
+  ``allowed_token_ids``, ``priority``, ``user`` (and any other key vLLM would accept), though checked as
+  vLLM checks them. Refused with a 400 naming the parameter, although vLLM serves them: ``n`` other than 1
+  (every choice would be identical), several prompts in one request (or none), ``echo``,
+  ``logprobs``/``prompt_logprobs``/``top_logprobs``, beam search.
+
+  Every request vLLM 0.32 refuses for the tiny model is refused at the same stage, with vLLM's status, type,
+  ``param`` and message (the stages and the vLLM files they come from are listed above :func:`_refused`):
+  wrong types as its lax schema sees them (``"5"`` is a valid ``max_tokens``), a malformed chat message (any
+  role is fine, and so is a message without content), a prompt over the context, sampling parameters out of
+  range, token ids outside the vocabulary, ``suffix``. One difference: for a malformed chat message vLLM
+  lists the complaint of every message type it knows; the sim gives the first, which carries the ``param``.
+  Unknown routes and methods get FastAPI's ``{"detail": ...}`` 404 and 405, as from vLLM.
 - ``GET /health`` (200, empty body, also while hung), ``GET /metrics`` (vLLM's metric names and labels),
   ``GET /v1/models`` (with ``max_model_len``).
 - Admin, behind ``Authorization: Bearer <token>`` (401 without a token, 403 with a wrong one):
@@ -92,13 +101,14 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import secrets
 import signal
 import sys
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -106,8 +116,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
-from pydantic import SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, create_model
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -133,7 +144,7 @@ log = logging.getLogger("fleetward.simworker")
 
 _enc = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 _DONE = b"data: [DONE]\n\n"
-_COMPLETION_DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest default
+_COMPLETION_DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest default (also for an explicit null)
 CRASH_EXIT_CODE = 137  # what a shell reports for a SIGKILLed process
 
 
@@ -157,15 +168,6 @@ class _ApiError(WorkerError):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.err_type, "param": self.param,
                           "code": self.status}}
-
-
-def _invalid(loc: str, msg: str, kind: str, value: object) -> _ApiError:
-    """A schema error worded like vLLM's RequestValidationError handler (type "Bad Request")."""
-    if isinstance(value, (list, tuple, dict)):
-        value = f"<{type(value).__name__} of {len(value)} items>"
-    detail = {"type": kind, "loc": f"body.{loc}" if loc else "body", "msg": msg, "input": value}
-    return _ApiError(f"1 validation error:\n  {detail}", err_type="Bad Request",
-                     param=f"body.{loc}" if loc else "body")
 
 
 def _engine_dead() -> _ApiError:
@@ -196,32 +198,333 @@ def _usage_json(prompt: int, completion: int) -> str:
 
 
 # -- request parsing ----------------------------------------------------------------------------------
+#
+# vLLM 0.32 refuses a request at one of these stages, and the sim at the same ones, in the same order, with
+# the same status, type, param and message (the files named are under vllm/):
+#
+# 1. checks of the raw body (the ``mode="before"`` validators of entrypoints/openai/completion/protocol.py and
+#    chat_completion/protocol.py; pydantic runs the last defined first): 400 "BadRequestError";
+# 2. the request schema (the fields of those models, lax as pydantic is by default, so "5" is a max_tokens
+#    and "yes" a stream), reported by entrypoints/serve/exception_handling/handlers/validation.py: 400
+#    "Bad Request", ``param`` the first error's location ("body.max_tokens");
+# 3. the served model (404), then the prompt against the context (renderers/params.py TokenizeParams). A
+#    max_tokens beyond the context left is clamped to it (entrypoints/serve/utils/api_utils.py
+#    get_max_tokens), not refused; only a max_tokens over the whole context is;
+# 4. the sampling parameters (sampling_params.py: SamplingParams.from_optional, then _verify_args);
+# 5. what the engine checks against the model (SamplingParams.verify, v1/engine/input_processor.py).
+#
+# The sim's own refusals (n > 1, echo, logprobs, beam search, several prompts) come after stage 2.
+
+_MAX_CHARS_PER_TOKEN = 5  # the tiny model's longest vocabulary entry ("<unk>"); vLLM bounds text prompts by it
+_REPORTED_ERRORS = 10  # vLLM's validation message lists this many errors, then counts the rest
+_ECHOED_CHARS = 200  # ... and echoes each value up to this many characters
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
 
 
-def _opt_int(body: dict[str, Any], key: str) -> int | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        if isinstance(v, float) and v.is_integer():
-            return int(v)
-        raise _invalid(key, "Input should be a valid integer", "int_type", v)
-    return v
+def _refused(message: str, *, param: str | None = None, value: object = None) -> _ApiError:
+    """A 400 worded as vLLM words its ``VLLMValidationError``: the parameter and the value it names are
+    appended to the message (vllm/exceptions.py)."""
+    named = [f"parameter={param}"] if param is not None else []
+    if value is not None:
+        named.append(f"value={value}")
+    return _ApiError(f"{message} ({', '.join(named)})" if named else message, param=param)
 
 
-def _opt_bool(body: dict[str, Any], key: str, default: bool) -> bool:
-    v = body.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise _invalid(key, "Input should be a valid boolean", "bool_type", v)
-    return v
+def _error(kind: str, loc: tuple[str | int, ...], msg: str, value: object, **ctx: object) -> dict[str, Any]:
+    """One schema error as pydantic reports it (``loc`` without the leading "body")."""
+    return {"type": kind, "loc": loc, "msg": msg, "input": value, **({"ctx": ctx} if ctx else {})}
 
 
-def _int_list(v: object) -> list[int] | None:
-    if isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-        return v
-    return None
+def _location(loc: Sequence[str | int]) -> str:
+    """``loc`` as vLLM's ``param`` spells it: under "body", without pydantic's names for the members of a
+    union ("list[constrained-int]", "str")."""
+    def member(part: str | int) -> bool:
+        return isinstance(part, str) and (part in {"str", "int", "float", "bool"} or
+                                          any(c in part for c in "[](){}"))
+    return ".".join(["body", *(str(part) for part in loc if not member(part))])
+
+
+def _echoed(value: object) -> object:
+    """A value as vLLM's validation message echoes it: text cut short, containers by their size."""
+    if isinstance(value, (list, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = value if isinstance(value, str) else str(value)
+    return text if len(text) <= _ECHOED_CHARS else text[:_ECHOED_CHARS] + "...[truncated]"
+
+
+def _schema_error(errors: Sequence[Mapping[str, Any] | str]) -> _ApiError:
+    """Errors against the request schema as vLLM's validation handler reports them: 400, type "Bad Request",
+    ``param`` the first error's location, one line per error (ten at most), the values echoed cut short."""
+    def line(error: Mapping[str, Any] | str) -> str:
+        if isinstance(error, str):
+            return error
+        text = str({**error, "loc": _location(error["loc"]), "input": _echoed(error["input"])})
+        return text if len(text) <= 1000 else text[:1000] + "...[truncated]"
+
+    label = "error" if len(errors) == 1 else "errors"
+    lines = [f"  {line(e)}" for e in errors[:_REPORTED_ERRORS]]
+    if len(errors) > _REPORTED_ERRORS:
+        lines.append(f"  ...and {len(errors) - _REPORTED_ERRORS} more {label}")
+    first = errors[0]
+    return _ApiError(f"{len(errors)} validation {label}:\n" + "\n".join(lines), err_type="Bad Request",
+                     param=None if isinstance(first, str) else _location(first["loc"]))
+
+
+def _check_raw(body: dict[str, Any], *, chat: bool) -> None:
+    """Stage 1: vLLM's checks of the raw body, in its order (which differs between the two endpoints)."""
+    def stream_options() -> None:
+        if body.get("stream_options") and not body.get("stream"):
+            raise _refused("Stream options can only be defined when `stream=True`.", param="stream_options")
+
+    def logprobs() -> None:
+        for key in ("prompt_logprobs", "top_logprobs" if chat else "logprobs"):
+            value = body.get(key)
+            if value is not None and not isinstance(value, (int, float)):
+                raise _refused(f"`{key}` must be an integer.", param=key, value=value)
+
+    if chat:
+        if body.get("continue_final_message") and body.get("add_generation_prompt"):
+            raise _refused("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        logprobs()
+        stream_options()
+    else:
+        if body.get("prompt") is None or body.get("prompt") == "":
+            raise _refused("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
+        stream_options()
+        logprobs()
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise _refused("Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")
+    if isinstance(salt, str) and (len(salt) > 128 or not _CACHE_SALT_FORBIDDEN.isdisjoint(salt)):
+        raise _refused("Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', "
+                       "'\\\\', or NUL.", param="cache_salt")
+
+
+def _message_errors(messages: object) -> list[dict[str, Any]]:
+    """Stage 2 for each chat message: what vLLM's union of message types refuses.
+
+    vLLM takes any role (the tiny model's template renders it) and a message without content; it refuses a
+    message that is not an object, has no role or a role that is not a string, or content that is neither
+    text nor a list of parts (null is content only for the assistant). For such a message vLLM lists the
+    complaint of every type in its union; the sim gives the first, which names the field vLLM's ``param``
+    names (its first type is the developer message: content, then role).
+    """
+    if not isinstance(messages, list):
+        return []  # the schema says so
+    errors = []
+    for i, m in enumerate(messages):
+        at: tuple[str | int, ...] = ("messages", i, "ChatCompletionDeveloperMessageParam")
+        if not isinstance(m, dict):
+            errors.append(_error("dict_type", at, "Input should be a valid dictionary", m))
+            continue
+        role, content = m.get("role"), m.get("content")
+        is_content = isinstance(content, (str, list, dict))  # a JSON object is iterable, so vLLM takes it
+        if isinstance(role, str) and ("content" not in m or is_content or (content is None and role == "assistant")):
+            continue
+        if "content" not in m:
+            errors.append(_error("missing", (*at, "content"), "Field required", m))
+        elif not is_content:
+            errors.append(_error("string_type", (*at, "content"), "Input should be a valid string", content))
+        elif "role" not in m:
+            errors.append(_error("missing", (*at, "role"), "Field required", m))
+        else:
+            errors.append(_error("literal_error", (*at, "role"), "Input should be 'developer'", role,
+                                 expected="'developer'"))
+    return errors
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+_TokenIds = list[Annotated[int, Field(ge=0)]]
+
+# The request fields the sim reads or vLLM types, with vLLM's types and defaults (completion/protocol.py,
+# chat_completion/protocol.py). A default of None on a type without None lets the key be absent but refuses
+# an explicit null, as vLLM does (pydantic does not validate defaults). Keys not here are accepted and ignored,
+# as vLLM accepts unknown keys.
+_FIELDS: dict[str, tuple[Any, Any]] = {
+    "model": (str | None, None),
+    "prompt": (_TokenIds | list[_TokenIds] | str | list[str] | None, None),
+    "messages": (list[Any], ...),  # each message is checked by _message_errors
+    "echo": (bool | None, False),
+    "frequency_penalty": (float | None, None),
+    "logit_bias": (dict[str, float] | None, None),
+    "logprobs": (int | None, None),
+    "top_logprobs": (int | None, 0),
+    "max_tokens": (int | None, None),
+    "max_completion_tokens": (int | None, None),
+    "n": (int | None, 1),
+    "presence_penalty": (float | None, None),
+    "seed": (Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None, None),
+    "stop": (str | Annotated[list[str], Field(max_length=4)] | None, None),  # VLLM_MAX_STOP_STRINGS
+    "stream": (bool | None, False),
+    "stream_options": (_StreamOptions | None, None),
+    "suffix": (str | None, None),
+    "temperature": (float | None, None),
+    "top_p": (float | None, None),
+    "user": (str | None, None),
+    "use_beam_search": (bool, False),
+    "top_k": (int | None, None),
+    "min_p": (float | None, None),
+    "repetition_penalty": (float | None, None),
+    "length_penalty": (float, 1.0),
+    "stop_token_ids": (list[int] | None, None),
+    "include_stop_str_in_output": (bool, False),
+    "ignore_eos": (bool, False),
+    "min_tokens": (int, 0),
+    "skip_special_tokens": (bool, True),
+    "spaces_between_special_tokens": (bool, True),
+    "allowed_token_ids": (list[int] | None, None),
+    "prompt_logprobs": (int | None, None),
+    "bad_words": (list[str], None),
+    "add_generation_prompt": (bool, True),
+    "continue_final_message": (bool, False),
+    "add_special_tokens": (bool, True),
+    "priority": (int, 0),
+    "request_id": (str, None),
+    "return_token_ids": (bool | None, None),
+    "cache_salt": (str | None, None),
+}
+
+
+def _request_model(name: str, fields: str, **differing: tuple[Any, Any]) -> type[BaseModel]:
+    """A model of ``fields`` in vLLM's order (several errors are listed in it), unknown keys allowed."""
+    spec: dict[str, Any] = {f: differing.get(f, _FIELDS[f]) for f in fields.split()}
+    return create_model(name, __config__=ConfigDict(extra="allow"), **spec)
+
+
+_SAMPLING_FIELDS = ("use_beam_search top_k min_p repetition_penalty length_penalty stop_token_ids "
+                    "include_stop_str_in_output ignore_eos min_tokens skip_special_tokens "
+                    "spaces_between_special_tokens")
+_COMPLETION_REQUEST = _request_model(
+    "CompletionRequest",
+    "model prompt echo frequency_penalty logit_bias logprobs max_tokens n presence_penalty seed stop stream "
+    f"stream_options suffix temperature top_p user {_SAMPLING_FIELDS} allowed_token_ids prompt_logprobs "
+    "bad_words add_special_tokens priority request_id return_token_ids cache_salt",
+    n=(int, 1))
+_CHAT_REQUEST = _request_model(
+    "ChatCompletionRequest",
+    "messages model frequency_penalty logit_bias logprobs top_logprobs max_tokens max_completion_tokens n "
+    f"presence_penalty seed stop stream stream_options temperature top_p user {_SAMPLING_FIELDS} prompt_logprobs "
+    "allowed_token_ids bad_words echo add_generation_prompt continue_final_message add_special_tokens priority "
+    "request_id return_token_ids cache_salt",
+    echo=(bool, False), logprobs=(bool | None, False))
+
+
+def _refuse_unsupported(v: dict[str, Any]) -> None:
+    """What vLLM serves and the sim does not: its model is greedy and deterministic, one sample per request."""
+    n = v["n"]
+    if n is not None and n > 1:
+        raise _ApiError(f"n={n} is not supported by the simulated worker: its model is greedy and "
+                        "deterministic, so every choice would be the same; send n=1", param="n")
+    for key in ("echo", "use_beam_search"):
+        if v.get(key):
+            raise _ApiError(f"{key} is not supported by the simulated worker", param=key)
+    for key in ("logprobs", "prompt_logprobs", "top_logprobs"):
+        value = v.get(key)
+        if value is not None and value is not False and not (key == "top_logprobs" and value == 0):
+            raise _ApiError(f"{key} is not supported by the simulated worker", param=key)
+
+
+def _prompt_tokens(prompt: str | list[int], max_len: int) -> list[int]:
+    """Stage 3: the prompt's token ids, refused as vLLM refuses a prompt over the context. vLLM tokenizes text
+    only up to one token past the context (and not at all past a bound on characters), so for text it can
+    only say "at least"."""
+    if isinstance(prompt, list):
+        ids, count = prompt, len(prompt)
+    else:
+        if len(prompt) > max_len * _MAX_CHARS_PER_TOKEN:
+            raise _refused(f"This model's maximum context length is {max_len} tokens. However, your prompt "
+                           f"contains {len(prompt)} characters (more than {max_len * _MAX_CHARS_PER_TOKEN} "
+                           f"characters, which is the upper bound for {max_len} input tokens). Please reduce "
+                           "the length of the input prompt.", param="input_text", value=len(prompt))
+        ids = encode(prompt)
+        count = min(len(ids), max_len + 1)
+    if count > max_len:
+        at_least = "at least " if count == max_len + 1 else ""
+        raise _refused(f"This model's maximum context length is {max_len} tokens. However, your prompt contains "
+                       f"{at_least}{count} input tokens, which exceeds this limit even without any output tokens. "
+                       "Please reduce the length of the input prompt.", param="input_tokens", value=count)
+    return ids
+
+
+def _token_keys(bias: dict[str, float]) -> list[int]:
+    """``logit_bias``'s token ids, refused as vLLM refuses keys that are not ids."""
+    ids, bad = [], []
+    for key in bias:
+        try:
+            ids.append(int(key))
+        except ValueError:
+            bad.append(key)
+    if bad:
+        raise _refused(f"logit_bias contains key(s) that cannot be converted to integer token IDs: {bad!r}",
+                       param="logit_bias", value=bad)
+    return list(dict.fromkeys(ids))
+
+
+def _check_sampling(v: dict[str, Any], max_tokens: int) -> None:
+    """Stage 4: vLLM's checks of the sampling parameters, in its order, with the defaults it fills in."""
+    n = 1 if v["n"] is None else v["n"]
+    if n < 1:
+        raise _refused(f"n must be at least 1, got {n}.")
+    for key in ("presence_penalty", "frequency_penalty"):
+        penalty = 0.0 if v[key] is None else v[key]
+        if not -2.0 <= penalty <= 2.0:
+            raise _refused(f"{key} must be in [-2, 2], got {penalty}.")
+    repetition = 1.0 if v["repetition_penalty"] is None else v["repetition_penalty"]
+    if not math.isfinite(repetition):
+        raise _refused(f"repetition_penalty must be a finite number, got {repetition}.")
+    if repetition <= 0.0:
+        raise _refused(f"repetition_penalty must be greater than zero, got {repetition}.")
+    t = 1.0 if v["temperature"] is None else v["temperature"]
+    for wrong, why in ((not math.isfinite(t), "be a finite number"), (t < 0.0, "be non-negative"),
+                       (t > 2.0, "be in [0, 2]")):
+        if wrong:
+            raise _refused(f"temperature must {why}, got {t}.", param="temperature", value=t)
+    top_p = 1.0 if v["top_p"] is None else v["top_p"]
+    if not 0.0 < top_p <= 1.0:
+        raise _refused(f"top_p must be in (0, 1], got {top_p}.", param="top_p", value=top_p)
+    top_k = 0 if v["top_k"] is None else v["top_k"]
+    if top_k < -1:
+        raise _refused(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
+    min_p = 0.0 if v["min_p"] is None else v["min_p"]
+    if not 0.0 <= min_p <= 1.0:
+        raise _refused(f"min_p must be in [0, 1], got {min_p}.")
+    if max_tokens < 1:
+        raise _refused(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens", value=max_tokens)
+    min_tokens = v["min_tokens"]
+    if min_tokens < 0:
+        raise _refused(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
+    if min_tokens > max_tokens:
+        raise _refused(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
+    stop = v["stop"]
+    if stop == "" or (isinstance(stop, list) and "" in stop):
+        raise _refused("stop cannot contain an empty string.")
+    bad_words = list(dict.fromkeys(v["bad_words"] or []))
+    if "" in bad_words:
+        raise _refused(f"bad_words cannot contain an empty string. Got bad_words={bad_words}")
+
+
+def _check_engine(v: dict[str, Any], bias_ids: list[int], prompt_ids: list[int]) -> None:
+    """Stage 5: what vLLM's engine checks against the model, in its order: token ids the request names, then
+    the prompt."""
+    for key, ids in (("logit_bias", bias_ids), ("stop_token_ids", list(dict.fromkeys(v["stop_token_ids"] or [])))):
+        if bad := [i for i in ids if not 0 <= i < VOCAB_SIZE]:
+            raise _refused(f"token_id(s) {bad} in {key} contain out-of-vocab token ids. Vocabulary size: "
+                           f"{VOCAB_SIZE}", param=key, value=bad)
+    allowed = v["allowed_token_ids"]
+    if allowed is not None and not allowed:
+        raise _refused("allowed_token_ids is not None and empty!", param="allowed_token_ids", value=allowed)
+    if allowed and (bad := [i for i in allowed if not 0 <= i < VOCAB_SIZE]):
+        raise _refused("allowed_token_ids contains out-of-vocab token id!", param="allowed_token_ids", value=bad)
+    if not prompt_ids:
+        raise _refused("The decoder prompt cannot be empty")
+    if max(prompt_ids) >= VOCAB_SIZE:  # negative ids do not pass the schema
+        raise _refused(f"Token id {max(prompt_ids)} is out of vocabulary")
 
 
 @dataclass(slots=True)
@@ -526,156 +829,93 @@ class SimWorker:
     async def _read_json(self, request: Request) -> object:
         media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if media != "application/json":
-            raise _ApiError("1 validation error:\n  Unsupported Media Type: Only 'application/json' is "
-                            "allowed", err_type="Bad Request")
+            raise _schema_error(["Unsupported Media Type: Only 'application/json' is allowed"])
         raw = await request.body()
+        if not raw:  # FastAPI takes an empty body for a missing one
+            raise _schema_error([_error("missing", (), "Field required", None)])
         try:
             return json.loads(raw)
         except json.JSONDecodeError as exc:
-            detail = {"type": "json_invalid", "loc": f"body.{exc.pos}", "msg": "JSON decode error",
-                      "input": {}, "ctx": {"error": exc.msg}}
-            raise _ApiError(f"1 validation error:\n  {detail}", err_type="Bad Request",
-                            param=f"body.{exc.pos}") from None
-        except UnicodeDecodeError as exc:
-            raise _invalid("", "JSON decode error", "json_invalid", str(exc)) from None
+            raise _schema_error([_error("json_invalid", (exc.pos,), "JSON decode error", {},
+                                        error=exc.msg)]) from None
+        except ValueError:  # not UTF-8, or an integer too long to read: FastAPI's own answer, as vLLM gives it
+            raise HTTPException(400, "There was an error parsing the body") from None
 
     def _request_id(self, request: Request, body: dict[str, Any], prefix: str) -> str:
         rid = request.headers.get("x-request-id") or body.get("request_id")
         return f"{prefix}{rid if isinstance(rid, str) and rid else secrets.token_hex(8)}"
 
     def _parse(self, body: object, *, chat: bool) -> _Parsed:
-        """Validate like vLLM, in vLLM's order: schema, model, max_tokens, prompt length, vocabulary."""
-        if not isinstance(body, dict):
-            raise _invalid("", "Input should be a valid dictionary", "dict_type", body)
-        role = "assistant"
-        if chat:
-            messages = body.get("messages")
-            if messages is None:
-                raise _invalid("messages", "Field required", "missing", body)
-            if not isinstance(messages, list) or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-                raise _invalid("messages", "Input should be a list of messages with a role", "list_type",
-                               messages)
-            add_generation_prompt = _opt_bool(body, "add_generation_prompt", True)
-            if not add_generation_prompt and messages:
-                role = messages[-1]["role"]
-            prompt: object = None
-            mt_param = "max_tokens"
-            if body.get("max_completion_tokens") is not None:
-                mt_param = "max_completion_tokens"
-            max_tokens = _opt_int(body, mt_param)
-        else:
-            prompt = body.get("prompt")
-            if prompt is None or prompt == "" or prompt == []:
-                raise _ApiError("Either prompt or prompt_embeds must be provided and non-empty.",
-                                err_type="Bad Request", param="prompt")
-            if not isinstance(prompt, (str, list)):
-                raise _invalid("prompt", "Input should be a valid string or list", "union_type", prompt)
-            mt_param = "max_tokens"
-            max_tokens = _opt_int(body, "max_tokens")
-            if max_tokens is None:
-                max_tokens = _COMPLETION_DEFAULT_MAX_TOKENS
-        stream = _opt_bool(body, "stream", False)
-        stream_options = body.get("stream_options")
-        include_usage = continuous_usage = False
-        if stream_options is not None:
-            if not isinstance(stream_options, dict):
-                raise _invalid("stream_options", "Input should be a valid dictionary", "dict_type",
-                               stream_options)
-            if stream_options and not stream:
-                raise _ApiError("Stream options can only be defined when `stream=True`.",
-                                err_type="Bad Request", param="stream_options")
-            include_usage = bool(stream_options.get("include_usage"))
-            continuous_usage = include_usage and bool(stream_options.get("continuous_usage_stats"))
-        ignore_eos = _opt_bool(body, "ignore_eos", False)
-        include_stop = _opt_bool(body, "include_stop_str_in_output", False)
-        return_token_ids = _opt_bool(body, "return_token_ids", False)
-        stop = body.get("stop")
-        if stop is None:
-            stops: tuple[str, ...] = ()
-        elif isinstance(stop, str):
-            stops = (stop,) if stop else ()
-        elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-            stops = tuple(s for s in stop if s)
-        else:
-            raise _invalid("stop", "Input should be a valid string or list of strings", "union_type", stop)
-        stop_ids = body.get("stop_token_ids")
-        if stop_ids is not None and _int_list(stop_ids) is None:
-            raise _invalid("stop_token_ids", "Input should be a list of integers", "list_type", stop_ids)
-        n = _opt_int(body, "n")
-        if n is not None and n < 1:
-            raise _ApiError(f"n must be at least 1, got {n}.", param="n")
-        if n is not None and n > 1:
-            raise _ApiError(f"n={n} is not supported by the simulated worker: its model is greedy and "
-                            "deterministic, so every choice would be the same; send n=1", param="n")
-        for key in ("echo", "use_beam_search"):
-            if body.get(key):
-                raise _ApiError(f"{key} is not supported by the simulated worker", param=key)
-        for key in ("logprobs", "prompt_logprobs", "top_logprobs"):
-            v = body.get(key)
-            if v is not None and v is not False and not (key == "top_logprobs" and v == 0):
-                raise _ApiError(f"{key} is not supported by the simulated worker", param=key)
-        min_tokens = _opt_int(body, "min_tokens") or 0
-        if min_tokens < 0:
-            raise _ApiError(f"min_tokens must be greater than or equal to 0, got {min_tokens}.",
-                            param="min_tokens")
+        """Validate like vLLM, stage by stage (see the comment above :func:`_refused`)."""
+        if isinstance(body, dict):
+            _check_raw(body, chat=chat)
+        bad_messages = _message_errors(body.get("messages")) if chat and isinstance(body, dict) else []
+        try:
+            # FastAPI validates a body as it would an object's attributes; so does vLLM, so the sim too.
+            v = dict((_CHAT_REQUEST if chat else _COMPLETION_REQUEST).model_validate(body, from_attributes=True))
+        except ValidationError as exc:
+            errors: list[Mapping[str, Any] | str] = [*bad_messages, *exc.errors(include_url=False)]
+            raise _schema_error(errors) from None
+        if bad_messages:
+            raise _schema_error(bad_messages)
+        _refuse_unsupported(v)
 
-        model = body.get("model")
+        model = v["model"]
         if model is not None and model != self.model_name:
             raise _ApiError(f"The model `{model}` does not exist. Valid aliases: {self.model_name}.",
                             status=404, err_type="NotFoundError", param="model")
-
+        role = "assistant"
+        prompt: str | list[int]
+        if chat:
+            mt_param = "max_completion_tokens" if v["max_completion_tokens"] is not None else "max_tokens"
+            max_tokens = v[mt_param]
+            if not v["add_generation_prompt"] and v["messages"]:
+                role = v["messages"][-1]["role"]
+            prompt = render_chat(v["messages"], add_generation_prompt=v["add_generation_prompt"])
+        else:
+            mt_param = "max_tokens"
+            max_tokens = v["max_tokens"]
+            if max_tokens is None:
+                max_tokens = _COMPLETION_DEFAULT_MAX_TOKENS
+            prompt = self._completion_prompt(v["prompt"])
+            if v["suffix"] is not None:  # the tiny model has no fill-in-the-middle rendering
+                raise _ApiError("suffix is only supported for models with FIM completion rendering"
+                                if isinstance(prompt, str) else
+                                "suffix requires text prompt input for FIM completion rendering", param="suffix")
         max_len = self.config.max_model_len
         if max_tokens is not None and max_tokens > max_len:
-            raise _ApiError(f"{mt_param}={max_tokens} cannot be greater than max_model_len={max_len}. "
-                            "Please request fewer output tokens.", param=mt_param)
-
-        if chat:
-            prompt_ids = encode(render_chat(body["messages"], add_generation_prompt=add_generation_prompt))
-        else:
-            prompt_ids = self._prompt_ids(prompt)
-        if len(prompt_ids) > max_len:
-            raise _ApiError(f"This model's maximum context length is {max_len} tokens. However, your prompt "
-                            f"contains {len(prompt_ids)} input tokens, which exceeds this limit even without "
-                            "any output tokens. Please reduce the length of the input prompt.",
-                            param="input_tokens")
+            raise _refused(f"{mt_param}={max_tokens} cannot be greater than max_model_len={max_len}. Please "
+                           "request fewer output tokens.", param=mt_param, value=max_tokens)
+        prompt_ids = _prompt_tokens(prompt, max_len)
         budget = max_len - len(prompt_ids)
         max_tokens = budget if max_tokens is None else min(max_tokens, budget)
-        if max_tokens < 1:
-            raise _ApiError(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
-        if min_tokens > max_tokens:
-            raise _ApiError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got "
-                            f"{min_tokens}.", param="min_tokens")
-        if prompt_ids and (min(prompt_ids) < 0 or max(prompt_ids) >= VOCAB_SIZE):
-            bad = min(prompt_ids) if min(prompt_ids) < 0 else max(prompt_ids)
-            raise _ApiError(f"Token id {bad} is out of vocabulary")
+        bias_ids = _token_keys(v["logit_bias"] or {})
+        _check_sampling(v, max_tokens)
+        _check_engine(v, bias_ids, prompt_ids)
 
-        spec = SamplingSpec(max_tokens=max_tokens, ignore_eos=ignore_eos, stop=stops,
-                            stop_token_ids=frozenset(stop_ids or ()), include_stop_str_in_output=include_stop,
-                            min_tokens=min_tokens)
-        return _Parsed(prompt_ids, spec, stream, include_usage, continuous_usage, return_token_ids, role)
+        stop = v["stop"]
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        options = v["stream_options"]
+        include_usage = options is not None and bool(options.include_usage)
+        continuous_usage = include_usage and bool(options.continuous_usage_stats)
+        spec = SamplingSpec(max_tokens=max_tokens, ignore_eos=v["ignore_eos"], stop=stops,
+                            stop_token_ids=frozenset(v["stop_token_ids"] or ()),
+                            include_stop_str_in_output=v["include_stop_str_in_output"], min_tokens=v["min_tokens"])
+        return _Parsed(prompt_ids, spec, bool(v["stream"]), include_usage, continuous_usage,
+                       bool(v["return_token_ids"]), role)
 
     @staticmethod
-    def _prompt_ids(prompt: object) -> list[int]:
-        if isinstance(prompt, str):
-            return encode(prompt)
-        assert isinstance(prompt, list)
-        if (ids := _int_list(prompt)) is not None:
-            return list(ids)
-        if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+    def _completion_prompt(prompt: str | list[Any]) -> str | list[int]:
+        """The one prompt of a completion request: text or token ids (vLLM's schema has checked the types)."""
+        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+            return prompt
+        if not prompt:  # vLLM would answer with no choices at all; the sim serves one prompt per request
+            raise _refused("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
+        if len(prompt) > 1:
             raise _ApiError(f"the simulated worker takes one prompt per request, got {len(prompt)}; send "
                             "them as separate requests", param="prompt")
-        if len(prompt) == 1:
-            only = prompt[0]
-            if isinstance(only, str) and only:
-                return encode(only)
-            if (ids := _int_list(only)) is not None and ids:
-                return list(ids)
-            if only == "" or only == []:
-                raise _ApiError("Either prompt or prompt_embeds must be provided and non-empty.",
-                                err_type="Bad Request", param="prompt")
-        raise _invalid("prompt", "Input should be a string, a list of token ids, or a list of those",
-                       "union_type", prompt)
+        only: str | list[int] = prompt[0]
+        return only
 
     async def _completions(self, request: Request) -> Response:
         return await self._serve(request, chat=False)

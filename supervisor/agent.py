@@ -116,39 +116,50 @@ class NodeAgent:
             self._tasks.append(asyncio.create_task(self._monitor_gpus(), name="agent-gpus"))
 
     async def start_workers(self, specs: Sequence[WorkerSpec], *, progress: Progress | None = None) -> None:
-        """Launch every worker, then register each as soon as it is ready. Failures are recorded, not raised."""
+        """Launch every worker, then register each as soon as it is ready. A worker that fails to start is
+        started again like a restart (backoff, another port if its own was taken meanwhile: a port picked
+        free can be bound by someone else before the worker binds it); one that never starts is recorded,
+        not raised."""
         if self._lease is None:
             await self.start()
         note = progress or (lambda _w, _what: None)
-        handles = []
+        launched: list[tuple[WorkerSpec, WorkerHandle | None, str]] = []
         for spec in specs:
             self.specs[spec.id] = spec
             await self.initial_health(spec.id)
             try:
                 handle = self.backend.launch(spec, self.log_dir, self.worker_env)
             except FleetwardError as exc:
-                await self._start_failed(spec.id, str(exc))
-                note(spec.id, "failed")
+                launched.append((spec, None, str(exc)))
                 continue
             self.handles[spec.id] = handle
-            handles.append(handle)
+            launched.append((spec, handle, ""))
             note(spec.id, "launched")
 
-        async def one(handle: WorkerHandle) -> None:
+        async def one(spec: WorkerSpec, handle: WorkerHandle | None, failure: str) -> None:
+            if handle is not None:
+                try:
+                    await self.backend.wait_ready(handle)
+                    await self.register(handle)
+                    note(spec.id, "ready")
+                    return
+                except FleetwardError as exc:
+                    await self.backend.stop(handle)
+                    self.handles.pop(spec.id, None)
+                    failure = str(exc)
+            log.warning("worker %s did not start (%s); starting it again with backoff", spec.id, failure)
+            note(spec.id, "retrying")
             try:
-                await self.backend.wait_ready(handle)
+                await self.restart(spec.id, spec=spec, delay=self.config.backoff_initial_s)
             except FleetwardError as exc:
-                await self.backend.stop(handle)
-                self.handles.pop(handle.spec.id, None)
-                await self._start_failed(handle.spec.id, str(exc))
-                note(handle.spec.id, "failed")
+                await self._start_failed(spec.id, str(exc))
+                note(spec.id, "failed")
                 return
-            await self.register(handle)
-            note(handle.spec.id, "ready")
+            note(spec.id, "ready")
 
         async with asyncio.TaskGroup() as tg:
-            for h in handles:
-                tg.create_task(one(h))
+            for spec, launch, failure in launched:
+                tg.create_task(one(spec, launch, failure))
 
     async def aclose(self, *, grace: float = 10.0) -> None:
         """Stop every worker (ordered), revoke the lease (keys vanish now), publish ``worker.down``."""
@@ -295,7 +306,7 @@ class NodeAgent:
         spec = handle.spec
         record = WorkerRecord(id=spec.id, url=spec.url, role=spec.role, model=spec.model, node=spec.node,
                               backend=handle.backend, gpus=spec.gpus, started_at=handle.started_at,
-                              pid=handle.process.pid)
+                              pid=handle.process.pid, pids=tuple(p.pid for p in handle.process.tree()))
         await self.store.put(self.keys.worker(spec.id), record.to_json(), lease=self._lease.id)
 
     async def _watch_exit(self, handle: WorkerHandle) -> None:

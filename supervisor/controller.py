@@ -61,6 +61,7 @@ from fleetward.supervisor.health import (
     ActionDone,
     AgentAction,
     CanaryDone,
+    Command,
     Deregistered,
     DrainRequested,
     Event,
@@ -72,6 +73,7 @@ from fleetward.supervisor.health import (
     Quarantine,
     QuarantineCleared,
     Registered,
+    RestartRequested,
     RunCanary,
     SetHealth,
     SignalSeen,
@@ -503,13 +505,24 @@ class Controller:
         def authorised(request: Request) -> bool:
             return bool(self.admin_token) and request.headers.get("authorization") == f"Bearer {self.admin_token}"
 
-        async def command(request: Request, event: Event) -> Response:
+        async def command(request: Request, event: Command) -> Response:
+            """An operator's command: applied, or refused with why (never "accepted" and then nothing)."""
             if not authorised(request):
                 return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
-            if not self.leading.is_set():
+            machine = self.machine
+            if not self.leading.is_set() or machine is None:
                 return JSONResponse({"error": "not the leader", "leader": await self.leader()}, status_code=409)
+            ws = machine.workers.get(event.worker)
+            if ws is None:
+                known = sorted(machine.workers)
+                return JSONResponse({"error": f"no worker {event.worker!r} in this cluster (workers: "
+                                              f"{', '.join(known) or 'none'})", "workers": known}, status_code=404)
+            why = machine.admit(event)
+            if why is not None:
+                return JSONResponse({"error": f"{event.worker}: {why}", "state": ws.state.value}, status_code=409)
             self.submit(event)
-            return JSONResponse({"accepted": True, "leader": self.id})
+            return JSONResponse({"accepted": True, "leader": self.id, "state": ws.state.value,
+                                 "what": _what(event, ws.state)})
 
         @app.get("/health")
         async def health() -> Response:
@@ -532,10 +545,10 @@ class Controller:
         async def drain(worker: str, request: Request) -> Response:
             try:
                 body = await request.json() if await request.body() else {}
-                then = body.get("then", "stop")
+                then = body.get("then", "cordon")
                 deadline = float(body.get("deadline_s", self.config.drain_timeout_s))
-                if then not in ("stop", "restart"):
-                    raise ValueError("then must be stop or restart")
+                if then not in ("cordon", "stop", "restart"):
+                    raise ValueError("then must be cordon, stop or restart")
             except (ValueError, TypeError) as exc:
                 return JSONResponse({"error": f"bad drain request: {exc}"}, status_code=400)
             return await command(request, DrainRequested(worker, deadline, then))
@@ -546,13 +559,34 @@ class Controller:
 
         @app.post("/v1/workers/{worker}/restart")
         async def restart(worker: str, request: Request) -> Response:
-            return await command(request, DrainRequested(worker, 0.0, "restart"))
+            return await command(request, RestartRequested(worker))
 
         @app.post("/v1/workers/{worker}/quarantine/clear")
         async def clear(worker: str, request: Request) -> Response:
             return await command(request, QuarantineCleared(worker))
 
         return app
+
+
+def _what(command: Command, state: HealthState) -> str:
+    """What an accepted command does to a worker in ``state``, in words (the CLI prints it)."""
+    match command:
+        case DrainRequested(deadline_s=deadline, then=then):
+            after = {"cordon": "it then stays out of routing (cordoned) until `fleetward undrain`",
+                     "stop": "it is then stopped", "restart": "it is then restarted"}[then]
+            return (f"draining: no new work goes to it; its open streams finish, or move to other workers after "
+                    f"{deadline:g} s; {after}")
+        case RestartRequested():
+            if state is HealthState.DEAD:
+                return "starting it again"
+            return "restarting it gracefully: its open streams move to other workers, then it restarts"
+        case Undrain():
+            if state is HealthState.DEAD:
+                return "it was stopped: starting it again"
+            return "taking it back into routing once a canary passes"
+        case QuarantineCleared():
+            return "the GPU self-test runs first; when it passes the worker is restarted"
+    return "accepted"
 
 
 async def serve_controller(config: SupervisorConfig, *, etcd: str, mqtt: str, cluster: str, admin_token: str,

@@ -42,6 +42,7 @@ __all__ = [
     "ActionDone",
     "AgentAction",
     "CanaryDone",
+    "Command",
     "Deregistered",
     "DrainRequested",
     "HealthMachine",
@@ -52,6 +53,7 @@ __all__ = [
     "Quarantine",
     "QuarantineCleared",
     "Registered",
+    "RestartRequested",
     "RunCanary",
     "SetHealth",
     "SignalSeen",
@@ -107,9 +109,20 @@ class ActionDone:
 
 @dataclass(frozen=True)
 class DrainRequested:
+    """An operator's drain: no new work; open streams finish, or move elsewhere after ``deadline_s``. Then
+    the worker stays cordoned (``cordon``: out of routing until undrained), or is stopped, or restarted."""
+
     worker: str
     deadline_s: float = 60.0
-    then: Literal["stop", "restart"] = "stop"
+    then: Literal["cordon", "stop", "restart"] = "cordon"
+
+
+@dataclass(frozen=True)
+class RestartRequested:
+    """An operator's restart: a graceful one (drained at once, streams move, then restarted); a stopped or
+    dead worker is simply started again."""
+
+    worker: str
 
 
 @dataclass(frozen=True)
@@ -133,8 +146,9 @@ class Tick:
     pass
 
 
-Event = (Registered | Deregistered | SignalSeen | CanaryDone | ActionDone | DrainRequested | Undrain
-         | QuarantineCleared | Load | Tick)
+Event = (Registered | Deregistered | SignalSeen | CanaryDone | ActionDone | DrainRequested | RestartRequested
+         | Undrain | QuarantineCleared | Load | Tick)
+Command = DrainRequested | RestartRequested | Undrain | QuarantineCleared
 
 
 # -- outputs --------------------------------------------------------------------------------------------
@@ -225,8 +239,9 @@ class WorkerState:
     action_seq: int = 0  # actions issued for this worker ever (makes their ids unique and replayable)
     pending: str | None = None  # action id the agent has not finished
     drain_deadline: float | None = None
-    drain_then: str = "stop"
+    drain_then: str = "cordon"
     draining_stop: bool = False  # a stop action that ends a drain is pending
+    cordoned: bool = False  # an operator took it out of routing until undrained (kept across restarts)
     in_flight: int = 0
     pid: int | None = None  # the process that registered last
 
@@ -237,7 +252,9 @@ class WorkerState:
             extra["pending"] = self.pending
         if self.pid is not None:
             extra["pid"] = self.pid
-        if self.drain_deadline is not None:
+        if self.cordoned:
+            extra["cordoned"] = True
+        if self.drain_deadline is not None or self.state is S.DRAINING:
             extra["drain"] = {"deadline": self.drain_deadline, "then": self.drain_then}
         return HealthRecord(self.state, reason=self.reason, detector=self.detector, since=self.since, extra=extra)
 
@@ -248,10 +265,12 @@ class WorkerState:
                  reason=rec.reason, detector=rec.detector, since=rec.since,
                  restarts=[float(t) for t in x.get("restarts", [])], restart_count=int(x.get("restart_count", 0)),
                  action_seq=int(x.get("action_seq", 0)), pending=x.get("pending"),
-                 pid=int(x["pid"]) if x.get("pid") is not None else None)
+                 pid=int(x["pid"]) if x.get("pid") is not None else None, cordoned=bool(x.get("cordoned")))
         drain = x.get("drain")
         if drain:
-            ws.drain_deadline, ws.drain_then = float(drain["deadline"]), str(drain.get("then", "stop"))
+            deadline = drain.get("deadline")
+            ws.drain_deadline = float(deadline) if deadline is not None else None
+            ws.drain_then = str(drain.get("then", "cordon"))
         return ws
 
 
@@ -301,11 +320,18 @@ class HealthMachine:
                 return self._action_done(event)
             case DrainRequested():
                 return self._drain(event)
+            case RestartRequested():
+                ws = self._ws(event.worker)
+                if ws.state is S.DEAD:
+                    return self._start_again(ws, "restarted by an operator")
+                return self._drain(DrainRequested(event.worker, 0.0, "restart"))
             case Undrain():
                 ws = self._ws(event.worker)
+                if ws.state is S.DEAD:
+                    return self._start_again(ws, "undrained by an operator: it was stopped, starting it again")
                 if ws.state is not S.DRAINING:
                     return []
-                ws.drain_deadline = None
+                ws.drain_deadline, ws.cordoned = None, False
                 return [*self._set(ws, S.STARTING, "drain cancelled", "operator"), RunCanary(ws.id, urgent=True)]
             case QuarantineCleared():
                 ws = self._ws(event.worker)
@@ -318,7 +344,8 @@ class HealthMachine:
                 if loaded is None:
                     return []
                 loaded.in_flight = event.in_flight
-                if loaded.state is S.DRAINING and event.in_flight == 0 and loaded.pending is None:
+                if (loaded.state is S.DRAINING and loaded.drain_deadline is not None and event.in_flight == 0
+                        and loaded.pending is None):
                     return self._finish_drain(loaded, "drained: no request left in flight")
                 return []
             case Tick():
@@ -339,6 +366,9 @@ class HealthMachine:
             ws.signals.pop("process", None)  # what was said of the old process was acted on
         if ws.state in (S.QUARANTINED, S.DRAINING):
             return []
+        if ws.cordoned:  # restarted while cordoned: it serves again, still out of routing
+            ws.pending = None
+            return self._set(ws, S.DRAINING, "cordoned: restarted, out of routing until undrained", "operator")
         if ws.state in (S.READY, S.SUSPECT) and ws.pending is None:
             return []  # a lease renewal re-registered it; nothing changed
         ws.pending = None
@@ -475,12 +505,49 @@ class HealthMachine:
             return self._set(ws, S.DEAD, "drained and stopped", "supervisor")
         return []
 
+    def admit(self, command: Command) -> str | None:
+        """Why ``command`` cannot apply to its worker in its present state (an operator is told, 409), or
+        None when it applies. The worker must be known (the caller answers 404 otherwise)."""
+        ws = self.workers[command.worker]
+        state, pending = ws.state, ws.pending is not None
+        match command:
+            case DrainRequested():
+                if state is S.DRAINING and ws.drain_deadline is not None:
+                    return "it is being drained already (`fleetward undrain` cancels that)"
+                if state is S.DRAINING and command.then == "cordon":
+                    return "it is cordoned already (`fleetward undrain` takes it back)"
+                if state in (S.DEAD, S.QUARANTINED):
+                    return f"it is {state.value} ({ws.reason}): nothing runs on it to drain"
+                if state is S.RESTARTING or pending:
+                    return f"a {'restart' if state is S.RESTARTING else 'remediation'} is under way ({ws.reason})"
+            case RestartRequested():
+                if state is S.QUARANTINED:
+                    return "it is quarantined: `fleetward unquarantine` runs the GPU self-test, then restarts it"
+                if state is S.RESTARTING or pending:
+                    return f"it is being restarted already ({ws.reason})"
+            case Undrain():
+                if state not in (S.DRAINING, S.DEAD):
+                    return f"it is not drained: it is {state.value}"
+                if state is S.DEAD and pending:
+                    return "it is being stopped"
+            case QuarantineCleared():
+                if state is not S.QUARANTINED:
+                    return f"it is not quarantined: it is {state.value}"
+        return None
+
+    def _start_again(self, ws: WorkerState, reason: str) -> list[Action]:
+        ws.restart_count += 1
+        ws.drain_deadline, ws.cordoned = None, False
+        act = self._agent(ws, "restart", reason)
+        return [*self._set(ws, S.RESTARTING, reason, "operator"), *act]
+
     def _drain(self, e: DrainRequested) -> list[Action]:
         ws = self._ws(e.worker)
         if ws.state in (S.DEAD, S.QUARANTINED):
             return []
         ws.drain_deadline = self.clock.wall() + e.deadline_s
         ws.drain_then = e.then
+        ws.cordoned = ws.cordoned or e.then == "cordon"
         out = self._set(ws, S.DRAINING, f"draining (then {e.then}) within {e.deadline_s:.0f}s", "operator")
         if ws.in_flight == 0:
             out += self._finish_drain(ws, "drained: nothing was in flight")
@@ -488,6 +555,8 @@ class HealthMachine:
 
     def _finish_drain(self, ws: WorkerState, reason: str) -> list[Action]:
         ws.drain_deadline = None
+        if ws.drain_then == "cordon":
+            return self._set(ws, S.DRAINING, f"cordoned until undrained ({reason})", "operator")
         if ws.drain_then == "restart":
             ws.restart_count += 1
             act = self._agent(ws, "restart", reason)

@@ -118,3 +118,33 @@ async def test_what_a_dead_worker_leaves_behind_is_stopped_at_once(
                          timeout=15, message="the orphaned child is stopped")
     finally:
         await fleet.aclose()
+
+
+async def test_a_worker_whose_port_was_taken_before_it_bound_starts_elsewhere(
+        store: EtcdStore, bus: MqttBus, keys: Keys, tmp_path: Path) -> None:
+    """A port picked free can be taken by another process before the worker binds it (the pick-then-bind
+    race). The worker exits; it is started again with backoff on another port, not marked dead at once."""
+    import socket
+
+    from fleetward.fleet.backends import SimBackend
+    from fleetward.fleet.config import SimConfig, SupervisorConfig
+    from fleetward.fleet.worker import WorkerSpec
+    from fleetward.supervisor.agent import NodeAgent
+
+    backend = SimBackend(SimConfig())
+    agent = NodeAgent(store=store, bus=bus, keys=keys, backend=backend, node="n1", log_dir=tmp_path,
+                      supervisor=SupervisorConfig(backoff_initial_s=0.05))
+    notes: list[str] = []
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        spec = WorkerSpec(id="n1-w0", host="127.0.0.1", port=port, model=backend.model_name, node="n1")
+        try:
+            await agent.start_workers([spec], progress=lambda _w, what: notes.append(what))
+            assert notes == ["launched", "retrying", "ready"]
+            record = (await read_fleet(store, keys)).workers["n1-w0"]
+            assert record.url != f"http://127.0.0.1:{port}" and record.url.startswith("http://127.0.0.1:")
+            assert "n1-w0" not in agent.failed
+        finally:
+            await agent.aclose()

@@ -47,8 +47,11 @@ def alive(p: psutil.Process) -> bool:
 
 async def test_up_starts_a_fleet_that_status_shows_and_sigterm_leaves_nothing(tmp_path: Path,
                                                                              wait_until: Any) -> None:
-    up = ManagedProcess("fleetward up", [*FLEETWARD, "up", "--workers", "3", "--run-dir", str(tmp_path),
-                                         "--cluster", "clitest"],
+    router_port = free_port()
+    conf = tmp_path / "fleet.yaml"
+    conf.write_text(f"routing:\n  port: {router_port}\n")  # honoured, not silently ignored
+    up = ManagedProcess("fleetward up", [*FLEETWARD, "up", "--config", str(conf), "--workers", "3", "--run-dir",
+                                         str(tmp_path), "--cluster", "clitest"],
                         log_path=tmp_path / "up.log", env=ENV).start()
     try:
         def status() -> dict[str, Any] | None:
@@ -60,15 +63,26 @@ async def test_up_starts_a_fleet_that_status_shows_and_sigterm_leaves_nothing(tm
             return data if len(ready) == 3 and data["routers"] else None
 
         data = await wait_until(status, timeout=90, interval=0.5, message="3 ready workers and a router")
-        assert data["cluster"] == "clitest"
+        assert data["cluster"] == "clitest" and data["routers"][0]["url"] == f"http://127.0.0.1:{router_port}"
         assert {tuple(sorted(w)) for w in data["workers"]} == {
-            ("health", "id", "model", "node", "reason", "role", "since", "url")}
+            ("health", "id", "model", "node", "pid", "pids", "reason", "role", "since", "url")}
         assert all(w["role"] == "aggregated" and w["model"] == "sim-tiny" for w in data["workers"])
-        table = run("status", "--run-dir", str(tmp_path), "--cluster", "clitest")
-        assert table.returncode == 0
-        for w in data["workers"]:
-            assert w["id"] in table.stdout
         tree = up.tree()
+        assert all(w["pid"] in w["pids"] and set(w["pids"]) <= {p.pid for p in tree} for w in data["workers"])
+        controller = data["controller"]
+        assert controller["url"].startswith("http://") and controller["id"]
+        table = run("status", "--run-dir", str(tmp_path), "--cluster", "clitest")
+        assert table.returncode == 0 and controller["url"] in table.stdout
+        for w in data["workers"]:
+            assert w["id"] in table.stdout and str(w["pid"]) in table.stdout
+        await _operator_commands_mean_what_they_say(tmp_path, [w["id"] for w in data["workers"]], wait_until)
+        root = tmp_path / "clitest"
+        before = {f: (root / f).stat().st_mtime_ns for f in ("fleet.json", "admin-token")}
+        second = run("up", "--workers", "1", "--run-dir", str(tmp_path), "--cluster", "clitest")
+        assert second.returncode == 1 and f"a fleet already runs in {root} (pid {up.pid}" in second.stderr
+        assert {f: (root / f).stat().st_mtime_ns for f in before} == before, "the live fleet's files are untouched"
+        assert (root / "etcd-data").is_dir() and run("status", "--run-dir", str(tmp_path), "--cluster",
+                                                     "clitest").returncode == 0, "and it still answers"
         assert len(tree) >= 7  # up, etcd, broker, 3 workers, router
         up.signal(signal.SIGTERM)
         assert await up.wait_exit() == 0
@@ -78,6 +92,33 @@ async def test_up_starts_a_fleet_that_status_shows_and_sigterm_leaves_nothing(tm
         assert not (tmp_path / "clitest" / "fleet.json").exists()
     finally:
         await up.stop()
+
+
+async def _operator_commands_mean_what_they_say(run_dir: Path, workers: list[str], wait_until: Any) -> None:
+    """A typo is refused with the known ids (and leaves no phantom row); a command that cannot apply says
+    why; `drain` cordons: the worker stays up, out of routing, until `undrain` takes it back."""
+    where = ("--run-dir", str(run_dir), "--cluster", "clitest")
+
+    def health(worker: str) -> dict[str, Any] | None:
+        data = json.loads(run("status", "--json", *where).stdout)
+        return next((w for w in data["workers"] if w["id"] == worker), None)
+
+    typo = run("drain", "wokrer-0", *where)
+    assert typo.returncode == 1 and "no worker 'wokrer-0'" in typo.stderr, typo.stderr
+    assert all(w in typo.stderr for w in workers)
+    assert health("wokrer-0") is None, "no phantom worker"
+    target = workers[0]
+    not_drained = run("undrain", target, *where)
+    assert not_drained.returncode == 1 and "it is not drained: it is ready" in not_drained.stderr
+    drained = run("drain", target, *where)
+    assert drained.returncode == 0, drained.stderr
+    assert "stays out of routing (cordoned) until `fleetward undrain`" in drained.stdout
+    cordoned = await wait_until(lambda: (h := health(target)) and "cordoned" in h["reason"] and h, timeout=30)
+    assert cordoned["health"] == "draining" and cordoned["pids"], "cordoned, not stopped"
+    assert run("drain", target, *where).returncode == 1, "cordoned already"
+    back = run("undrain", target, *where)
+    assert back.returncode == 0 and "back into routing" in back.stdout, back.stderr
+    await wait_until(lambda: (h := health(target)) and h["health"] == "ready", timeout=30)
 
 
 def test_status_without_a_fleet_says_how_to_start_one(tmp_path: Path) -> None:

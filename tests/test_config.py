@@ -24,6 +24,21 @@ def test_a_valid_file_sets_fields_and_flags_override_it(tmp_path: Path) -> None:
     assert config.sim.decode_step_ms == 30
 
 
+def test_a_flag_for_one_key_of_a_section_keeps_the_sections_other_keys(tmp_path: Path) -> None:
+    """`--router-port` sets routing.port; the file's other routing keys stay."""
+    from fleetward.cli.main import _fleet_config, _parser
+
+    path = write(tmp_path, "routing:\n  port: 8100\n  migration_limit: 5\nvllm:\n  dtype: bfloat16\n")
+    from_file = _fleet_config(_parser().parse_args(["up", "--config", str(path)]))
+    assert (from_file.routing.port, from_file.routing.migration_limit) == (8100, 5)
+    flagged = _fleet_config(_parser().parse_args(["up", "--config", str(path), "--router-port", "8200",
+                                                  "--model", "/m"]))
+    assert (flagged.routing.port, flagged.routing.migration_limit) == (8200, 5)
+    assert (flagged.vllm.model, flagged.vllm.dtype) == ("/m", "bfloat16")
+    with pytest.raises(ConfigError, match=r"routing\.port"):
+        _fleet_config(_parser().parse_args(["up", "--router-port", "70000"]))
+
+
 def test_an_unknown_key_names_file_line_and_field(tmp_path: Path) -> None:
     path = write(tmp_path, "cluster: prod\nsim:\n  decode_step_ms: 30\n  decode_stepp_ms: 31\n")
     with pytest.raises(ConfigError) as info:
@@ -87,3 +102,22 @@ def test_the_config_is_frozen() -> None:
     config = FleetConfig()
     with pytest.raises(Exception, match="frozen"):
         config.workers = 7  # type: ignore[misc]
+
+
+def test_the_reference_page_is_what_the_models_say() -> None:
+    """docs/config.md is generated from the models: a field added or changed without regenerating it fails."""
+    from fleetward.fleet.configref import PAGE, render
+
+    assert PAGE.read_text() == render(), "regenerate it: python -m fleetward.fleet.configref --write"
+    assert "| `routing` |" in render() and "| `port` | int | `0` | ≥ 0, ≤ 65535 |" in render()
+
+
+def test_every_key_says_what_it_means() -> None:
+    from pydantic import BaseModel
+
+    from fleetward.fleet import config
+
+    models = [m for m in vars(config).values() if isinstance(m, type) and issubclass(m, config.Frozen)
+              and m is not config.Frozen and issubclass(m, BaseModel)]
+    undescribed = [f"{m.__name__}.{n}" for m in models for n, f in m.model_fields.items() if not f.description]
+    assert undescribed == []

@@ -22,10 +22,12 @@ from fleetward.supervisor.health import (
     Quarantine,
     QuarantineCleared,
     Registered,
+    RestartRequested,
     RunCanary,
     SetHealth,
     SignalSeen,
     Tick,
+    Undrain,
 )
 from fleetward.supervisor.signals import Severity, Signal
 
@@ -182,10 +184,55 @@ def test_a_backend_that_fails_to_start_is_dead_with_the_reason(machine: HealthMa
     assert not of(out, AgentAction), "restarting would fail the same way"
 
 
-def test_a_drain_waits_for_streams_then_stops(machine: HealthMachine) -> None:
+def test_a_drain_cordons_by_default_and_undrain_takes_it_back(machine: HealthMachine) -> None:
+    """`fleetward drain` without --then: no new work, streams finish, and the worker stays up, out of
+    routing, until undrained; nothing is stopped. A crash meanwhile restarts it, still cordoned."""
+    ready(machine)
+    machine.observe(Load("w", 2))
+    assert states(machine.observe(DrainRequested("w", deadline_s=30))) == [S.DRAINING]
+    out = machine.observe(Load("w", 0))
+    assert states(out) == [S.DRAINING] and "cordoned" in machine.workers["w"].reason
+    assert not of(out, AgentAction), "a cordon stops nothing"
+    assert machine.observe(Load("w", 0)) == [], "cordoned once"
+    assert machine.admit(DrainRequested("w")) == "it is cordoned already (`fleetward undrain` takes it back)"
+    assert machine.admit(DrainRequested("w", then="stop")) is None, "a cordoned worker may still be stopped"
+    out = machine.observe(sig("process", Severity.FATAL))
+    (restart,) = of(out, AgentAction)
+    machine.observe(ActionDone("w", restart.action_id, "restart", ok=True))
+    assert states(machine.observe(Registered("w", "n1", pid=7))) == [S.DRAINING], "restarted, still cordoned"
+    out = machine.observe(Undrain("w"))
+    assert states(out) == [S.STARTING] and of(out, RunCanary)
+    assert states(machine.observe(CanaryDone("w", ok=True))) == [S.READY]
+
+
+def test_commands_that_cannot_apply_say_why(machine: HealthMachine) -> None:
+    ready(machine)
+    assert machine.admit(Undrain("w")) == "it is not drained: it is ready"
+    assert machine.admit(QuarantineCleared("w")) == "it is not quarantined: it is ready"
+    assert machine.admit(RestartRequested("w")) is None
+    machine.observe(RestartRequested("w"))
+    assert machine.admit(RestartRequested("w")).startswith("it is being restarted already")  # type: ignore[union-attr]
+    assert machine.admit(DrainRequested("w")).startswith("a restart is under way")  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("command", [Undrain, RestartRequested])
+def test_undrain_or_restart_starts_a_stopped_worker_again(machine: HealthMachine, command: type) -> None:
+    """What an operator means by undrain or restart of a worker a drain stopped: bring it back."""
+    ready(machine)
+    (stop,) = of(machine.observe(DrainRequested("w", deadline_s=30, then="stop")), AgentAction)
+    machine.observe(ActionDone("w", stop.action_id, "stop", ok=True))
+    assert machine.workers["w"].state is S.DEAD
+    assert machine.admit(command("w")) is None
+    out = machine.observe(command("w"))
+    assert states(out) == [S.RESTARTING] and [a.kind for a in of(out, AgentAction)] == ["restart"]
+    out = machine.observe(Registered("w", "n1", pid=8))
+    assert states(out) == [S.STARTING] and of(out, RunCanary)
+
+
+def test_a_drain_then_stop_waits_for_streams_then_stops(machine: HealthMachine) -> None:
     ready(machine)
     machine.observe(Load("w", 3))
-    out = machine.observe(DrainRequested("w", deadline_s=30))
+    out = machine.observe(DrainRequested("w", deadline_s=30, then="stop"))
     assert states(out) == [S.DRAINING] and not of(out, AgentAction)
     assert machine.observe(Load("w", 1)) == []
     (stop,) = of(machine.observe(Load("w", 0)), AgentAction)

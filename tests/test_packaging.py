@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,3 +30,18 @@ def test_subpackages_depend_only_the_way_the_design_allows() -> None:
     result = subprocess.run([lint, "--config", str(ROOT / "pyproject.toml")], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dev_setup_with_fewer_extras_than_installed_changes_nothing_and_says_nothing() -> None:
+    """`./dev test` installs the most extras; `./dev up` or `./dev setup` after it must not reinstall (they
+    used to, alternately, each time) nor print anything when all is in place."""
+    venv = Path(sys.prefix)
+    stamp = venv / ".fleetward-installed"
+    if not stamp.exists():
+        pytest.skip("this venv was not set up by ./dev")
+    before = stamp.read_text()
+    result = subprocess.run([str(ROOT / "dev"), "setup"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "FLEETWARD_VENV": str(venv)})
+    assert result.returncode == 0, result.stderr
+    assert (result.stdout, result.stderr) == ("", ""), "nothing to do, nothing said"
+    assert stamp.read_text() == before

@@ -218,6 +218,18 @@ async def test_bad_requests_get_4xx_with_a_message(healthy: TestFleet) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
 
+async def test_unknown_routes_and_wrong_methods_get_the_openai_error_shape(fleet: TestFleet) -> None:
+    async with httpx.AsyncClient(timeout=30) as client:
+        missing = await client.post(router(fleet).url + "/v1/nope", json={})
+        wrong = await client.get(router(fleet).url + "/v1/completions")
+    assert (missing.status_code, missing.json()) == (404, {"error": {
+        "message": "no route POST /v1/nope on this router", "type": "NotFoundError", "param": None, "code": 404}})
+    assert (wrong.status_code, wrong.headers["allow"], wrong.json()) == (405, "POST", {"error": {
+        "message": "/v1/completions does not take GET; it takes POST", "type": "MethodNotAllowedError",
+        "param": None, "code": 405}})
+    assert list(missing.json()["error"]) == list(wrong.json()["error"]) == ["message", "type", "param", "code"]
+
+
 async def test_no_healthy_worker_gives_503_with_retry_after(healthy: TestFleet, wait_until: Any) -> None:
     for wid in healthy.worker_ids:
         healthy.kill(wid)

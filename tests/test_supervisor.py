@@ -216,8 +216,8 @@ async def test_drain_lets_a_stream_finish_and_routes_nothing_new_there(healthy: 
     async def on_tokens(n: int, worker: str) -> None:
         if n == 5 and not serving:
             serving.append(worker)
-            r = await command(healthy, worker, "drain", {"deadline_s": 60})
-            assert r.status_code == 200
+            r = await command(healthy, worker, "drain", {"deadline_s": 60, "then": "stop"})
+            assert r.status_code == 200 and r.json()["what"].endswith("it is then stopped")
             await wait_until(lambda: _is(healthy, worker, "draining"), timeout=5)
             await stream(healthy, encode("somewhere else"), 5, collect_worker)
             done.set()
@@ -232,7 +232,29 @@ async def test_drain_lets_a_stream_finish_and_routes_nothing_new_there(healthy: 
     assert done.is_set() and serving[0] not in seen_workers, "no new work on a draining worker"
     await wait_until(lambda: _is(healthy, serving[0], "dead"), timeout=15, message="stopped once drained")
     assert not healthy.processes(serving[0])
-    await healthy.restart(serving[0])  # bring it back for the next tests
+    r = await command(healthy, serving[0], "restart")  # an operator's restart of a stopped worker starts it
+    assert r.status_code == 200 and r.json() | {"leader": None} == {
+        "accepted": True, "leader": None, "state": "dead", "what": "starting it again"}
+    await wait_until(lambda: _is(healthy, serving[0], "ready"), timeout=30, message="started again")
+    await healthy.wait_workers_routable(len(healthy.worker_ids))
+
+
+async def test_a_command_for_an_unknown_worker_is_404_and_leaves_no_trace(healthy: TestFleet) -> None:
+    r = await command(healthy, "wrokerr", "restart")
+    assert r.status_code == 404
+    assert r.json()["workers"] == sorted(healthy.worker_ids) and "no worker 'wrokerr'" in r.json()["error"]
+    fleet = await read_fleet(healthy.store, healthy.keys)
+    assert "wrokerr" not in fleet.health and "wrokerr" not in fleet.workers, "no phantom worker"
+    actions = (await healthy.store.get_prefix(healthy.keys.actions)).items
+    assert not [kv.key for kv in actions if "wrokerr" in kv.key], "no orphan action"
+
+
+async def test_a_command_that_cannot_apply_is_409_with_why(healthy: TestFleet) -> None:
+    worker = healthy.worker_ids[0]
+    r = await command(healthy, worker, "undrain")
+    assert r.status_code == 409 and r.json() == {"error": f"{worker}: it is not drained: it is ready",
+                                                 "state": "ready"}
+    assert (await command(healthy, worker, "drain", {"then": "later"})).status_code == 400
 
 
 async def test_the_control_api_needs_the_token(healthy: TestFleet) -> None:

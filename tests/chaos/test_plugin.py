@@ -7,6 +7,8 @@ Inner runs opt in as a user does: ``-p fleetward.chaos.plugin`` on the command l
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 from typing import Any
 
 import matplotlib.pyplot
@@ -150,3 +152,45 @@ async def test_the_fleet_and_proxy_fixtures_give_working_parts(fleetward_fleet: 
 def test_the_gpu_fixture_gives_a_fake_source(fleetward_gpu: Any) -> None:
     source = fleetward_gpu(2)
     assert source is not None
+
+
+def test_an_async_test_using_the_fixtures_that_nothing_runs_fails_saying_what_to_add(px: pytest.Pytester) -> None:
+    px.makepyfile("""
+        import pytest
+
+
+        async def test_unmarked(fleetward_fleet):
+            raise AssertionError("never runs")
+
+
+        @pytest.mark.asyncio
+        async def test_marked(fleetward_gpu):
+            assert fleetward_gpu(1) is not None
+    """)
+    result = px.runpytest_inprocess(*PLUGIN, "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, errors=1)  # before its fixtures start: no etcd for nothing
+    result.stdout.fnmatch_lines(['*test_unmarked is an async def test (it uses fleetward_fleet) and nothing runs it: '
+                                 'mark it @pytest.mark.asyncio, or set asyncio_mode = "auto"*'])
+
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "chaos.md"
+
+
+def doc_example() -> dict[str, str]:
+    """The files of docs/chaos.md's "A complete example": each fenced block there, named by its title."""
+    section = DOCS.read_text(encoding="utf-8").split("\n### A complete example\n", 1)[1]
+    section = re.split(r"^##+ ", section, maxsplit=1, flags=re.M)[0]
+    return {m["name"]: m["body"] for m in re.finditer(r'^```\w+ title="(?P<name>[^"]+)"\n(?P<body>.*?)^```$',
+                                                      section, flags=re.M | re.S)}
+
+
+def test_the_complete_example_in_the_docs_runs_as_written(pytester: pytest.Pytester) -> None:
+    files = doc_example()
+    assert {"pyproject.toml", "conftest.py"} <= set(files) and len(files) >= 4, sorted(files)
+    for name, body in files.items():
+        (pytester.path / name).write_text(body, encoding="utf-8")
+    result = pytester.runpytest_inprocess("-v")
+    outcomes = result.parseoutcomes()
+    assert result.ret == 0 and outcomes.get("passed", 0) >= 3 and set(outcomes) <= {"passed"}, result.stdout.str()
+    result.stdout.fnmatch_lines(["*asyncio: mode=*STRICT*asyncio_default_fixture_loop_scope=function*",
+                                 "*chaos_*.yaml::* PASSED*", "*test_*.py::test_* PASSED*"])

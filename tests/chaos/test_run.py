@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -112,17 +113,23 @@ def test_a_run_that_corrupts_streams_exits_1_and_chaos_check_agrees(tmp_path: Pa
     assert check_run(run).journal["checks"]["verdicts"] == journal["checks"]["verdicts"]
 
 
+async def attachable(fleet: Any, root: Path, **state: Any) -> Path:
+    """A router for ``fleet``, and the state file ``fleetward up`` would write for it under ``root``."""
+    router = await fleet.start_router("router-0")
+    state_dir = root / fleet.cluster
+    state_dir.mkdir(parents=True)
+    (state_dir / "admin-token").write_text(fleet.admin_token)
+    (state_dir / "fleet.json").write_text(json.dumps({
+        "cluster": fleet.cluster, "etcd": fleet.etcd_endpoints[0], "mqtt": fleet.mqtt, "router": router.url,
+        "workers": {w: fleet.url(w) for w in fleet.worker_ids}, **state}))
+    return root
+
+
 async def test_an_attached_run_uses_the_fleet_that_is_already_running(fleetward_fleet: Any, tmp_path: Path) -> None:
     from fleetward.fleet.config import SimConfig
 
     async with fleetward_fleet(workers=2, backend=SimBackend(SimConfig(**SIM)), node="node") as fleet:
-        router = await fleet.start_router("router-0")
-        state_dir = tmp_path / "state" / fleet.cluster
-        state_dir.mkdir(parents=True)
-        (state_dir / "admin-token").write_text(fleet.admin_token)
-        (state_dir / "fleet.json").write_text(json.dumps({
-            "cluster": fleet.cluster, "etcd": fleet.etcd_endpoints[0], "mqtt": fleet.mqtt, "router": router.url,
-            "workers": {w: fleet.url(w) for w in fleet.worker_ids}}))
+        await attachable(fleet, tmp_path / "state")
         exp = experiment(title="attached", method=[
             {"name": "hang", "fault": "process.double_hang", "at": 0.5, "duration": 1.0,
              "target": {"kind": "worker", "ids": ["node-w1"]}}],
@@ -176,11 +183,77 @@ def test_the_safety_rule_is_enforced_again_on_the_targets_a_run_resolves() -> No
     runner._check_share(runner.catalogue["load.burst"], Target(kind="fleet"), ["fleet"], "burst")  # load: exempt
 
 
-async def test_attaching_without_a_running_fleet_is_a_clear_error(tmp_path: Path) -> None:
-    opts = RunOptions(out=tmp_path / "run", attach=True, cluster="nothere", run_dir=tmp_path)
-    result = await Runner(validate_experiment(experiment(method=[])), opts).run()
-    assert result.status == "failed" and "no running local fleet" in result.journal["reason"]
-    assert result.exit_code == 1
+async def test_an_attached_run_names_the_fleets_workers_for_the_experiments_and_checks_the_fleets_own_model(
+        fleetward_fleet: Any, tmp_path: Path) -> None:
+    # As `fleetward up` runs it: its node is the host's name, its simulated model has seed 0. The experiment,
+    # as the library's are, declares node-w0, node-w1 and another seed; it attaches unchanged.
+    from fleetward.fleet.config import SimConfig
+
+    async with fleetward_fleet(workers=2, backend=SimBackend(SimConfig(**{**SIM, "seed": 0})), node="edge1") as fleet:
+        run_dir = await attachable(fleet, tmp_path / "state", node="edge1", backend="sim")
+        exp = experiment(title="attached as shipped", method=[
+            {"name": "hang", "fault": "process.double_hang", "at": 0.5, "duration": 1.0,
+             "target": {"kind": "worker", "ids": ["node-w1"]}}],
+            checkers=["stream_exactness", "fault_verification", "availability"])
+        exp["workload"]["duration_s"] = 2.5
+        assert exp["fleet"]["sim"]["seed"] == 11 and "node" not in exp["fleet"]
+        opts = RunOptions(out=tmp_path / "run", attach=True, cluster=fleet.cluster, run_dir=run_dir)
+        result = await Runner(validate_experiment(exp), opts).run()
+        assert result.ok, result.failures()
+        j = result.journal
+        assert j["fleet"]["workers"] == ["edge1-w0", "edge1-w1"] and j["experiment"]["fleet"]["node"] == "edge1"
+        assert j["run"][0]["output"]["targets"] == ["edge1-w1"]
+        assert j["reference"] == {"kind": "model", "seed": 0, "eos_probability": 0.0}  # the fleet's, not 11
+        exactness = next(v for v in result.verdicts if v.checker == "stream_exactness")
+        assert exactness.status == "pass" and exactness.metrics["reference"] == "model"
+
+
+async def test_attaching_to_a_fleet_that_is_not_the_declared_one_exits_2_before_anything_runs(
+        fleetward_fleet: Any, tmp_path: Path, doubles_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from fleetward.chaos.attached import AttachedFleet
+    from fleetward.fleet.config import SimConfig
+
+    async with fleetward_fleet(workers=2, backend=SimBackend(SimConfig(**{**SIM, "seed": 0})), node="node") as fleet:
+        run_dir = await attachable(fleet, tmp_path / "state")
+        path = tmp_path / "three.yaml"
+        path.write_text(yaml.safe_dump(experiment(method=[], fleet={"workers": 3, "sim": SIM})))
+        done = await asyncio.to_thread(chaos, "run", str(path), "--attach", "--cluster", fleet.cluster, "--run-dir",
+                                       str(run_dir), "--out", str(tmp_path / "run"), env=doubles_env)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert ("fleet.workers: the attached fleet's workers are node-w0, node-w1; the experiment declares "
+                "node-w0, node-w1, node-w2") in " ".join(done.stderr.split())
+        assert "CHECKER" not in done.stdout and not (tmp_path / "run").exists()
+
+        def attach(**fleet_spec: Any) -> Runner:
+            exp = experiment(method=[], fleet={"workers": 2, "sim": SIM, **fleet_spec})
+            exp["workload"]["duration_s"] = 1.0
+            return Runner(validate_experiment(exp), RunOptions(out=tmp_path / "run", attach=True, cluster=fleet.cluster,
+                                                               run_dir=run_dir))
+
+        with pytest.raises(ConfigError, match=r"fleet.routers: the attached fleet has 1 router\(s\); the experiment "
+                           "declares 2"):
+            await attach(routers=2).run()
+        # Where the workers' command lines cannot be read, the experiment's model must be what they run.
+        monkeypatch.setattr(AttachedFleet, "command_line", lambda self, worker: None)
+        with pytest.raises(ConfigError, match=re.escape(
+                "fleet.sim: worker node-w0 does not generate what the simulated model with seed 11, "
+                "eos_probability 0 (the experiment's fleet.sim) does")):
+            await attach().run()
+        assert not (tmp_path / "run").exists()
+        assert (await attach(sim={**SIM, "seed": 0}).run()).ok  # and when it is, the run goes on
+
+
+def test_attaching_without_a_running_fleet_exits_2_with_the_error_alone(tmp_path: Path) -> None:
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(experiment(method=[])))
+    done = chaos("run", str(path), "--attach", "--cluster", "nothere", "--run-dir", str(tmp_path / "state"),
+                 "--out", str(tmp_path / "run"))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "attach: no running local fleet found" in done.stderr
+    assert "CHECKER" not in done.stdout and "run failed" not in done.stdout
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_run_folder_that_is_not_empty_is_refused(tmp_path: Path) -> None:
