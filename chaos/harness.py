@@ -458,6 +458,10 @@ class _HarnessBackend:
         return self.inner.max_model_len
 
     @property
+    def tokenizer(self) -> str | None:
+        return self.inner.tokenizer
+
+    @property
     def fault_switches(self) -> bool:
         return self.inner.fault_switches
 

@@ -107,7 +107,7 @@ async def requests(ctx: ProbeContext, args: RequestsProbeArgs) -> float:
     if w is None:
         raise RuntimeError("the requests probe needs the run's workload")
     ref = ctx.fleet.backend.reference()
-    model = SimModel(int(ref["seed"]), float(ref["eos_probability"])) if ref and ref.get("kind") == "model" else None
+    model = SimModel.of_reference(ref) if ref and ref.get("kind") == "model" else None
     results: list[bool] = []
 
     async def one(k: int) -> None:

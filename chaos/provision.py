@@ -39,7 +39,7 @@ from fleetward.fleet.config import SimConfig
 from fleetward.fleet.errors import ConfigError
 from fleetward.fleet.handle import Fleet
 from fleetward.fleet.state import read_admin_token, read_state, state_path
-from fleetward.sim.model import SimModel
+from fleetward.sim.model import sim_model
 
 __all__ = ["Provisioned", "attached_fleet", "attached_sim_config", "given_fleet", "on_node", "own_fleet",
            "worker_backend"]
@@ -70,7 +70,7 @@ def worker_backend(exp: Experiment, *, base: Path | None, run_dir: Path, say: Sa
     if isinstance(backend, VllmBackend) and model_path is None:
         from fleetward.sim.tinymodel import ensure_tiny_model
 
-        ensure_tiny_model(backend.model_path, say=say)
+        ensure_tiny_model(backend.model_path, tokenizer=backend.config.tokenizer, say=say)
     return backend
 
 
@@ -211,7 +211,7 @@ def _sim_config_of(argv: Sequence[str]) -> SimConfig | None:
 
 
 def _model(c: SimConfig) -> str:
-    return f"seed {c.seed}, eos_probability {c.eos_probability:g}"
+    return f"seed {c.seed}, eos_probability {c.eos_probability:g}, tokenizer {c.tokenizer}"
 
 
 async def attached_sim_config(fleet: AttachedFleet, workers: Sequence[str], declared: SimConfig, *,
@@ -224,13 +224,13 @@ async def attached_sim_config(fleet: AttachedFleet, workers: Sequence[str], decl
     the model could neither be read nor confirmed: no reference at all rather than a wrong one.
     """
     read = {w: c for w in workers if (c := _sim_config_of(fleet.command_line(w) or ())) is not None}
-    if len({(c.seed, c.eos_probability) for c in read.values()}) > 1:
+    if len({(c.seed, c.eos_probability, c.tokenizer) for c in read.values()}) > 1:
         raise ConfigError("the attached fleet's simulated workers run different models ("
                           + "; ".join(f"{w}: {_model(c)}" for w, c in read.items())
                           + "): no one reference fits them", field="fleet.sim")
     config, source = next(((c, "read from the workers' command lines") for c in read.values()),
                           (declared, "the experiment's fleet.sim"))
-    model = SimModel(config.seed, config.eos_probability)
+    model = sim_model(config)
     async with asyncio.TaskGroup() as tg:  # at once: a worker batches them, as it would a workload
         probes = [(w, prompt, tg.create_task(fleet.complete(w, prompt, _PROBE_TOKENS)))
                   for w in workers for prompt in _PROBES]
@@ -240,8 +240,8 @@ async def attached_sim_config(fleet: AttachedFleet, workers: Sequence[str], decl
         if got != want:
             raise ConfigError(f"worker {w} does not generate what the simulated model with {_model(config)} "
                               f"({source}) does: a greedy probe of {prompt} gave {got[:8]}... where that model "
-                              f"gives {want[:8]}...; set fleet.sim.seed and fleet.sim.eos_probability to the "
-                              "fleet's, or clear the worker's fault switches", field="fleet.sim")
+                              f"gives {want[:8]}...; set fleet.sim.seed, eos_probability and tokenizer to "
+                              "the fleet's, or clear the worker's fault switches", field="fleet.sim")
     if not read and not answered:
         raise ConfigError("cannot tell which model the attached fleet's simulated workers run: their command lines "
                           "are not readable here and none answered a probe", field="fleet.sim")

@@ -61,6 +61,7 @@ class ModelReference:
 
     seed: int = 0
     eos_probability: float = 0.0
+    vocab_size: int | None = None
     kind: str = "model"
     _cache: dict[str, list[int]] = field(default_factory=dict)
 
@@ -70,7 +71,7 @@ class ModelReference:
             return None
         key = reference_key(prompt, p["max_tokens"], bool(p.get("ignore_eos")))
         if key not in self._cache:
-            model = SimModel(self.seed, self.eos_probability)
+            model = SimModel(self.seed, self.eos_probability, self.vocab_size)
             self._cache[key] = model.continuation(prompt, int(p["max_tokens"]), ignore_eos=bool(p.get("ignore_eos")))
         return self._cache[key]
 
@@ -78,7 +79,7 @@ class ModelReference:
         return "the invoke record lacks the prompt or max_tokens"
 
     def follows(self, prefix: Sequence[int], rest: Sequence[int]) -> bool:
-        model = SimModel(self.seed, self.eos_probability)
+        model = SimModel(self.seed, self.eos_probability, self.vocab_size)
         return model.continuation(prefix, len(rest), ignore_eos=True) == list(rest)
 
 
@@ -122,7 +123,8 @@ class NoReference:
 def reference_of(info: Mapping[str, Any], run_dir: Path) -> Reference:
     kind = info.get("kind")
     if kind == "model":
-        return ModelReference(int(info.get("seed", 0)), float(info.get("eos_probability", 0.0)))
+        m = SimModel.of_reference(info)
+        return ModelReference(m.seed, m.eos_probability, m.vocab_size)
     if kind == "recorded":
         entries: dict[str, list[int]] = {}
         path = run_dir / str(info.get("file", "reference.jsonl"))

@@ -122,7 +122,8 @@ class LocalFleet(AgentWorkers, FleetClient):
         if isinstance(self.backend, VllmBackend) and not self.config.vllm.model:
             from fleetward.sim.tinymodel import ensure_tiny_model
 
-            ensure_tiny_model(self.backend.model_path, say=lambda text: self._progress("model", text))
+            ensure_tiny_model(self.backend.model_path, tokenizer=self.backend.config.tokenizer,
+                              say=lambda text: self._progress("model", text))
         self.backend.check()
 
     @property

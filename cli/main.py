@@ -3,7 +3,7 @@
     fleetward up [--workers N] [--backend sim|vllm] [--config FILE] ...   start a local fleet
     fleetward status [--json]                                             the fleet as etcd sees it
     fleetward events [KIND ...]                                           follow the event bus
-    fleetward model tiny --out DIR [--seed N]                             write the tiny local model
+    fleetward model tiny --out DIR [--seed N] [--tokenizer bpe|sp|byte]   write the tiny local model
     fleetward supervisor --role agent ...                                 one node's agent (multi-host)
     fleetward bench router|migration|restart|checkpoints ...             benchmarks (docs/benchmarks.md)
     fleetward chaos run|check|faults|validate ...                        chaos experiments (docs/chaos.md)
@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     tiny = msub.add_parser("tiny", help="write the tiny Llama that real vLLM serves on a CPU")
     tiny.add_argument("--out", type=Path, required=True, help="folder to write")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--tokenizer", choices=("bpe", "sp", "byte"), default="bpe",
+                      help="the vocabulary: bpe (byte-level BPE, 4,096 ids; default), sp (SentencePiece-style, "
+                           "byte fallback) or byte (259 ids, one per byte)")
 
     rt = sub.add_parser("router", help="run a router (OpenAI-compatible front door with stream migration)")
     rt.add_argument("--config", type=Path, help="fleet YAML file; its `routing:` section configures the router")
@@ -380,8 +383,9 @@ def _cmd_model(args: argparse.Namespace) -> int:
     from fleetward.sim.tinymodel import write_tiny_model
 
     with err.status(f"writing the tiny model to {args.out}…"):
-        path = write_tiny_model(args.out, seed=args.seed)
-    out.print(f"wrote {path} (seed {args.seed}).\nServe it: python -m vllm.entrypoints.openai.api_server "
+        path = write_tiny_model(args.out, seed=args.seed, tokenizer=args.tokenizer)
+    out.print(f"wrote {path} (seed {args.seed}, {args.tokenizer} vocabulary).\n"
+              "Serve it: python -m vllm.entrypoints.openai.api_server "
               f"--model {path} --dtype float32 --max-model-len 2048 --enforce-eager")
     return 0
 

@@ -39,6 +39,7 @@ import psutil
 from fleetward.fleet.config import SimConfig, VllmConfig
 from fleetward.fleet.errors import ConfigError
 from fleetward.fleet.procs import ManagedProcess, WorkerProcess
+from fleetward.fleet.vocab import BUILTIN, load_vocabulary
 from fleetward.fleet.worker import WorkerSpec
 
 __all__ = [
@@ -112,6 +113,12 @@ class Backend(Protocol):
 
     @property
     def fault_switches(self) -> bool: ...
+
+    @property
+    def tokenizer(self) -> str | None:
+        """Its workers' vocabulary (a built-in name of :mod:`fleetward.fleet.vocab`, or a model folder),
+        advertised in ``workers/<id>`` so routers turn token ids into text; None when not known."""
+        ...
 
     @property
     def owns_processes(self) -> bool:
@@ -235,13 +242,24 @@ class SimBackend(_ProcessBackend):
     def max_model_len(self) -> int:
         return self.config.max_model_len
 
+    @property
+    def tokenizer(self) -> str:
+        source = self.config.tokenizer
+        return source if source in BUILTIN else str(Path(source).expanduser().resolve())
+
     def reference(self) -> dict[str, Any] | None:
         """The simulated model (``fleetward.sim.model.SimModel``) by its parameters."""
-        return {"kind": "model", "seed": self.config.seed, "eos_probability": self.config.eos_probability}
+        ref: dict[str, Any] = {"kind": "model", "seed": self.config.seed,
+                               "eos_probability": self.config.eos_probability}
+        if self.config.tokenizer != "byte":
+            ref["vocab_size"] = load_vocabulary(self.tokenizer).size
+        return ref
 
     def argv(self, spec: WorkerSpec) -> list[str]:
         return [sys.executable, "-m", "fleetward.sim.server", "--host", spec.host, "--port", str(spec.port),
-                "--model-name", spec.model, "--config-json", self.config.model_dump_json()]
+                "--model-name", spec.model, "--config-json",
+                # the tokenizer path resolved: the worker runs in its log folder
+                self.config.model_copy(update={"tokenizer": self.tokenizer}).model_dump_json()]
 
 
 class VllmBackend(_ProcessBackend):
@@ -259,7 +277,8 @@ class VllmBackend(_ProcessBackend):
                  run_dir: Path = Path(".fleetward")) -> None:
         self.config = config or VllmConfig()
         # Absolute: workers run in their own folders, where a relative path is taken for a hub model id.
-        self.model_path = Path(model_path or self.config.model or self.default_model_path(run_dir)).resolve()
+        self.model_path = Path(model_path or self.config.model
+                               or self.default_model_path(run_dir, self.config.tokenizer)).resolve()
         self.start_timeout = self.config.start_timeout_s
         self.nice = self.config.nice
 
@@ -269,9 +288,10 @@ class VllmBackend(_ProcessBackend):
         return cls(vllm, model_path, run_dir=run_dir)
 
     @staticmethod
-    def default_model_path(run_dir: Path) -> Path:
-        """Where the tiny local model lives under a run folder (``fleetward model tiny --out`` that)."""
-        return run_dir / "models" / "tiny-seed0"
+    def default_model_path(run_dir: Path, tokenizer: str = "bpe") -> Path:
+        """Where the tiny local model with this vocabulary lives under a run folder (``fleetward model tiny
+        --tokenizer T --out`` that)."""
+        return run_dir / "models" / ("tiny-seed0" if tokenizer == "byte" else f"tiny-{tokenizer}-seed0")
 
     @property
     def model_name(self) -> str:
@@ -281,6 +301,10 @@ class VllmBackend(_ProcessBackend):
     @property
     def max_model_len(self) -> int:
         return self.config.max_model_len
+
+    @property
+    def tokenizer(self) -> str:
+        return str(self.model_path)
 
     def check(self) -> None:
         """Raise :class:`ConfigError` unless the model folder holds a model."""

@@ -72,12 +72,17 @@ class SimConfig(Frozen):
     kv_block_size: int = Field(16, ge=1, description="KV cache block size in tokens")
     max_num_batched_tokens: int = Field(
         8192, ge=1, description="tokens per step (one per running sequence plus admitted prompts)")
+    tokenizer: str = Field("byte", description="the vocabulary it serves: byte, bpe or sp (built in, see "
+                           "fleetward.fleet.vocab), or a model folder / tokenizer.json")
 
 
 class VllmConfig(Frozen):
     """How a real vLLM worker is launched (``--backend vllm``)."""
 
     model: str | None = Field(None, description="model folder; default: the tiny local model, made on demand")
+    tokenizer: Literal["bpe", "sp", "byte"] = Field(
+        "bpe", description="the tiny local model's vocabulary (when no model is given): a byte-level BPE, a "
+        "SentencePiece-style one with byte fallback, or one id per byte")
     max_model_len: int = Field(2048, ge=16, description="vLLM's --max-model-len")
     dtype: str = Field("float32", description="bfloat16 segfaults in the CPU attention kernel on AMX hosts")
     kv_cache_space_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts")
@@ -109,6 +114,12 @@ class RouterConfig(Frozen):
     drain_timeout_s: float = Field(30.0, ge=0, description="on shutdown, how long open streams may finish")
     lease_ttl_s: int = Field(5, ge=2, description="the router's registration lease: a dead router vanishes within it")
     retry_after_s: int = Field(1, ge=1, description="Retry-After on 503 when no worker is healthy")
+    detokenize: bool = Field(True, description="turn token ids into text at the router, the same whatever worker "
+                             "produced them (off only to measure its cost: the workers' text is passed on)")
+    tokenizers: dict[str, str] = Field(
+        default_factory=dict, description="model name → its tokenizer (a model folder or tokenizer.json on the "
+        "router's host, or byte|bpe|sp), for workers that advertise none; the router turns token ids into text "
+        "with it")
 
 
 class SupervisorConfig(Frozen):
@@ -174,6 +185,8 @@ class AttachConfig(Frozen):
     model: str | None = Field(None, description="the served model name (default: what /v1/models lists)")
     role: Literal["aggregated", "prefill", "decode"] = Field("aggregated", description="its pool")
     node: str | None = Field(None, description="the node whose agent watches it (default: the agent's own)")
+    tokenizer: str | None = Field(None, description="its tokenizer, as routers' hosts see it (a model folder or "
+                                  "tokenizer.json); default: the model folder its /v1/models names as root")
     process: ProcessRef | None = Field(None, description="how to find its process (none: watched by URL only)")
     restart_command: tuple[str, ...] = Field((), description="argv run to restart it (none: drain and leave it "
                                              "for an operator)")

@@ -37,21 +37,30 @@ from fleetward.fleet.procs import (
 )
 from fleetward.fleet.worker import WorkerSpec
 
-__all__ = ["ExternalBackend", "LeftForOperator", "discover_model"]
+__all__ = ["ExternalBackend", "LeftForOperator", "discover"]
 
 
 class LeftForOperator(FleetwardError):
     """A server fleetward did not start failed, and nobody said how to restart it: an operator must."""
 
 
-async def discover_model(url: str, *, timeout: float = 5.0) -> str | None:
-    """The first model ``/v1/models`` lists, or None when the server does not answer (yet)."""
+async def discover(url: str, *, timeout: float = 5.0) -> tuple[str, str | None] | None:
+    """The first model ``/v1/models`` lists and its tokenizer here, or None when the server does not answer.
+
+    vLLM reports the folder it loaded as the model's ``root``: when that folder is on this host and holds a
+    ``tokenizer.json``, it is the server's tokenizer.
+    """
     try:
         async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
             r = await client.get(f"{url.rstrip('/')}/v1/models")
             data = r.json().get("data") or []
-            return str(data[0]["id"]) if r.status_code == 200 and data else None
-    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+            if r.status_code != 200 or not data:
+                return None
+            first = data[0]
+            root = first.get("root")
+            local = isinstance(root, str) and Path(root).is_absolute() and (Path(root) / "tokenizer.json").is_file()
+            return str(first["id"]), root if local else None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, AttributeError):
         return None
 
 
@@ -63,9 +72,10 @@ class ExternalBackend:
     owns_processes = False  # never stopped when the agent stops or gives the server up
     start_timeout = 300.0
 
-    def __init__(self, entry: AttachConfig, *, model: str) -> None:
+    def __init__(self, entry: AttachConfig, *, model: str, tokenizer: str | None = None) -> None:
         self.entry = entry
         self._model = model
+        self.tokenizer = entry.tokenizer or tokenizer
 
     @property
     def model_name(self) -> str:

@@ -68,6 +68,7 @@ class WorkerRecord:
     started_at: float = 0.0
     pid: int | None = None  # the server process (None: known by URL only)
     pids: tuple[int, ...] = ()  # its whole process tree when registered (vLLM: API server, EngineCore, ...)
+    tokenizer: str | None = None  # its vocabulary (a built-in name or a model folder), for routers to detokenize
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()

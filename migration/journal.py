@@ -16,8 +16,18 @@ still has no gap and no duplicate, but the continuation after a migration is a f
 whose state is not a function of the prefix cannot be resumed exactly and are not migrated after their
 first token (see :func:`migration_blocker`): the client gets a clear error event instead.
 
+Text is made by the router (:meth:`Journal.record`): one incremental detokenizer per request, primed
+with the prompt's ids and fed every generated id whichever worker produced it, with vLLM's rules
+(:class:`fleetward.fleet.vocab.Detokenizer`). So the text a client reads is a function of the token ids
+alone; a worker that resumes a generation would detokenize from the resumed prompt instead, and may
+render the characters around the boundary differently. Without a vocabulary (none can be loaded for the
+model) the workers' text is passed on.
+
 Stop strings are matched by the router (:class:`StopChecker`), not the worker: a stop string may
-straddle a migration boundary, and a worker only searches the text it generated itself.
+straddle a migration boundary, and a worker only searches the text it generated itself. As in vLLM, a
+stop string is looked for only once more than ``min_tokens`` tokens exist, the token that completes it
+is the last one kept, and the text of a token that ended the generation by itself (EOS, a
+``stop_token_ids`` id) is not output unless ``include_stop_str_in_output``.
 """
 
 from __future__ import annotations
@@ -29,6 +39,8 @@ from enum import StrEnum
 from typing import Any
 
 import orjson
+
+from fleetward.fleet.vocab import Detokenizer, Vocabulary
 
 __all__ = [
     "Journal",
@@ -158,16 +170,21 @@ class StopChecker:
         self.held = ""
         self._keep = max((len(s) for s in self.stops), default=1) - 1
 
-    def feed(self, delta: str) -> tuple[str, str | None]:
-        """Text that is safe to emit now, and the stop string that matched (generation ends) if any."""
+    def feed(self, delta: str, *, check: bool = True) -> tuple[str, str | None]:
+        """Text that is safe to emit now, and the stop string that matched (generation ends) if any.
+
+        Only a match that ends inside ``delta`` counts (what ended earlier was looked at before, or was
+        within ``min_tokens`` when ``check`` was off); of several, the one that ends first, as in vLLM.
+        """
         if not self.stops:
             return delta, None
         full = self.held + delta
         best: tuple[int, str] | None = None
-        for s in self.stops:
-            i = full.find(s)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
+        if check and delta:
+            for s in self.stops:
+                i = full.find(s, max(0, len(self.held) - len(s) + 1))
+                if i >= 0 and (best is None or i + len(s) < best[0] + len(best[1])):
+                    best = (i, s)
         if best is not None:
             i, s = best
             self.held = ""
@@ -201,7 +218,10 @@ class Journal:
     stop_reason: str | int | None = None
     blocker: str | None = None
     dirty: bool = True
+    logprob_chars: int = 0  # characters of the logprobs' token strings so far (the next text_offset)
+    vocab: Vocabulary | None = field(default=None, repr=False)  # None: the workers' text is passed on
     stop: StopChecker = field(init=False, repr=False)
+    _detok: Detokenizer | None = field(default=None, init=False, repr=False)
     _static: tuple[tuple[Any, ...], bytes] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -279,17 +299,39 @@ class Journal:
         """The text the client has not seen if it holds the first ``n`` tokens."""
         return self.text[self.text_ends[n - 1]:] if n > 0 else self.text
 
+    def detokenizer(self) -> Detokenizer | None:
+        """The request's detokenizer, made once the prompt's ids are known (and brought up to date with
+        the tokens emitted before, when the journal was restored from a checkpoint)."""
+        if self._detok is None and self.vocab is not None and self.prompt_ids is not None:
+            body = self.body
+            self._detok = self.vocab.detokenizer(
+                self.prompt_ids, skip_special_tokens=body.get("skip_special_tokens", True) is not False,
+                spaces_between_special_tokens=body.get("spaces_between_special_tokens", True) is not False)
+            self._detok.feed(self.emitted)
+        return self._detok
+
     def record(self, token_ids: list[int], text: str, finish_reason: str | None,
                stop_reason: str | int | None) -> tuple[list[int], str, str | None]:
-        """Fold one upstream chunk in; returns (tokens, text, finish reason) to send to the client."""
+        """Fold one upstream chunk in; returns (tokens, text, finish reason) to send to the client.
+
+        ``text`` is the worker's, used only without a detokenizer.
+        """
         if self.is_done:
             return [], "", None
         remaining = self.remaining
+        # The worker ended the generation with this chunk's last token (EOS or a stop token id: stop
+        # strings are the router's, never sent to workers).
+        token_stop = finish_reason == "stop" and not isinstance(stop_reason, str)
         if remaining is not None and len(token_ids) > remaining:
             token_ids = token_ids[:remaining]
-            finish_reason = finish_reason or "length"
-        self.emitted.extend(token_ids)
-        out_text, matched = self.stop.feed(text)
+            finish_reason, token_stop = finish_reason or "length", False
+        detok = self.detokenizer()
+        if detok is None:
+            self.emitted.extend(token_ids)
+            out_text, matched = self.stop.feed(text)
+            self.text_ends.extend([len(self.text) + len(out_text)] * len(token_ids))
+        else:
+            token_ids, out_text, matched = self._detokenize(detok, token_ids, token_stop)
         if matched is not None:
             finish_reason, stop_reason = "stop", matched
         elif finish_reason is not None:
@@ -297,13 +339,47 @@ class Journal:
         elif remaining is not None and len(self.emitted) >= (self.max_tokens or 0):
             finish_reason = "length"
             out_text += self.stop.flush()
+        if finish_reason is not None and token_ids:
+            self.text_ends[-1] = len(self.text) + len(out_text)  # the text held back ends with the last token
         self.text += out_text
-        self.text_ends.extend([len(self.text)] * len(token_ids))
         self.dirty = True
         if finish_reason is not None:
             self.finish_reason = finish_reason
             self.stop_reason = stop_reason
         return token_ids, out_text, finish_reason
+
+    def _detokenize(self, detok: Detokenizer, token_ids: list[int],
+                    token_stop: bool) -> tuple[list[int], str, str | None]:
+        """The text of ``token_ids`` with vLLM's rules (module docstring); tokens after the one that
+        completes a stop string are dropped."""
+        last = len(token_ids) - 1
+        min_tokens = int(self.body.get("min_tokens") or 0)
+        out: list[str] = []
+        base = len(self.text)
+        for k, t in enumerate(token_ids):
+            piece = "" if k == last and token_stop and not self.stop.include else detok.step(t)
+            self.emitted.append(t)
+            if self.stop.stops:
+                piece, matched = self.stop.feed(piece, check=len(self.emitted) > min_tokens)
+            else:
+                matched = None
+            out.append(piece)
+            base += len(piece)
+            self.text_ends.append(base)
+            if matched is not None:
+                return token_ids[: k + 1], "".join(out), matched
+        return token_ids, "".join(out), None
+
+    def logprobs_offsets(self, logprobs: Any) -> Any:
+        """Completions ``logprobs`` with ``text_offset`` counted from the request's first token, as one
+        uninterrupted vLLM run counts it (a resumed attempt's worker counts from its own start)."""
+        if not isinstance(logprobs, dict) or not isinstance(logprobs.get("tokens"), list):
+            return logprobs
+        offsets = []
+        for token in logprobs["tokens"]:
+            offsets.append(self.logprob_chars)
+            self.logprob_chars += len(token) if isinstance(token, str) else 0
+        return {**logprobs, "text_offset": offsets}
 
     # -- checkpoints ------------------------------------------------------------------------------------
 
@@ -317,15 +393,15 @@ class Journal:
             self._static = (static_key, head[:-1] + b",")
         dynamic = orjson.dumps({
             "emitted": self.emitted, "text": self.text, "text_ends": self.text_ends, "stop_held": self.stop.held,
-            "worker": self.worker, "attempts": self.attempts, "migrations": self.migrations,
-            "finish_reason": self.finish_reason})
+            "logprob_chars": self.logprob_chars, "worker": self.worker, "attempts": self.attempts,
+            "migrations": self.migrations, "finish_reason": self.finish_reason})
         return self._static[1] + dynamic[1:]
 
     def checkpoint(self, router: str) -> dict[str, Any]:
         return {
             "v": 1, "id": self.id, "kind": self.kind.value, "router": router, "body": self.body,
             "prompt_ids": self.prompt_ids, "emitted": self.emitted, "text": self.text, "text_ends": self.text_ends,
-            "stop_held": self.stop.held,
+            "stop_held": self.stop.held, "logprob_chars": self.logprob_chars,
             "worker": self.worker, "attempts": self.attempts, "migrations": self.migrations,
             "deadline": self.deadline, "created": self.created, "finish_reason": self.finish_reason,
         }
@@ -340,6 +416,7 @@ class Journal:
         j.text_ends = list(data.get("text_ends") or [])
         j.finish_reason = data.get("finish_reason")
         j.stop.held = data.get("stop_held") or ""
+        j.logprob_chars = int(data.get("logprob_chars") or 0)
         j.worker = data.get("worker")
         j.attempts = int(data.get("attempts", 0))
         j.migrations = int(data.get("migrations", 0))

@@ -49,6 +49,7 @@ from fleetward.migration.checkpoint import Checkpointer
 from fleetward.migration.journal import Journal, Kind, RequestRefused, new_request_id, validate_body
 from fleetward.migration.policy import RoutingPolicy, make_policy, prefix_key
 from fleetward.migration.progress import ProgressModel
+from fleetward.migration.text import TextSources
 from fleetward.migration.upstream import Upstream, UpstreamError, UpstreamStream
 
 __all__ = ["Router", "RouterError"]
@@ -146,6 +147,7 @@ class Router:
                                          ttl_s=config.checkpoint_ttl_s, clock=clock, on_lost=self._on_lost)
         self.checkpointer.enabled = config.checkpoints
         self.active: dict[str, Active] = {}
+        self.texts = TextSources(config.tokenizers)
         self.metrics = _Metrics()
         self._tasks: list[asyncio.Task[Any]] = []
         self._lease: LeaseKeeper | None = None
@@ -237,6 +239,7 @@ class Router:
             await self._lease.aclose()
             self._lease = None
         await self.upstream.aclose()
+        await self.texts.aclose()
 
     # -- fleet ------------------------------------------------------------------------------------------
 
@@ -244,6 +247,9 @@ class Router:
         fleet = self.view.fleet
         self.metrics.workers_routable.set(len(fleet.routable()))
         self._seen_models.update(rec.model for rec in fleet.workers.values())
+        for rec in (fleet.workers.values() if section == "*" else
+                    [fleet.workers[worker]] if section == "workers" and worker in fleet.workers else []):
+            self.texts.want(rec.model, rec.tokenizer)
         if section not in ("workers", "health"):
             return
         health = fleet.health.get(worker)
@@ -323,6 +329,11 @@ class Router:
         not_last = [w for w in ok if not failed or w != failed[-1]]
         return (not_last or ok), known
 
+    def _text_status(self, model: str) -> dict[str, Any]:
+        if not self.config.detokenize:
+            return {"detokenizer": "worker", "why": "routing.detokenize is off"}
+        return self.texts.status(model)
+
     def models(self) -> list[str]:
         models = {rec.model for rec in self.view.fleet.workers.values()}
         self._seen_models |= models
@@ -371,6 +382,8 @@ class Router:
         last_token_at: float | None = None
         uncounted = 0  # tokens sent but not yet added to the tokens counter
         reason = ""
+        if j.vocab is None and self.config.detokenize:
+            j.vocab = await self.texts.get(j.model)
         while not j.is_done:
             if j.attempts > 0:
                 why_not = j.resumable()
@@ -445,8 +458,10 @@ class Router:
                         tokens, text, finish = j.record(chunk.token_ids, chunk.text, chunk.finish_reason,
                                                         chunk.stop_reason)
                         uncounted += len(tokens)
-                        emit(Out(tokens, text, finish, j.stop_reason, chunk.logprobs, worker, len(j.emitted),
-                                 j.attempts))
+                        logprobs = chunk.logprobs
+                        if logprobs is not None and j.kind is Kind.COMPLETION and not j.body.get("echo"):
+                            logprobs = j.logprobs_offsets(logprobs)
+                        emit(Out(tokens, text, finish, j.stop_reason, logprobs, worker, len(j.emitted), j.attempts))
                         if finish is not None:
                             stream.finished = stream.finished or chunk.finish_reason is not None
                             break
@@ -497,8 +512,8 @@ class Router:
         @app.get("/v1/models")
         async def models() -> JSONResponse:
             now = int(time.time())
-            data = [{"id": m, "object": "model", "created": now, "owned_by": "fleetward", "root": m, "parent": None}
-                    for m in self.models()]
+            data = [{"id": m, "object": "model", "created": now, "owned_by": "fleetward", "root": m, "parent": None,
+                     "fleetward": self._text_status(m)} for m in self.models()]
             return JSONResponse({"object": "list", "data": data})
 
         @app.get("/fleetward/v1/progress")
@@ -646,8 +661,9 @@ class Router:
                     dropped = min(to_skip, len(tokens))
                     to_skip -= dropped
                     tokens = tokens[dropped:]
-                    if dropped and not tokens:
-                        text = ""
+                    if dropped:  # the client has these tokens' text too: only what the rest add is new
+                        ends = j.text_ends
+                        text = j.text[ends[out.n - len(tokens) - 1]:ends[out.n - 1]] if tokens else ""
                     if not tokens and out.finish_reason is None:
                         continue
                 if not first_sent or (j.kind is Kind.COMPLETION and out.n == len(tokens)):

@@ -85,8 +85,9 @@ from typing import Any
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import SimConfig
 from fleetward.fleet.errors import ConfigError, FleetwardError, WorkerError
+from fleetward.fleet.vocab import Detokenizer, Vocabulary, load_vocabulary
 from fleetward.sim.model import SimModel
-from fleetward.sim.tokenizer import BYTE_OFFSET, EOS_ID, IncrementalDecoder
+from fleetward.sim.tokenizer import EOS_ID, IncrementalDecoder
 
 __all__ = [
     "ENGINE_DEAD_MESSAGE",
@@ -112,7 +113,6 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
-_PRINTABLE_FIRST, _PRINTABLE_COUNT = 32, 95
 _WAITING, _RUNNING, _FINISHED = 0, 1, 2
 
 
@@ -145,6 +145,8 @@ class SamplingSpec:
     stop_token_ids: frozenset[int] = frozenset()
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
 
 @dataclass(slots=True)
@@ -249,7 +251,7 @@ class SimRequest:
     )
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingSpec, *, arrival: float,
-                 state: int) -> None:
+                 state: int, vocab: Vocabulary | None = None) -> None:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
@@ -266,7 +268,10 @@ class SimRequest:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.cut_at: int | None = None  # set when cut: the consumer gets this many tokens, then RequestCut
-        self._decoder = IncrementalDecoder()
+        # The worker's own text, as vLLM makes it: a detokenizer primed with this attempt's prompt.
+        self._decoder: IncrementalDecoder | Detokenizer = IncrementalDecoder() if vocab is None else \
+            vocab.detokenizer(prompt_ids, skip_special_tokens=params.skip_special_tokens,
+                              spaces_between_special_tokens=params.spaces_between_special_tokens)
         self._stop_buffer = (max(len(s) for s in params.stop) - 1
                              if params.stop and not params.include_stop_str_in_output else 0)
         self._sent_ids = 0
@@ -368,7 +373,8 @@ class SimScheduler:
     def __init__(self, config: SimConfig, *, faults: Faults | None = None, stats: EngineStats | None = None,
                  rng: random.Random | None = None) -> None:
         self.config = config
-        self.model = SimModel(config.seed, config.eos_probability)
+        self.vocab = None if config.tokenizer == "byte" else load_vocabulary(config.tokenizer)
+        self.model = SimModel(config.seed, config.eos_probability, None if self.vocab is None else self.vocab.size)
         self.faults = faults if faults is not None else Faults()
         self.stats = stats if stats is not None else EngineStats()
         self.rng = rng if rng is not None else random.Random(config.seed)
@@ -389,7 +395,8 @@ class SimScheduler:
     def new_request(self, request_id: str, prompt_ids: list[int], params: SamplingSpec, *,
                     now: float) -> SimRequest:
         """A request for ``prompt_ids`` (not yet queued; see :meth:`add`)."""
-        return SimRequest(request_id, prompt_ids, params, arrival=now, state=self.model.state(prompt_ids))
+        return SimRequest(request_id, prompt_ids, params, arrival=now, state=self.model.state(prompt_ids),
+                          vocab=self.vocab)
 
     def add(self, req: SimRequest) -> None:
         self.waiting.append(req)
@@ -515,7 +522,7 @@ class SimScheduler:
                     continue  # no token this step (the engine stops stepping until the switch changes)
                 budget -= 1
             if n_out < p.min_tokens:
-                tok = _unmasked(model.token_for(req.state, ignore_eos=True), p.stop_token_ids)
+                tok = _unmasked(model, model.token_for(req.state, ignore_eos=True), p.stop_token_ids)
             else:
                 tok = model.token_for(req.state, ignore_eos=p.ignore_eos)
             if corrupts and self._corrupt_now(n_out):
@@ -540,7 +547,7 @@ class SimScheduler:
             elif n_out >= p.max_tokens:
                 reason = "length"
             if not stop_terminated or p.include_stop_str_in_output:
-                text = req._decoder.push(tok)
+                text = req._decoder.step(tok)
                 if text:
                     req.output_text += text
                     if p.stop and n_out > p.min_tokens:
@@ -589,21 +596,21 @@ class SimScheduler:
         return f.wrong_tokens_probability > 0 and self.rng.random() < f.wrong_tokens_probability
 
     def _wrong_token(self, tok: int) -> int:
-        """A printable token that is not ``tok`` (never EOS, so the corrupted stream goes on)."""
-        offset = tok - BYTE_OFFSET - _PRINTABLE_FIRST
-        if 0 <= offset < _PRINTABLE_COUNT:
-            return BYTE_OFFSET + _PRINTABLE_FIRST + (offset + 1 + self.rng.randrange(_PRINTABLE_COUNT - 1)) \
-                % _PRINTABLE_COUNT
-        return BYTE_OFFSET + _PRINTABLE_FIRST + self.rng.randrange(_PRINTABLE_COUNT)
+        """A token the model could generate that is not ``tok`` (never EOS, so the corrupted stream goes on)."""
+        first, count = self.model.span
+        offset = tok - first
+        if 0 <= offset < count:
+            return first + (offset + 1 + self.rng.randrange(count - 1)) % count
+        return first + self.rng.randrange(count)
 
 
-def _unmasked(tok: int, masked: frozenset[int]) -> int:
-    """``tok``, or the next printable token (cyclically) that is not ``masked``."""
+def _unmasked(model: SimModel, tok: int, masked: frozenset[int]) -> int:
+    """``tok``, or the next token the model could generate (cyclically) that is not ``masked``."""
     if tok not in masked:
         return tok
-    base = BYTE_OFFSET + _PRINTABLE_FIRST
-    for k in range(1, _PRINTABLE_COUNT):
-        alt = base + (tok - base + k) % _PRINTABLE_COUNT
+    base, count = model.span
+    for k in range(1, count):
+        alt = base + (tok - base + k) % count
         if alt not in masked:
             return alt
     return tok

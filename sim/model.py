@@ -7,18 +7,23 @@ next token is read off the state. So:
 - migration is exact by construction on simulated workers (the property tests rely on this);
 - a checker can compute the fault-free reference of any request without running a worker.
 
-Generated tokens are printable ASCII bytes (so text is readable), plus EOS with ``eos_probability``.
-Different ``seed`` values are different "models".
+On the byte vocabulary (``vocab_size`` None) generated tokens are printable ASCII bytes, so text is
+readable; on any other vocabulary (the trained ``bpe`` and ``sp`` ones, see :mod:`fleetward.fleet.vocab`)
+they are any id after the three specials, so merged tokens, byte-fallback tokens, split multibyte
+characters and the chat roles all occur. EOS comes with ``eos_probability``. Different ``seed`` values
+are different "models".
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from fleetward.fleet.config import SimConfig
 from fleetward.sim.tokenizer import BYTE_OFFSET, EOS_ID
 
-__all__ = ["SimModel"]
+__all__ = ["SimModel", "sim_model"]
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -38,6 +43,21 @@ def _mix(state: int, token: int) -> int:
 class SimModel:
     seed: int = 0
     eos_probability: float = 0.0
+    vocab_size: int | None = None  # None: the byte vocabulary, printable ASCII only
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """``(first, count)``: the ids the model generates besides EOS."""
+        if self.vocab_size is None:
+            return BYTE_OFFSET + _PRINTABLE_FIRST, _PRINTABLE_COUNT
+        return BYTE_OFFSET, self.vocab_size - BYTE_OFFSET
+
+    @classmethod
+    def of_reference(cls, ref: Mapping[str, Any]) -> SimModel:
+        """The model a backend's ``reference()`` describes (``kind: model``)."""
+        size = ref.get("vocab_size")
+        return cls(int(ref.get("seed", 0)), float(ref.get("eos_probability", 0.0)),
+                   None if size is None else int(size))
 
     def state(self, prefix: Iterable[int], start: int | None = None) -> int:
         s = self.seed & _MASK if start is None else start
@@ -50,7 +70,8 @@ class SimModel:
         if not ignore_eos and self.eos_probability > 0:
             if (state >> 40) % _EOS_SCALE < self.eos_probability * _EOS_SCALE:
                 return EOS_ID
-        return BYTE_OFFSET + _PRINTABLE_FIRST + (state % _PRINTABLE_COUNT)
+        first, count = self.span
+        return first + (state % count)
 
     def generate(self, prompt: Iterable[int], *, ignore_eos: bool = False) -> Iterator[int]:
         """Tokens after ``prompt``, forever (EOS included when it comes; the caller stops)."""
@@ -74,3 +95,12 @@ class SimModel:
     @staticmethod
     def advance(state: int, token: int) -> int:
         return _mix(state, token)
+
+
+def sim_model(config: SimConfig) -> SimModel:
+    """The model a simulated worker with ``config`` serves (its vocabulary loaded for the size)."""
+    if config.tokenizer == "byte":
+        return SimModel(config.seed, config.eos_probability)
+    from fleetward.fleet.vocab import load_vocabulary
+
+    return SimModel(config.seed, config.eos_probability, load_vocabulary(config.tokenizer).size)

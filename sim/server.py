@@ -108,6 +108,7 @@ import signal
 import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any
 
 import uvicorn
@@ -126,6 +127,7 @@ from starlette.types import Receive, Scope, Send
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import SimConfig, admin_token_from_env
 from fleetward.fleet.errors import WorkerError
+from fleetward.fleet.vocab import BUILTIN
 from fleetward.sim.engine import (
     ENGINE_DEAD_MESSAGE,
     EngineStats,
@@ -412,7 +414,7 @@ _CHAT_REQUEST = _request_model(
     f"presence_penalty seed stop stream stream_options temperature top_p user {_SAMPLING_FIELDS} prompt_logprobs "
     "allowed_token_ids bad_words echo add_generation_prompt continue_final_message add_special_tokens priority "
     "request_id return_token_ids cache_salt",
-    echo=(bool, False), logprobs=(bool | None, False))
+    echo=(bool, False), logprobs=(bool | None, False), add_special_tokens=(bool, False))
 
 
 def _refuse_unsupported(v: dict[str, Any]) -> None:
@@ -430,7 +432,7 @@ def _refuse_unsupported(v: dict[str, Any]) -> None:
             raise _ApiError(f"{key} is not supported by the simulated worker", param=key)
 
 
-def _prompt_tokens(prompt: str | list[int], max_len: int) -> list[int]:
+def _prompt_tokens(prompt: str | list[int], max_len: int, encoder: Callable[[str], list[int]]) -> list[int]:
     """Stage 3: the prompt's token ids, refused as vLLM refuses a prompt over the context. vLLM tokenizes text
     only up to one token past the context (and not at all past a bound on characters), so for text it can
     only say "at least"."""
@@ -442,7 +444,7 @@ def _prompt_tokens(prompt: str | list[int], max_len: int) -> list[int]:
                            f"contains {len(prompt)} characters (more than {max_len * _MAX_CHARS_PER_TOKEN} "
                            f"characters, which is the upper bound for {max_len} input tokens). Please reduce "
                            "the length of the input prompt.", param="input_text", value=len(prompt))
-        ids = encode(prompt)
+        ids = encoder(prompt)
         count = min(len(ids), max_len + 1)
     if count > max_len:
         at_least = "at least " if count == max_len + 1 else ""
@@ -509,21 +511,21 @@ def _check_sampling(v: dict[str, Any], max_tokens: int) -> None:
         raise _refused(f"bad_words cannot contain an empty string. Got bad_words={bad_words}")
 
 
-def _check_engine(v: dict[str, Any], bias_ids: list[int], prompt_ids: list[int]) -> None:
+def _check_engine(v: dict[str, Any], bias_ids: list[int], prompt_ids: list[int], vocab_size: int) -> None:
     """Stage 5: what vLLM's engine checks against the model, in its order: token ids the request names, then
     the prompt."""
     for key, ids in (("logit_bias", bias_ids), ("stop_token_ids", list(dict.fromkeys(v["stop_token_ids"] or [])))):
-        if bad := [i for i in ids if not 0 <= i < VOCAB_SIZE]:
+        if bad := [i for i in ids if not 0 <= i < vocab_size]:
             raise _refused(f"token_id(s) {bad} in {key} contain out-of-vocab token ids. Vocabulary size: "
-                           f"{VOCAB_SIZE}", param=key, value=bad)
+                           f"{vocab_size}", param=key, value=bad)
     allowed = v["allowed_token_ids"]
     if allowed is not None and not allowed:
         raise _refused("allowed_token_ids is not None and empty!", param="allowed_token_ids", value=allowed)
-    if allowed and (bad := [i for i in allowed if not 0 <= i < VOCAB_SIZE]):
+    if allowed and (bad := [i for i in allowed if not 0 <= i < vocab_size]):
         raise _refused("allowed_token_ids contains out-of-vocab token id!", param="allowed_token_ids", value=bad)
     if not prompt_ids:
         raise _refused("The decoder prompt cannot be empty")
-    if max(prompt_ids) >= VOCAB_SIZE:  # negative ids do not pass the schema
+    if max(prompt_ids) >= vocab_size:  # negative ids do not pass the schema
         raise _refused(f"Token id {max(prompt_ids)} is out of vocabulary")
 
 
@@ -674,6 +676,8 @@ class SimWorker:
         digest = hashlib.sha256(f"{self.model_name}:{config.seed}:{config.eos_probability}".encode())
         self.system_fingerprint = f"fleetward-sim-{digest.hexdigest()[:8]}"
         self._model_json = _enc(self.model_name)
+        self.vocab = self.engine.scheduler.vocab
+        self.vocab_size = VOCAB_SIZE if self.vocab is None else self.vocab.size
         self._fingerprint_json = _enc(self.system_fingerprint)
 
         app = FastAPI(lifespan=self._lifespan, openapi_url=None, docs_url=None, redoc_url=None)
@@ -714,7 +718,7 @@ class SimWorker:
     async def _models(self, request: Request) -> Response:
         now = int(self.clock.wall())
         card = {"id": self.model_name, "object": "model", "created": now, "owned_by": "vllm",
-                "root": self.model_name, "parent": None, "max_model_len": self.config.max_model_len,
+                "root": self._root, "parent": None, "max_model_len": self.config.max_model_len,
                 "permission": [{"id": f"modelperm-{secrets.token_hex(8)}", "object": "model_permission",
                                 "created": now, "allow_create_engine": False, "allow_sampling": True,
                                 "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
@@ -886,12 +890,12 @@ class SimWorker:
         if max_tokens is not None and max_tokens > max_len:
             raise _refused(f"{mt_param}={max_tokens} cannot be greater than max_model_len={max_len}. Please "
                            "request fewer output tokens.", param=mt_param, value=max_tokens)
-        prompt_ids = _prompt_tokens(prompt, max_len)
+        prompt_ids = _prompt_tokens(prompt, max_len, functools.partial(self._encode, special=v["add_special_tokens"]))
         budget = max_len - len(prompt_ids)
         max_tokens = budget if max_tokens is None else min(max_tokens, budget)
         bias_ids = _token_keys(v["logit_bias"] or {})
         _check_sampling(v, max_tokens)
-        _check_engine(v, bias_ids, prompt_ids)
+        _check_engine(v, bias_ids, prompt_ids, self.vocab_size)
 
         stop = v["stop"]
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
@@ -900,9 +904,24 @@ class SimWorker:
         continuous_usage = include_usage and bool(options.continuous_usage_stats)
         spec = SamplingSpec(max_tokens=max_tokens, ignore_eos=v["ignore_eos"], stop=stops,
                             stop_token_ids=frozenset(v["stop_token_ids"] or ()),
-                            include_stop_str_in_output=v["include_stop_str_in_output"], min_tokens=v["min_tokens"])
+                            include_stop_str_in_output=v["include_stop_str_in_output"], min_tokens=v["min_tokens"],
+                            skip_special_tokens=v["skip_special_tokens"],
+                            spaces_between_special_tokens=v["spaces_between_special_tokens"])
         return _Parsed(prompt_ids, spec, bool(v["stream"]), include_usage, continuous_usage,
                        bool(v["return_token_ids"]), role)
+
+    def _encode(self, text: str, *, special: bool) -> list[int]:
+        """Text → ids with the vocabulary served (chat text is the rendered template, roles included)."""
+        return encode(text) if self.vocab is None else self.vocab.encode(text, add_special_tokens=special)
+
+    @property
+    def _root(self) -> str:
+        """``root`` in /v1/models: where the tokenizer lives when it is a folder or file (routers load it)."""
+        tok = self.config.tokenizer
+        if tok in BUILTIN:
+            return self.model_name
+        path = Path(tok).expanduser().resolve()
+        return str(path.parent if path.name == "tokenizer.json" else path)
 
     @staticmethod
     def _completion_prompt(prompt: str | list[Any]) -> str | list[int]:

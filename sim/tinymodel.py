@@ -1,11 +1,17 @@
 """``fleetward model tiny``: a tiny Llama that real vLLM serves on a CPU, written locally.
 
-Shape (verified on vLLM 0.32 CPU, see shared notes): hidden 128, 2 heads of 64 (the CPU attention kernel
-rejects head_dim 16), 1 KV head, 2 layers, intermediate 256, byte-level vocabulary of 259 ids. Weights are
-drawn from a seeded normal with std 1.0: the default 0.02 makes greedy output collapse into runs of one
-token, and a lost or duplicated token inside such a run is invisible to an exactness check.
+Shape (verified on vLLM 0.32 CPU): hidden 128, 2 heads of 64 (the CPU attention kernel rejects head_dim
+16), 1 KV head, 2 layers, intermediate 256. Weights are drawn from a seeded normal with std 1.0: the
+default 0.02 makes greedy output collapse into runs of one token, and a lost or duplicated token inside
+such a run is invisible to an exactness check.
 
-The output is deterministic for a given seed (same bytes on every machine with the same torch).
+The vocabulary is one of :data:`fleetward.fleet.vocab.BUILTIN`: ``bpe`` (the default: a byte-level BPE of
+4,096 ids, where one character may span several tokens), ``sp`` (SentencePiece-shaped: a ``▁`` space
+marker and byte fallback) or ``byte`` (259 ids, one per byte). Its ``tokenizer.json`` is the one the
+simulated worker serves with the same name, so both agree on ids and text.
+
+The output is deterministic for a given seed and vocabulary (same bytes on every machine with the same
+torch and tokenizers).
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fleetward.fleet.errors import FleetwardError
-from fleetward.sim.tokenizer import BOS_ID, BYTE_OFFSET, CHAT_TEMPLATE, EOS_ID, UNK_ID, VOCAB_SIZE
+from fleetward.fleet.vocab import BUILTIN, builtin_json
+from fleetward.sim.tokenizer import BOS_ID, CHAT_TEMPLATE, EOS_ID
 
 __all__ = ["TINY_SHAPE", "ensure_tiny_model", "write_tiny_model"]
 
@@ -29,54 +36,33 @@ TINY_SHAPE = {
 }
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in character for each byte (what ByteLevel tokenizers use as vocab keys)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs), strict=True))
+def ensure_tiny_model(path: Path, *, tokenizer: str = "bpe", say: Callable[[str], None] | None = None) -> Path:
+    """The tiny model at ``path``, written first (seed 0) unless it is there already.
 
-
-def _tokenizer_json() -> dict[str, object]:
-    b2u = _bytes_to_unicode()
-    vocab = {"<unk>": UNK_ID, "<s>": BOS_ID, "</s>": EOS_ID}
-    vocab.update({b2u[b]: BYTE_OFFSET + b for b in range(256)})
-    special = [
-        {"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-         "special": True}
-        for c, i in (("<unk>", UNK_ID), ("<s>", BOS_ID), ("</s>", EOS_ID))
-    ]
-    return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": special,
-        "normalizer": None,
-        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
-        "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
-        "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                  "ignore_merges": False, "vocab": vocab, "merges": []},
-    }
-
-
-def ensure_tiny_model(path: Path, *, say: Callable[[str], None] | None = None) -> Path:
-    """The tiny model at ``path``, written first (seed 0) unless it is there already."""
+    A folder that holds a model with another vocabulary is refused, not served: its ids would not be the
+    ones the rest of the fleet expects.
+    """
     if not (path / "model.safetensors").exists():
         if say is not None:
-            say(f"writing the tiny local model to {path}")
-        write_tiny_model(path)
+            say(f"writing the tiny local model ({tokenizer} vocabulary) to {path}")
+        write_tiny_model(path, tokenizer=tokenizer)
+        return path
+    try:
+        found = json.loads((path / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        found = None
+    if found != builtin_json(tokenizer):
+        raise FleetwardError(f"{path} holds a model whose tokenizer is not the built-in {tokenizer!r} vocabulary; "
+                             f"remove the folder or write another with `fleetward model tiny --tokenizer "
+                             f"{tokenizer} --out DIR`")
     return path
 
 
-def write_tiny_model(out: Path, *, seed: int = 0, max_position_embeddings: int = 2048, std: float = 1.0) -> Path:
+def write_tiny_model(out: Path, *, seed: int = 0, tokenizer: str = "bpe", max_position_embeddings: int = 2048,
+                     std: float = 1.0) -> Path:
     """Write config, tokenizer and seeded safetensors weights into ``out``; returns ``out``."""
+    if tokenizer not in BUILTIN:
+        raise FleetwardError(f"no built-in vocabulary {tokenizer!r}; choose one of {', '.join(BUILTIN)}")
     try:
         import torch
         from safetensors.torch import save_file
@@ -85,11 +71,16 @@ def write_tiny_model(out: Path, *, seed: int = 0, max_position_embeddings: int =
                              "pip install 'fleetward[model]'") from exc
     out.mkdir(parents=True, exist_ok=True)
     shape = TINY_SHAPE
+    tok = builtin_json(tokenizer)
+    vocab_size = 1 + max([*tok["model"]["vocab"].values(), *(t["id"] for t in tok["added_tokens"])])
+    added = {str(t["id"]): {k: t[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}
+             for t in tok["added_tokens"]}
+    extra = [t["content"] for t in tok["added_tokens"] if t["content"] not in ("<unk>", "<s>", "</s>")]
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         **shape,
-        "vocab_size": VOCAB_SIZE,
+        "vocab_size": vocab_size,
         "max_position_embeddings": max_position_embeddings,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
@@ -105,17 +96,20 @@ def write_tiny_model(out: Path, *, seed: int = 0, max_position_embeddings: int =
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "do_sample": False}, indent=2) + "\n")
-    (out / "tokenizer.json").write_text(json.dumps(_tokenizer_json(), ensure_ascii=False) + "\n")
+    (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False) + "\n")
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "additional_special_tokens": extra,
+        "added_tokens_decoder": added,
         "add_bos_token": False, "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_position_embeddings,
         "chat_template": CHAT_TEMPLATE,
     }, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, indent=2) + "\n")
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "additional_special_tokens": extra},
+        indent=2) + "\n")
 
     h, inter = shape["hidden_size"], shape["intermediate_size"]
     heads, kv, hd = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
@@ -124,7 +118,7 @@ def write_tiny_model(out: Path, *, seed: int = 0, max_position_embeddings: int =
     def normal(*dims: int) -> torch.Tensor:
         return (torch.randn(*dims, generator=gen, dtype=torch.float32) * std)
 
-    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(VOCAB_SIZE, h)}
+    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(vocab_size, h)}
     for i in range(shape["num_hidden_layers"]):
         p = f"model.layers.{i}."
         tensors[p + "self_attn.q_proj.weight"] = normal(heads * hd, h)
@@ -137,6 +131,6 @@ def write_tiny_model(out: Path, *, seed: int = 0, max_position_embeddings: int =
         tensors[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.float32)
         tensors[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.float32)
     tensors["model.norm.weight"] = torch.ones(h, dtype=torch.float32)
-    tensors["lm_head.weight"] = normal(VOCAB_SIZE, h)
+    tensors["lm_head.weight"] = normal(vocab_size, h)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})  # one key: Rust orders a map randomly
     return out

@@ -89,6 +89,8 @@ class IncrementalDecoder:
         self._pending = b""
         return text
 
+    step = push  # the name fleetward.fleet.vocab.Detokenizer uses
+
     def flush(self) -> str:
         text = self._pending.decode("utf-8", errors="replace")
         self._pending = b""

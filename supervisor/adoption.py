@@ -4,7 +4,8 @@
 :func:`fleetward.fleet.registry.publish_attachments`, or by ``fleetward worker add``). The agent of the
 entry's node adopts it:
 
-1. it waits until the server answers (``/v1/models``: its model, when the entry names none), then
+1. it waits until the server answers (``/v1/models``: its model, when the entry names none, and its
+   tokenizer, the model folder vLLM names as ``root`` when this host has it), then
    registers it under its lease like a worker of its own (``workers/<id>``, backend ``external``), so
    routers route and migrate its streams and the supervisor watches it;
 2. with a process locator (pidfile, systemd unit, container) the agent's process and engine detectors
@@ -30,7 +31,7 @@ import orjson
 from fleetward.fleet.backends import worker_ready
 from fleetward.fleet.config import AttachConfig
 from fleetward.fleet.errors import StoreError, UnavailableError
-from fleetward.fleet.external import ExternalBackend, discover_model
+from fleetward.fleet.external import ExternalBackend, discover
 from fleetward.fleet.worker import WorkerSpec
 
 if TYPE_CHECKING:
@@ -101,14 +102,14 @@ class Adopter:
     async def _adopt(self, worker_id: str, entry: AttachConfig) -> None:
         """Wait until the server answers, then register it (a server given up meanwhile is not)."""
         agent = self.agent
-        model = entry.model
-        while model is None:
-            model = await discover_model(entry.url)
-            if model is None:
-                await agent.clock.sleep(POLL_S)
+        found = await discover(entry.url)
+        while found is None:
+            await agent.clock.sleep(POLL_S)
+            found = await discover(entry.url)
+        model = entry.model or found[0]
         host, port = entry.host_port
         spec = WorkerSpec(id=worker_id, host=host, port=port, model=model, role=entry.role, node=agent.node)
-        backend = ExternalBackend(entry, model=model)
+        backend = ExternalBackend(entry, model=model, tokenizer=found[1])
         agent.adopted_backend(worker_id, backend, spec)
         await agent.initial_health(worker_id)
         handle = backend.adopt(spec)
@@ -137,7 +138,8 @@ class Adopter:
 
     async def _returned(self, worker_id: str, entry: AttachConfig, last_pid: int | None) -> None:
         agent = self.agent
-        backend = ExternalBackend(entry, model=agent.specs[worker_id].model)
+        backend = ExternalBackend(entry, model=agent.specs[worker_id].model,
+                                  tokenizer=agent.backend_for(worker_id).tokenizer)
         went_away = False
         while True:
             await agent.clock.sleep(POLL_S)

@@ -177,8 +177,8 @@ class NodeAgent:
             self._forget_tree(wid)
         handles = list(self.handles.values())
         # Servers someone else runs are left running: the agent only gives them up.
-        owned = [h for h in handles if self._backend_for(h.spec.id).owns_processes]
-        await asyncio.gather(*(self._backend_for(h.spec.id).stop(h, grace=grace) for h in owned),
+        owned = [h for h in handles if self.backend_for(h.spec.id).owns_processes]
+        await asyncio.gather(*(self.backend_for(h.spec.id).stop(h, grace=grace) for h in owned),
                              return_exceptions=True)
         if self._lease is not None:
             await self._lease.aclose()
@@ -192,7 +192,7 @@ class NodeAgent:
         self.handles.clear()
         await self._http.aclose()
 
-    def _backend_for(self, worker_id: str) -> Backend:
+    def backend_for(self, worker_id: str) -> Backend:
         return self._backends.get(worker_id, self.backend)
 
     def adopted_backend(self, worker_id: str, backend: Backend, spec: WorkerSpec) -> None:
@@ -306,7 +306,8 @@ class NodeAgent:
         spec = handle.spec
         record = WorkerRecord(id=spec.id, url=spec.url, role=spec.role, model=spec.model, node=spec.node,
                               backend=handle.backend, gpus=spec.gpus, started_at=handle.started_at,
-                              pid=handle.process.pid, pids=tuple(p.pid for p in handle.process.tree()))
+                              pid=handle.process.pid, pids=tuple(p.pid for p in handle.process.tree()),
+                              tokenizer=self.backend_for(spec.id).tokenizer)
         await self.store.put(self.keys.worker(spec.id), record.to_json(), lease=self._lease.id)
 
     async def _watch_exit(self, handle: WorkerHandle) -> None:
@@ -330,7 +331,7 @@ class NodeAgent:
         if leftovers:
             log.warning("worker %s: %d process(es) of its tree outlived it (pids %s); stopping them", worker_id,
                         len(leftovers), ", ".join(str(p.pid) for p in leftovers))
-            await self._backend_for(worker_id).stop(handle, grace=5)
+            await self.backend_for(worker_id).stop(handle, grace=5)
             if not handle.process.survivors:
                 log.info("worker %s: its tree is gone", worker_id)
 
@@ -516,7 +517,7 @@ class NodeAgent:
     async def _stop(self, worker_id: str) -> None:
         self._forget_tree(worker_id)
         handle = self.handles.pop(worker_id, None)
-        backend = self._backend_for(worker_id)
+        backend = self.backend_for(worker_id)
         if handle is not None and backend.owns_processes:
             await backend.stop(handle, grace=5)
         with contextlib.suppress(UnavailableError):
@@ -548,7 +549,7 @@ class NodeAgent:
             return await self._restart(worker_id, spec=spec, delay=delay)
 
     async def _restart(self, worker_id: str, *, spec: WorkerSpec | None, delay: float) -> WorkerHandle:
-        backend = self._backend_for(worker_id)
+        backend = self.backend_for(worker_id)
         if not backend.can_restart:
             await self._leave_for_operator(worker_id)
             raise LeftForOperator(f"{worker_id} is a server fleetward did not start, with no restart_command: "

@@ -19,12 +19,25 @@ def test_the_simulated_worker_has_fault_switches_and_a_known_model() -> None:
     assert sim.fault_switches and "model_reference" in sim.capabilities
     assert sim.reference() == {"kind": "model", "seed": 7, "eos_probability": 0.1}
     assert (sim.model_name, sim.max_model_len) == ("m", SimConfig().max_model_len)
+    assert SimBackend(SimConfig(tokenizer="bpe")).reference()["vocab_size"] == 4096  # type: ignore[index]
+
+
+def test_a_simulated_workers_tokenizer_path_is_resolved_before_it_runs_in_its_log_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    sim = SimBackend(SimConfig(tokenizer="models/tok/tokenizer.json"))
+    argv = sim.argv(WorkerSpec(id="w0", host="127.0.0.1", port=1, model="m"))
+    sent = SimConfig.model_validate_json(argv[argv.index("--config-json") + 1])
+    assert sent.tokenizer == sim.tokenizer == str(tmp_path.resolve() / "models" / "tok" / "tokenizer.json")
 
 
 def test_vllm_has_neither_and_serves_the_tiny_model_by_default(tmp_path: Path) -> None:
     vllm = VllmBackend(VllmConfig(max_model_len=1024), run_dir=tmp_path)
     assert not vllm.fault_switches and vllm.reference() is None
-    assert vllm.model_path == (tmp_path / "models" / "tiny-seed0").resolve()
+    assert vllm.model_path == (tmp_path / "models" / "tiny-bpe-seed0").resolve()
+    byte = VllmBackend(VllmConfig(tokenizer="byte"), run_dir=tmp_path)
+    assert byte.model_path == (tmp_path / "models" / "tiny-seed0").resolve()
+    assert VllmBackend(VllmConfig(), run_dir=tmp_path).tokenizer == str(vllm.model_path)
     assert (vllm.model_name, vllm.max_model_len) == ("tiny", 1024)
     named = VllmBackend(VllmConfig(model=str(tmp_path / "my-model")))
     assert named.model_name == "my-model" and named.model_path.is_absolute()

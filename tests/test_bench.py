@@ -45,7 +45,7 @@ def is_number(x: object) -> bool:
 
 def test_bench_router_compares_targets_against_direct(tmp_path: Path, etcd_endpoint: str,
                                                       broker_endpoint: str) -> None:
-    targets = ["direct", "fleetward", *(["vllm-router"] if HAS_VLLM_ROUTER else [])]
+    targets = ["direct", "fleetward", "fleetward-worker-text", *(["vllm-router"] if HAS_VLLM_ROUTER else [])]
     data = bench("router", tmp_path, etcd_endpoint, broker_endpoint, "--targets", ",".join(targets))
     streams = data["config"]["streams"]
     assert {(r["streams"], r["target"]) for r in data["runs"]} == {(c, t) for c in streams for t in targets}

@@ -23,12 +23,16 @@ from fleetward.chaos.harness import TestFleet
 from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.config import RouterConfig, SimConfig, SupervisorConfig
-from fleetward.sim.model import SimModel
+from fleetward.fleet.vocab import load_vocabulary
+from fleetward.sim.model import sim_model
+from fleetward.sim.tokenizer import render_chat
 
-SIM = SimConfig(decode_step_ms=3.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=11)
-MODEL = SimModel(seed=SIM.seed)
+SIM = SimConfig(decode_step_ms=3.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=11, tokenizer="bpe")
+VOCAB = load_vocabulary(SIM.tokenizer)
+MODEL = sim_model(SIM)
 WORKERS = 4
 FAULTS = ("crash", "hang", "engine_error", "reset", "slow")
+TEXTS = ["日本語のテキスト", "Привет, мир! ", "héllo wörld ", "👩🏽‍🔬🚀✨", "ऑपरेशन ", "🏳️‍🌈", "한국어 ", "the fleet "]
 
 
 @dataclass(frozen=True)
@@ -40,15 +44,51 @@ class Fault:
 
 @dataclass(frozen=True)
 class Req:
-    prompt: tuple[int, ...]
+    prompt: str | tuple[int, ...]  # text (multibyte), or token ids (completions only)
     max_tokens: int
+    chat: bool = False
+    stream: bool = True
+    stop_at: int | None = None  # a stop string taken from the reference text at this character, if any
 
 
+text_st = st.lists(st.sampled_from(TEXTS) | st.text(min_size=1, max_size=5), min_size=1, max_size=5).map("".join)
+ids_st = st.lists(st.integers(3, VOCAB.size - 1), min_size=1, max_size=40).map(tuple)
 requests_st = st.lists(
-    st.builds(Req, st.lists(st.integers(35, 126), min_size=1, max_size=40).map(tuple), st.integers(5, 90)),
+    st.builds(Req, text_st | ids_st, st.integers(5, 90), st.booleans(), st.sampled_from([True, True, True, False]),
+              st.none() | st.integers(0, 400)),
     min_size=1, max_size=8)
 faults_st = st.lists(st.builds(Fault, st.integers(0, 250), st.sampled_from(FAULTS), st.integers(0, WORKERS - 1)),
                      max_size=3)
+
+
+def prompt_ids(req: Req) -> list[int]:
+    if isinstance(req.prompt, tuple):
+        return list(req.prompt)
+    if req.chat:
+        return VOCAB.encode(render_chat([{"role": "user", "content": req.prompt}]), add_special_tokens=False)
+    return VOCAB.encode(req.prompt)
+
+
+def reference(req: Req) -> tuple[list[int], str, str | None]:
+    """Token ids, text and stop string of the fault-free run, computed apart from the router: the model's
+    continuation, detokenized in one go from the prompt; a stop string ends the text before it and the
+    ids after the token that completes it."""
+    prompt = prompt_ids(req)
+    ids = MODEL.continuation(prompt, req.max_tokens)
+    detok = VOCAB.detokenizer(prompt)
+    ends, text = [], ""
+    for t in ids:
+        text += detok.step(t)
+        ends.append(len(text))
+    stop = None
+    if req.stop_at is not None and text.strip():
+        at = req.stop_at % len(text)
+        stop = text[at:at + 2] if text[at:at + 2].strip() else None
+    if stop is None:
+        return ids, text, None
+    first = min((i for i in range(len(text)) if text.startswith(stop, i)), key=lambda i: i + len(stop))
+    kept = next(k for k, end in enumerate(ends) if end >= first + len(stop)) + 1
+    return ids[:kept], text[:first], stop
 
 
 class Harness:
@@ -106,7 +146,7 @@ async def fire(h: Harness, fault: Fault) -> None:
         pass  # the worker died under us: a fault too
 
 
-async def one_example(h: Harness, reqs: list[Req], faults: list[Fault]) -> list[tuple[Req, list[int], Any]]:
+async def one_example(h: Harness, reqs: list[Req], faults: list[Fault]) -> list[tuple[Req, list[int], str, Any]]:
     pending = sorted(faults, key=lambda f: f.at_tokens)
     received = 0
     lock = asyncio.Lock()
@@ -118,15 +158,31 @@ async def one_example(h: Harness, reqs: list[Req], faults: list[Fault]) -> list[
             while pending and pending[0].at_tokens <= received:
                 await fire(h, pending.pop(0))
 
-    async def one(client: httpx.AsyncClient, req: Req) -> tuple[Req, list[int], Any]:
+    async def one(client: httpx.AsyncClient, req: Req) -> tuple[Req, list[int], str, Any]:
         tokens: list[int] = []
+        text: list[str] = []
         error = None
         finishes = []
-        body = {"model": "sim-tiny", "prompt": list(req.prompt), "max_tokens": req.max_tokens, "stream": True,
-                "return_token_ids": True}
-        async with client.stream("POST", h.router.url + "/v1/completions", json=body) as r:
+        body: dict[str, Any] = {"model": "sim-tiny", "max_tokens": req.max_tokens, "stream": req.stream,
+                                "return_token_ids": True}
+        if req.chat and isinstance(req.prompt, str):
+            body["messages"] = [{"role": "user", "content": req.prompt}]
+        else:
+            body["prompt"] = list(req.prompt) if isinstance(req.prompt, tuple) else req.prompt
+        stop = reference(req)[2]
+        if stop is not None:
+            body["stop"] = [stop]
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        if not req.stream:
+            r = await client.post(h.router.url + path, json=body)
             if r.status_code != 200:
-                return req, tokens, f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return req, tokens, "", f"HTTP {r.status_code}: {r.text[:200]}"
+            choice = r.json()["choices"][0]
+            content = choice["message"]["content"] if "message" in choice else choice["text"]
+            return req, list(choice["token_ids"]), content or "", None
+        async with client.stream("POST", h.router.url + path, json=body) as r:
+            if r.status_code != 200:
+                return req, tokens, "", f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
             async for line in sse_lines(r.aiter_bytes()):
                 if not line.startswith("data: {"):
                     continue
@@ -135,12 +191,15 @@ async def one_example(h: Harness, reqs: list[Req], faults: list[Fault]) -> list[
                     error = data["error"]["message"]
                     continue
                 for choice in data["choices"]:
-                    tokens.extend(choice["token_ids"])
+                    ids = choice.get("token_ids") or []
+                    tokens.extend(ids)
+                    text.append((choice["delta"].get("content") if "delta" in choice else choice["text"]) or "")
                     if choice["finish_reason"]:
                         finishes.append(choice["finish_reason"])
-                    await tick(len(choice["token_ids"]))
-        assert error is not None or finishes == ["length"], f"one finish reason per stream, got {finishes}"
-        return req, tokens, error
+                    await tick(len(ids))
+        want = "stop" if stop is not None else "length"
+        assert error is not None or finishes == [want], f"one finish reason per stream, got {finishes}"
+        return req, tokens, "".join(text), error
 
     await tick(0)
     async with httpx.AsyncClient(timeout=60) as client:
@@ -154,21 +213,54 @@ async def one_example(h: Harness, reqs: list[Req], faults: list[Fault]) -> list[
           derandomize=True)
 @given(reqs=requests_st, faults=faults_st)
 @example(reqs=[Req((40, 41, 42), 60)] * 4, faults=[Fault(50, "crash", 0), Fault(90, "crash", 1)])
-@example(reqs=[Req((50, 51), 60)] * 4, faults=[Fault(40, "hang", 2)])
-@example(reqs=[Req((60,), 70)] * 4, faults=[Fault(30, "engine_error", 3), Fault(60, "reset", 0)])
-@example(reqs=[Req((70, 71, 72, 73), 80)] * 3, faults=[Fault(20, "slow", 1), Fault(45, "reset", 1)])
+@example(reqs=[Req("日本語 👩🏽‍🔬", 60, chat=True)] * 4, faults=[Fault(40, "hang", 2)])
+@example(reqs=[Req("Привет ✨", 70, stop_at=50)] * 4, faults=[Fault(30, "engine_error", 3), Fault(60, "reset", 0)])
+@example(reqs=[Req("🏳️‍🌈 x", 80, chat=True, stop_at=120), Req("ऑपरेशन", 40, stream=False)] * 2,
+         faults=[Fault(20, "slow", 1), Fault(45, "reset", 1)])
 def test_every_stream_equals_the_reference_under_any_fault_schedule(harness: Harness, reqs: list[Req],
                                                                     faults: list[Fault]) -> None:
+    """Token ids and text (on a byte-level BPE vocabulary: merges, characters split across tokens), for
+    completions and chat, streamed or not, with stop strings."""
     results = harness.run(one_example(harness, reqs, faults))
-    for req, tokens, error in results:
-        expected = MODEL.continuation(list(req.prompt), req.max_tokens)
+    for req, tokens, text, error in results:
+        expected, expected_text, _ = reference(req)
         if error is None:
             assert tokens == expected, "a completed stream must equal the fault-free reference"
+            assert text == expected_text, "its text too, character for character"
         else:
             assert tokens == expected[: len(tokens)], f"a failed stream delivered a wrong token ({error})"
+            assert expected_text.startswith(text), f"a failed stream delivered wrong text ({error})"
             assert any(w in error for w in ("no healthy worker", "migration_limit", "deadline")), error
     if not faults:
-        assert all(error is None for _, _, error in results), "no fault, no failure"
+        assert all(error is None for *_, error in results), "no fault, no failure"
+
+
+def test_migrations_inside_a_character_keep_the_text_exact(harness: Harness) -> None:
+    """Every attempt cut after its 7th token (``reset_after_tokens`` on every worker): each stream migrates
+    three times at known places. For half of these streams a worker's own text (its detokenizer primed
+    with the resumed prompt) differs from the reference, checked here first so this cannot pass vacuously;
+    the router's text must not."""
+    k = 7
+    reqs = [Req(t, 4 * k, chat=i % 2 == 1) for i, t in enumerate(TEXTS)]
+
+    def worker_text(req: Req) -> str:
+        prompt, ids = prompt_ids(req), reference(req)[0]
+        return "".join(VOCAB.detokenizer(prompt + ids[:i]).feed(ids[i:i + k]) for i in range(0, len(ids), k))
+
+    assert sum(worker_text(r) != reference(r)[1] for r in reqs) >= 2
+
+    async def cut_every_attempt(after: int | None) -> None:
+        for w in harness.fleet.worker_ids:
+            await harness.fleet.fault(w, reset_after_tokens=after)
+
+    harness.run(cut_every_attempt(k))
+    try:
+        results = harness.run(one_example(harness, reqs, []))
+    finally:
+        harness.run(cut_every_attempt(None))
+    for req, tokens, text, error in results:
+        expected, expected_text, _ = reference(req)
+        assert (tokens, text, error) == (expected, expected_text, None)
 
 
 def test_the_schedules_above_really_fired_faults_and_migrated_streams(harness: Harness) -> None:

@@ -30,6 +30,7 @@ from fleetward.chaos.workload import sse_data
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock, ManualClock
 from fleetward.fleet.config import SimConfig
 from fleetward.fleet.procs import ManagedProcess, free_port
+from fleetward.fleet.vocab import builtin_json, load_vocabulary
 from fleetward.sim.engine import (
     ENGINE_DEAD_MESSAGE,
     Faults,
@@ -38,7 +39,7 @@ from fleetward.sim.engine import (
     SimRequest,
     SimScheduler,
 )
-from fleetward.sim.model import SimModel
+from fleetward.sim.model import SimModel, sim_model
 from fleetward.sim.server import SimWorker, main
 from fleetward.sim.tokenizer import EOS_ID, decode, encode, render_chat
 
@@ -346,6 +347,51 @@ async def test_stop_strings_and_stop_token_ids_end_like_vllm() -> None:
     first = full.index(full[10])
     assert (by_id["token_ids"], by_id["text"]) == (full[:first + 1], decode(full[:first]))
     assert (by_id["finish_reason"], by_id["stop_reason"]) == ("stop", full[10])
+
+
+# -- a trained vocabulary -----------------------------------------------------------------------------------
+
+BPE = FAST.model_copy(update={"tokenizer": "bpe"})
+
+
+async def test_a_trained_vocabulary_is_served_as_vllm_serves_the_tiny_model_with_it() -> None:
+    """Text prompts encode with the vocabulary (chat roles as single special ids), ids span all of it, and
+    the text is the incremental detokenizer's, primed with the prompt, as vLLM's is."""
+    vocab, model = load_vocabulary("bpe"), sim_model(BPE)
+    text = "Grüße aus Köln — 日本語 😀"
+    messages = [{"role": "user", "content": text}]
+    chat_ids = vocab.encode(render_chat(messages), add_special_tokens=False)
+    async with asgi(BPE) as (c, worker):
+        plain = (await c.post("/v1/completions", json={"prompt": text, "max_tokens": 64,
+                                                       "return_token_ids": True})).json()
+        chat = (await c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 64,
+                                                           "return_token_ids": True})).json()
+        refused = await c.post("/v1/completions", json={"prompt": [5, vocab.size]})
+        models = (await c.get("/v1/models")).json()
+    ids = plain["choices"][0]["token_ids"]
+    assert ids == model.continuation(vocab.encode(text), 64) and max(ids) >= 259
+    assert plain["choices"][0]["text"] == vocab.detokenizer(vocab.encode(text)).feed(ids)
+    assert plain["usage"]["prompt_tokens"] == len(vocab.encode(text)) < len(text.encode())
+    assert vocab.id_of("<|user|>") in chat_ids and chat["usage"]["prompt_tokens"] == len(chat_ids)
+    answer = model.continuation(chat_ids, 64)
+    assert chat["choices"][0]["token_ids"] == answer
+    assert chat["choices"][0]["message"]["content"] == vocab.detokenizer(chat_ids).feed(answer)
+    assert refused.status_code == 400
+    assert f"Token id {vocab.size} is out of vocabulary" in vllm_error(refused)["message"]
+    assert models["data"][0]["root"] == MODEL  # a built-in vocabulary: no folder to point routers at
+    assert worker.vocab_size == vocab.size == 4096
+
+
+async def test_a_tokenizer_folder_is_advertised_as_the_models_root(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_text(json.dumps(builtin_json("sp"), ensure_ascii=False))
+    config = FAST.model_copy(update={"tokenizer": str(tmp_path / "tokenizer.json")})
+    folder = str(tmp_path.resolve())  # noqa: ASYNC240 - before the worker runs
+    async with asgi(config) as (c, _):
+        card = (await c.get("/v1/models")).json()["data"][0]
+        ids = (await c.post("/v1/completions", json={"prompt": "▁x y", "max_tokens": 8,
+                                                     "return_token_ids": True})).json()["choices"][0]["token_ids"]
+    assert card["root"] == folder
+    assert ids == sim_model(config).continuation(load_vocabulary("sp").encode("▁x y"), 8)
 
 
 # -- batching and queueing (sans IO) ------------------------------------------------------------------------

@@ -50,7 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("router", help="added latency per token and throughput: direct vs fleetward vs vllm-router")
     common(r)
     r.add_argument("--streams", type=_ints, default=(1, 64, 256), help="concurrencies (default 1,64,256)")
-    r.add_argument("--targets", type=_names, default=("direct", "fleetward", "vllm-router"))
+    r.add_argument("--targets", type=_names, default=("direct", "fleetward", "fleetward-worker-text", "vllm-router"),
+                   help="direct, fleetward, fleetward-worker-text (the router passes workers' text on: the "
+                   "difference is what detokenizing costs), vllm-router, fleetward-no-checkpoints")
     r.add_argument("--rounds", type=int, default=3, help="interleaved rounds per concurrency (default 3)")
     r.add_argument("--duration", type=float, default=8.0, help="measured seconds per run (default 8)")
     r.add_argument("--warmup", type=float, default=2.0, help="seconds before measuring (default 2)")

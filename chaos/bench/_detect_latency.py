@@ -95,7 +95,7 @@ class _Plan:
 def _tiny_vllm() -> Backend:
     # nice 10: on two cores vLLM's spinning OMP threads must not starve etcd, routers and the bench
     backend = VllmBackend(VllmConfig(nice=10))  # the tiny local model under .fleetward
-    ensure_tiny_model(backend.model_path)
+    ensure_tiny_model(backend.model_path, tokenizer=backend.config.tokenizer)
     return backend
 
 

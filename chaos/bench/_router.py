@@ -42,9 +42,12 @@ from fleetward.fleet.procs import ManagedProcess, free_port
 
 __all__ = ["SIM", "RouterBench", "run_router_bench"]
 
-TARGETS = ("direct", "fleetward", "vllm-router")
-# Also available: fleetward's router without checkpoints, to tell the proxy's cost from the checkpoints'.
+TARGETS = ("direct", "fleetward", "fleetward-worker-text", "vllm-router")
+# fleetward-worker-text: the router passes the workers' text on instead of detokenizing (its cost is the
+# difference). Also available: fleetward's router without checkpoints, to tell the proxy's cost from the
+# checkpoints'.
 OPTIONAL_TARGETS = ("fleetward-no-checkpoints",)
+_VARIANTS = {"fleetward-worker-text": {"detokenize": False}, "fleetward-no-checkpoints": {"checkpoints": False}}
 
 # Fast steps: the workers are cheap and the routers' per-token cost shows. At 256 streams (128 per
 # worker) a step is 10 + 128 * 0.02 = 12.6 ms, i.e. ~20k tokens/s offered: more than 2 cores carry.
@@ -122,10 +125,11 @@ async def run_router_bench(cfg: RouterBench) -> Results:
             fw = await fleet.start_router("bench-fleetward")
             urls["fleetward"] = [fw.url]
             pids["fleetward"] = {**base_pids, "router": [fw.process.pid]}
-        if "fleetward-no-checkpoints" in cfg.targets:
-            nocp = await fleet.start_router("bench-fleetward-nocp", checkpoints=False)
-            urls["fleetward-no-checkpoints"] = [nocp.url]
-            pids["fleetward-no-checkpoints"] = {**base_pids, "router": [nocp.process.pid]}
+        for target, overrides in _VARIANTS.items():
+            if target in cfg.targets:
+                variant = await fleet.start_router(f"bench-{target}", **overrides)
+                urls[target] = [variant.url]
+                pids[target] = {**base_pids, "router": [variant.process.pid]}
         if "vllm-router" in cfg.targets:
             vr_url, vr_proc = await stack.enter_async_context(vllm_router(worker_urls, fleet.log_dir))
             urls["vllm-router"] = [vr_url]
@@ -183,6 +187,8 @@ def _summarize(res: Results, cfg: RouterBench) -> None:
                         row["added_p99_ms"] = r["itl"]["p99_ms"] - d["itl"]["p99_ms"]
                 for comp, cores in r["cpu_cores"].items():
                     row[f"cpu_{comp}"] = cores
+                if r["cpu_cores"].get("router") and r["tokens_per_s"]:
+                    row["router_us_per_token"] = r["cpu_cores"]["router"] / r["tokens_per_s"] * 1e6
                 rows.append(row)
             keys = sorted({k for row in rows for k in row})
             per[target] = {k: _agg(rows, k) for k in keys}
@@ -196,11 +202,12 @@ def _summarize(res: Results, cfg: RouterBench) -> None:
                              fmt(s.get("itl_p50_ms"), ".2f"), fmt(s.get("itl_p99_ms"), ".2f"),
                              fmt(s.get("added_p50_ms"), "+.2f"), fmt(s.get("added_p99_ms"), "+.2f"),
                              fmt(s.get("itl_p99_ratio"), ".3f"), fmt(s.get("cpu_router"), ".2f"),
+                             fmt(s.get("router_us_per_token"), ".1f"),
                              fmt(s.get("cpu_workers"), ".2f"), fmt(s.get("cpu_client"), ".2f"),
                              str(int(s.get("failed") or 0))])
     table(f"bench router: medians of {cfg.rounds} interleaved round(s); ratios vs direct in the same round",
           ["streams", "target", "tok/s", "x tok/s", "p50 ITL ms", "p99 ITL ms", "p50 added ms", "p99 added ms",
-           "x p99", "cpu router", "cpu workers", "cpu client", "failed"], out_rows)
+           "x p99", "cpu router", "µs/tok router", "cpu workers", "cpu client", "failed"], out_rows)
 
 
 def _plot(res: Results, cfg: RouterBench) -> None:

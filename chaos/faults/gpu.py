@@ -503,7 +503,7 @@ class SilentCorruption(GpuFault):
                                         "return_token_ids": True})
         got = r.json()["choices"][0]["token_ids"]
         ref = fleet.backend.reference() or {}
-        right = SimModel(int(ref["seed"]), float(ref["eos_probability"])).continuation(self._PROMPT, n,
+        right = SimModel.of_reference(ref).continuation(self._PROMPT, n,
                                                                                        ignore_eos=True)
         self.detail.setdefault("probe", {})[worker] = {"got": got, "expected": right}
         return r.status_code == 200 and got != right

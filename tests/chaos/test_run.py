@@ -239,7 +239,7 @@ async def test_attaching_to_a_fleet_that_is_not_the_declared_one_exits_2_before_
         monkeypatch.setattr(AttachedFleet, "command_line", lambda self, worker: None)
         with pytest.raises(ConfigError, match=re.escape(
                 "fleet.sim: worker node-w0 does not generate what the simulated model with seed 11, "
-                "eos_probability 0 (the experiment's fleet.sim) does")):
+                "eos_probability 0, tokenizer byte (the experiment's fleet.sim) does")):
             await attach().run()
         assert not (tmp_path / "run").exists()
         assert (await attach(sim={**SIM, "seed": 0}).run()).ok  # and when it is, the run goes on

@@ -7,11 +7,13 @@ import asyncio
 import httpx
 import pytest
 
-from fleetward.sim.tokenizer import encode, render_chat
+from fleetward.fleet.vocab import load_vocabulary
+from fleetward.sim.tokenizer import render_chat
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
-PROMPT = encode("The fleet keeps serving: ")
+VOCAB = load_vocabulary("bpe")  # the tiny model's vocabulary (tests/vllm/conftest.py)
+PROMPT = VOCAB.encode("The fleet keeps serving: ")
 
 
 async def complete(url: str, prompt: list[int], max_tokens: int) -> list[int]:
@@ -35,7 +37,7 @@ async def test_greedy_output_is_identical_across_workers_and_resumes_exactly(vll
 
 async def test_batched_requests_give_the_same_tokens_as_sequential_ones(vllm_fleet) -> None:
     a, b = (vllm_fleet.url(w) for w in vllm_fleet.worker_ids)
-    prompts = [encode(f"request number {i}: ") for i in range(8)]
+    prompts = [VOCAB.encode(f"request number {i}: ") for i in range(8)]
     batched = await asyncio.gather(*(complete(a, p, 40) for p in prompts))
     sequential = [await complete(b, p, 40) for p in prompts]
     assert batched == sequential
@@ -48,4 +50,4 @@ async def test_vllm_applies_the_same_chat_template_as_fleetward(vllm_fleet) -> N
         r = await client.post(f"{url}/v1/chat/completions", json={
             "model": "tiny", "messages": messages, "max_tokens": 2, "return_token_ids": True})
     r.raise_for_status()
-    assert r.json()["prompt_token_ids"] == encode(render_chat(messages))
+    assert r.json()["prompt_token_ids"] == VOCAB.encode(render_chat(messages), add_special_tokens=False)
