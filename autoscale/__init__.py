@@ -1,6 +1,8 @@
-"""SLA-driven autoscaling of prefill and decode pools (TTFT/ITL targets), evaluated on real request traces.
+"""SLA-driven autoscaling (TTFT/ITL targets), evaluated on real request traces.
 
-Not built yet: no issue has asked for it so far. The folder holds the place the architecture gives it.
+Built so far: the sans-IO planner and the baseline policies, load predictors, the capacity model, and a
+discrete-event fleet simulator that drives them over a trace (``fleetward replay TRACE --simulate``).
+To come: the leader-elected daemon that observes the live fleet, and its actuator.
 """
 
 __all__: list[str] = []

@@ -6,6 +6,7 @@
     fleetward model tiny --out DIR [--seed N] [--tokenizer bpe|sp|byte]   write the tiny local model
     fleetward supervisor --role agent ...                                 one node's agent (multi-host)
     fleetward bench router|migration|restart|checkpoints ...             benchmarks (docs/benchmarks.md)
+    fleetward replay TRACE --simulate [--json] ...                       scaling policies on a request trace
     fleetward chaos run|check|faults|validate ...                        chaos experiments (docs/chaos.md)
 
 Errors fleetward raises on purpose (:class:`FleetwardError`) print as one clear line and exit 2 (bad
@@ -183,6 +184,10 @@ def _parser() -> argparse.ArgumentParser:
             op.add_argument("--deadline", type=float, default=None, help="seconds before remaining streams migrate")
             op.add_argument("--then", choices=["cordon", "stop", "restart"], default="cordon",
                             help="after the drain: stay cordoned (default), stop the worker, or restart it")
+
+    from fleetward.cli.replay import add_parser as add_replay
+
+    add_replay(sub)
 
     # Parsed by fleetward.chaos.bench itself, imported only when asked for.
     bench = sub.add_parser("bench", add_help=False, help="benchmarks: router, migration, restart, checkpoints "
@@ -536,6 +541,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(add_worker(args) if args.worker_command == "add" else remove_worker(args))
         if args.command in ("drain", "undrain", "restart", "unquarantine"):
             return asyncio.run(_cmd_operate(args))
+        if args.command == "replay":
+            from fleetward.cli.replay import run as run_replay
+
+            return run_replay(args, out, err)
         if args.command == "bench":
             from fleetward.chaos.bench import main as bench_main
 

@@ -75,6 +75,12 @@ class SimConfig(Frozen):
     tokenizer: str = Field("byte", description="the vocabulary it serves: byte, bpe or sp (built in, see "
                            "fleetward.fleet.vocab), or a model folder / tokenizer.json")
 
+    def step_seconds(self, batch: int, prefill_tokens: int = 0) -> float:
+        """One engine step with ``batch`` sequences and ``prefill_tokens`` prompt tokens admitted: the
+        simulated worker's latency model (``fleetward.sim.engine``), shared with the autoscaler's simulator."""
+        return (self.decode_step_ms + self.decode_ms_per_seq * batch + self.prefill_ms_per_token * prefill_tokens) \
+            / 1000.0
+
 
 class VllmConfig(Frozen):
     """How a real vLLM worker is launched (``--backend vllm``)."""

@@ -388,7 +388,6 @@ class SimScheduler:
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.steps = 0
-        self._step_ms = (config.decode_step_ms, config.decode_ms_per_seq, config.prefill_ms_per_token)
 
     # -- requests in and out ----------------------------------------------------------------------------
 
@@ -441,8 +440,7 @@ class SimScheduler:
 
     def step_duration(self, batch: int, prefill_tokens: int) -> float:
         """Seconds one step takes with ``batch`` sequences and ``prefill_tokens`` prompt tokens."""
-        base, per_seq, per_prompt_token = self._step_ms
-        return (base + per_seq * batch + per_prompt_token * prefill_tokens) * self.faults.slowdown / 1000.0
+        return self.config.step_seconds(batch, prefill_tokens) * self.faults.slowdown
 
     def schedule(self, now: float) -> Step | None:
         """Grow the running sequences (preempting if the KV cache is full), admit waiting ones, plan a step.

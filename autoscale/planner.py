@@ -1,0 +1,214 @@
+"""Scaling policies, sans IO: one :class:`Observation` per planning interval in, one :class:`Decision` out.
+
+Every policy sees the same observation (what the fleet's shared channels give: arrival rate, request
+lengths, TTFT/ITL percentiles, queue depth, KV use, healthy capacity) and answers with the number of
+*healthy* workers the pool should have. Workers that are unhealthy, draining or quarantined are not in
+``healthy``, so a policy that keeps its answer makes the actuator replace them.
+
+- :class:`Planner` (fleetward's): the predicted load over the time a new worker needs to start, turned
+  into workers by the measured :class:`~fleetward.autoscale.capacity.CapacityModel`; up at once, down
+  only after ``down_stable`` intervals all wanting fewer, by at least ``hysteresis``; a feedback step
+  up while the SLA is being missed.
+- :class:`StaticPeak`: provisioning for the peak, never changing.
+- :class:`Reactive`: a Kubernetes-HPA-like rule on queue depth and KV use per worker (10 % tolerance,
+  a 5-minute scale-down stabilisation window).
+- :class:`DynamoStyle`: Dynamo's planner shape: last interval's load over the interpolated per-worker
+  throughput, scaled by a correction factor (observed over expected latency); reactive, no lookahead.
+- :class:`Oracle`: knows every future interval's load exactly; the same capacity model and start-up
+  time. The physical limit on worker-hours for that capacity model.
+
+Times come in with the observation (``now``), never from a clock: the planner is tested on scripted
+series and driven by the simulator at any speed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from fleetward.autoscale.capacity import CapacityModel, Sla
+from fleetward.autoscale.predict import Predictor, make_predictor
+from fleetward.fleet.errors import ConfigError
+
+__all__ = ["POLICIES", "Decision", "DynamoStyle", "Observation", "Oracle", "Planner", "Policy", "Reactive",
+           "StaticPeak", "check_bounds"]
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One planning interval of one pool, as the shared channels show it."""
+
+    now: float
+    interval_s: float
+    arrival_rate: float  # requests/s over the interval
+    healthy: int  # serving and healthy (not draining, not quarantined)
+    starting: int = 0  # asked for, not serving yet
+    mean_input: float = 0.0
+    mean_output: float = 0.0
+    ttft_p99: float | None = None  # of requests whose first token came in the interval
+    itl_p99: float | None = None  # of requests that finished in the interval (their mean ITL)
+    queue_depth: int = 0  # requests waiting in the workers' queues
+    kv_usage: float = 0.0  # mean KV-cache use over healthy workers, 0..1
+    unhealthy: int = 0  # counted for the reason only
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    desired: int  # healthy workers wanted (starting ones count towards it)
+    reason: str
+
+
+class Policy(Protocol):
+    name: str
+
+    def decide(self, obs: Observation) -> Decision: ...
+
+
+def check_bounds(min_workers: int, max_workers: int) -> None:
+    if min_workers < 0 or max_workers < 1 or min_workers > max_workers:
+        raise ConfigError(f"autoscale bounds: min {min_workers}, max {max_workers}: need 0 <= min <= max and max >= 1")
+
+
+def _clamp(n: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, n))
+
+
+class Planner:
+    """fleetward's planner (module docstring)."""
+
+    name = "fleetward"
+
+    def __init__(self, capacity: CapacityModel, sla: Sla, *, min_workers: int = 1, max_workers: int = 64,
+                 predictor: Predictor | str = "holt-winters", headroom: float = 0.1, hysteresis: int = 1,
+                 down_stable: int = 6, miss_intervals: int = 2) -> None:
+        check_bounds(min_workers, max_workers)
+        self.capacity, self.sla = capacity, sla
+        self.per_worker = capacity.max_rate(sla)  # raises when no load meets the SLA
+        self.min, self.max = min_workers, max_workers
+        self.predictor = make_predictor(predictor) if isinstance(predictor, str) else predictor
+        self.headroom, self.hysteresis, self.down_stable = headroom, hysteresis, down_stable
+        self._wants: deque[int] = deque(maxlen=down_stable)
+        self._current = min_workers
+        self.miss_intervals = miss_intervals
+        self._misses = 0
+
+    def decide(self, obs: Observation) -> Decision:
+        self.predictor.observe(obs.arrival_rate)
+        lead = max(1, math.ceil(self.capacity.startup_s / obs.interval_s) + 1)
+        predicted = max([obs.arrival_rate, *self.predictor.forecast(lead)])
+        backlog = obs.queue_depth / obs.interval_s  # queued requests, to be served within one interval
+        load = predicted * (1 + self.headroom) + backlog
+        need = math.ceil(load / self.per_worker) if load > 0 else 0
+        # Feedback for what the capacity model did not foresee: the SLA missed for several intervals in a
+        # row while the workers are busy (a single long prompt's prefill stalls a batch for one interval:
+        # no worker more would help that).
+        missed = (obs.ttft_p99 is not None and obs.ttft_p99 > self.sla.ttft_s) or \
+                 (obs.itl_p99 is not None and obs.itl_p99 > self.sla.itl_s)
+        have = obs.healthy + obs.starting
+        busy = obs.arrival_rate > 0.5 * self.per_worker * max(1, obs.healthy)
+        self._misses = self._misses + 1 if missed and busy else 0
+        missed = self._misses >= self.miss_intervals
+        if missed and obs.starting == 0:
+            need = max(need, have + 1)
+            self._misses = 0
+        need = _clamp(need, self.min, self.max)
+        self._wants.append(need)
+        why = (f"predicted {predicted:.2f} req/s over {lead} interval(s), {obs.queue_depth} queued, "
+               f"{self.per_worker:.2f} req/s per worker")
+        if missed:
+            why += "; SLA missed last interval"
+        if need > self._current:
+            self._current = need
+            self._wants.clear()
+            self._wants.append(need)
+            return Decision(need, "up: " + why)
+        # Fewer: only when every recent interval agreed, by at least the hysteresis (no flapping on noise).
+        if len(self._wants) == self.down_stable and max(self._wants) <= self._current - self.hysteresis:
+            self._current = max(self._wants)
+            self._wants.clear()
+            return Decision(self._current, "down: " + why)
+        return Decision(self._current, "hold: " + why)
+
+
+class StaticPeak:
+    """Provisioned for the peak: ``workers`` always."""
+
+    name = "static-peak"
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+
+    def decide(self, obs: Observation) -> Decision:
+        return Decision(self.workers, f"static: {self.workers} for the peak")
+
+
+class Reactive:
+    """HPA-like: desired = ceil(current x metric / target) on the worse of queue depth and KV use per worker."""
+
+    name = "reactive"
+
+    def __init__(self, *, queue_target: float = 4.0, kv_target: float = 0.7, min_workers: int = 1,
+                 max_workers: int = 64, tolerance: float = 0.1, down_window_s: float = 300.0) -> None:
+        check_bounds(min_workers, max_workers)
+        self.queue_target, self.kv_target = queue_target, kv_target
+        self.min, self.max, self.tolerance, self.down_window_s = min_workers, max_workers, tolerance, down_window_s
+        self._recent: deque[tuple[float, int]] = deque()
+
+    def decide(self, obs: Observation) -> Decision:
+        current = max(1, obs.healthy + obs.starting)
+        ratio = max(obs.queue_depth / max(1, obs.healthy) / self.queue_target, obs.kv_usage / self.kv_target)
+        want = current if abs(ratio - 1) <= self.tolerance else math.ceil(current * ratio)
+        want = _clamp(want, self.min, self.max)
+        self._recent.append((obs.now, want))
+        while self._recent and self._recent[0][0] < obs.now - self.down_window_s:
+            self._recent.popleft()
+        desired = want if want >= current else max(w for _, w in self._recent)  # HPA's stabilisation window
+        return Decision(desired, f"queue {obs.queue_depth}, kv {obs.kv_usage:.2f}: ratio {ratio:.2f}")
+
+
+class DynamoStyle:
+    """Dynamo-planner-like: last interval's load / interpolated per-worker capacity, times a correction
+    factor of observed over expected latency; reactive."""
+
+    name = "dynamo-style"
+
+    def __init__(self, capacity: CapacityModel, sla: Sla, *, min_workers: int = 1, max_workers: int = 64) -> None:
+        check_bounds(min_workers, max_workers)
+        self.capacity, self.sla, self.min, self.max = capacity, sla, min_workers, max_workers
+        self.per_worker = capacity.max_rate(sla)
+
+    def decide(self, obs: Observation) -> Decision:
+        serving = max(1, obs.healthy)
+        expected = self.capacity.itl_at(obs.arrival_rate / serving)
+        correction = 1.0
+        if obs.itl_p99 is not None and expected > 0:
+            correction = min(2.0, max(0.5, obs.itl_p99 / expected))
+        need = math.ceil(obs.arrival_rate * correction / self.per_worker) if obs.arrival_rate > 0 else 0
+        return Decision(_clamp(need, self.min, self.max),
+                        f"{obs.arrival_rate:.2f} req/s, correction {correction:.2f}")
+
+
+class Oracle:
+    """Knows every interval's arrival rate (``rates[k]`` for the interval starting at ``k * interval_s``)."""
+
+    name = "oracle"
+
+    def __init__(self, capacity: CapacityModel, sla: Sla, rates: Sequence[float], interval_s: float, *,
+                 min_workers: int = 1, max_workers: int = 64) -> None:
+        check_bounds(min_workers, max_workers)
+        self.rates, self.interval_s = list(rates), interval_s
+        self.per_worker = capacity.max_rate(sla)
+        self.startup_s, self.min, self.max = capacity.startup_s, min_workers, max_workers
+
+    def decide(self, obs: Observation) -> Decision:
+        k = int(obs.now // self.interval_s)
+        lead = math.ceil(self.startup_s / self.interval_s) + 1
+        window = self.rates[k:k + lead + 1] or [0.0]
+        need = math.ceil(max(window) / self.per_worker) if max(window) > 0 else 0
+        return Decision(_clamp(need, self.min, self.max), f"future peak {max(window):.2f} req/s")
+
+
+POLICIES = ("fleetward", "static-peak", "reactive", "dynamo-style", "oracle")

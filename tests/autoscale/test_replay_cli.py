@@ -1,0 +1,51 @@
+"""``fleetward replay``, as a user runs it: one JSON object with every policy, clear errors on bad input."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from fleetward.autoscale.planner import POLICIES
+from fleetward.cli import main
+
+
+def trace(tmp_path: Path) -> Path:
+    rng = random.Random(2)
+    rows, t = [], 0.0
+    for rate, seconds in ((1.0, 600), (8.0, 600), (1.0, 600)):
+        end = t + seconds
+        while (t := t + rng.expovariate(rate)) < end:
+            rows.append(f"{t:.3f},{rng.randint(100, 1500)},{rng.randint(20, 200)}")
+        t = end
+    path = tmp_path / "small.csv"
+    path.write_text("arrival_s,input_tokens,output_tokens\n" + "\n".join(rows) + "\n")
+    return path
+
+
+def test_replay_simulate_json_prints_every_policy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["replay", str(trace(tmp_path)), "--simulate", "--json", "--out", str(tmp_path / "out")])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result["policies"]) == set(POLICIES)
+    for entry in result["policies"].values():
+        keys = {"sla_attainment", "worker_hours", "cut_streams", "goodput_per_worker_hour", "scale_events"}
+        assert keys <= set(entry)
+        assert entry["cut_streams"] == 0 and 0 <= entry["sla_attainment"] <= 1
+    assert (tmp_path / "out" / "replay.json").exists() and (tmp_path / "out" / "replay.png").exists()
+
+
+def test_replay_refuses_bad_input_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.csv"
+    bad.write_text("arrival_s,input_tokens,output_tokens\n1.0,ten,3\n")
+    assert main(["replay", str(bad), "--simulate"]) == 2
+    assert "bad.csv:2: column input_tokens: 'ten' is not an integer" in capsys.readouterr().err
+    good = trace(tmp_path)
+    assert main(["replay", str(good)]) == 2
+    assert "add --simulate" in capsys.readouterr().err
+    assert main(["replay", str(good), "--simulate", "--itl", "0.001", "--no-plots"]) == 2
+    assert "no measured load meets the SLA" in capsys.readouterr().err
+    assert main(["replay", str(good), "--simulate", "--max", "1", "--no-plots"]) == 2
+    assert "raise it or scale the trace's rate down" in capsys.readouterr().err
