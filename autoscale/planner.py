@@ -95,6 +95,12 @@ class Planner:
         self.miss_intervals = miss_intervals
         self._misses = 0
 
+    def resume(self, desired: int) -> None:
+        """Continue from a decision made elsewhere (the previous leader's): scale down from it only after
+        ``down_stable`` intervals agree, as if this planner had made it."""
+        self._current = max(self.min, min(self.max, desired))
+        self._wants.clear()
+
     def decide(self, obs: Observation) -> Decision:
         self.predictor.observe(obs.arrival_rate)
         lead = max(1, math.ceil(self.capacity.startup_s / obs.interval_s) + 1)

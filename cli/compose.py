@@ -1,7 +1,8 @@
 """The local fleet that ``fleetward up`` runs, wired from every subpackage.
 
 :class:`LocalFleet` starts etcd and an MQTT broker (unless existing ones are given), a node agent with N
-workers, a supervisor controller and a router (as processes, through :mod:`fleetward.fleet.launch`). It
+workers, a supervisor controller, a router and, with ``autoscale.enabled``, the autoscaler (as processes,
+through :mod:`fleetward.fleet.launch`). It
 is an async context manager; leaving it stops everything in order (router, controller, workers, then bus
 and store clients, then broker and etcd) and leaves no process behind. It implements
 :class:`~fleetward.fleet.handle.Fleet`, so the testbed can act on it like on any other fleet.
@@ -26,7 +27,7 @@ from pydantic import SecretStr
 from fleetward.fleet import handle as fleet_handle
 from fleetward.fleet.backends import Backend, VllmBackend, make_backend
 from fleetward.fleet.bus import MqttBus
-from fleetward.fleet.config import FleetConfig, RouterConfig, SupervisorConfig, admin_token_for
+from fleetward.fleet.config import AutoscaleConfig, FleetConfig, RouterConfig, SupervisorConfig, admin_token_for
 from fleetward.fleet.errors import FleetwardError
 from fleetward.fleet.etcd import EtcdStore
 from fleetward.fleet.handle import AgentWorkers, Fleet, FleetClient, RouterRef
@@ -34,6 +35,7 @@ from fleetward.fleet.infra import LocalBroker, LocalEtcd
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.launch import (
     ServiceProcess,
+    autoscaler_argv,
     controller_argv,
     restart_service,
     router_argv,
@@ -76,6 +78,7 @@ class LocalFleet(AgentWorkers, FleetClient):
         self.state_file = StateFile(state_path(config.run_dir, config.cluster))
         self.routers: list[ServiceProcess] = []
         self.controller: ServiceProcess | None = None
+        self.autoscaler: ServiceProcess | None = None
         self._http = httpx.AsyncClient(timeout=10.0, trust_env=False)
         # The mark every process this run starts inherits (the command sets it in its own environment, before
         # anything starts): what outlives its parent is still found when the fleet stops.
@@ -177,7 +180,8 @@ class LocalFleet(AgentWorkers, FleetClient):
         self._ensure_model()
         self.agent = NodeAgent(store=self.store, bus=self.bus, keys=self.keys, backend=self.backend, node=c.node,
                                log_dir=self.log_dir, lease_ttl=c.lease_ttl_s, supervisor=c.supervisor,
-                               worker_env={"FLEETWARD_ADMIN_TOKEN": self.admin_secret.get_secret_value()})
+                               worker_env={"FLEETWARD_ADMIN_TOKEN": self.admin_secret.get_secret_value()},
+                               worker_host=c.host)
         await self.agent.start()
         self._write_state()
         if c.controller:
@@ -191,15 +195,31 @@ class LocalFleet(AgentWorkers, FleetClient):
             self._progress("router", "starting the router")
             router = await self.start_router(f"{c.node}-router", port=c.routing.port)
             self._progress("router", f"the router is up on {router.url}")
+        if c.autoscale.enabled:
+            await self._start_autoscaler()
         self._write_state()
 
     def _fleet_yaml(self) -> Path:
         """This fleet's settings as a file, for the router and controller processes (``--config``)."""
         c = self.config
         return write_service_config(self.root / "fleet.yaml", cluster=c.cluster, routing=c.routing,
-                                    supervisor=c.supervisor)
+                                    supervisor=c.supervisor, autoscale=c.autoscale, backend=c.backend, sim=c.sim)
 
-    def _host_of(self, section: RouterConfig | SupervisorConfig) -> str:
+    async def _start_autoscaler(self) -> None:
+        c = self.config
+        host = self._host_of(c.autoscale)
+        port = ensure_port(host, c.autoscale.port, name="autoscaler")
+        a = c.autoscale
+        self._progress("autoscaler", f"starting the autoscaler ({a.policy}, {a.min_workers}-{a.max_workers} workers "
+                       f"per pool, TTFT {a.ttft_s:g} s, ITL {a.itl_s * 1000:g} ms, every {a.interval_s:g} s)")
+        argv = autoscaler_argv(etcd=self.etcd_endpoint, mqtt=self.mqtt_endpoint, cluster=c.cluster,
+                               config=self._fleet_yaml(), host=host, port=port, autoscaler_id=f"{c.node}-autoscaler")
+        # Its capacity model may be profiled in the simulator first: a few seconds.
+        self.autoscaler = await start_service(
+            "autoscaler", argv, url=f"http://{host}:{port}", log_path=self.log_dir / "autoscaler.log",
+            env=service_env(admin_token=self.admin_secret.get_secret_value()), timeout=120)
+
+    def _host_of(self, section: RouterConfig | SupervisorConfig | AutoscaleConfig) -> str:
         """A section's own ``host`` when the file sets it, else the fleet's (``host``, ``--host``)."""
         return section.host if "host" in section.model_fields_set else self.config.host
 
@@ -301,6 +321,9 @@ class LocalFleet(AgentWorkers, FleetClient):
     # -- stopping ---------------------------------------------------------------------------------------
 
     async def aclose(self) -> None:
+        if self.autoscaler is not None:  # first: it must not start or retire workers while the fleet stops
+            await self.autoscaler.process.stop(grace=5)
+            self.autoscaler = None
         for router in reversed(self.routers):
             await router.process.stop(grace=self.config.routing.drain_timeout_s + 5)
         self.routers.clear()

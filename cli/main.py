@@ -5,7 +5,9 @@
     fleetward events [KIND ...]                                           follow the event bus
     fleetward model tiny --out DIR [--seed N] [--tokenizer bpe|sp|byte]   write the tiny local model
     fleetward supervisor --role agent ...                                 one node's agent (multi-host)
+    fleetward autoscaler [--policy P] [--interval S] [--min N] [--max N]   the leader-elected autoscaler daemon
     fleetward bench router|migration|restart|checkpoints ...             benchmarks (docs/benchmarks.md)
+    fleetward profile [--backend sim|vllm | --url URL] [--out FILE]      one worker's capacity (autoscaler model)
     fleetward replay TRACE --simulate [--json] ...                       scaling policies on a request trace
     fleetward chaos run|check|faults|validate ...                        chaos experiments (docs/chaos.md)
 
@@ -53,6 +55,14 @@ _UP_FIELDS = ("cluster", "workers", "backend", "host", "run_dir", "etcd", "etcd_
               "worker_base_port", "lease_ttl_s", "node", "admin_token_file")
 
 
+# Flags of `autoscaler` (and `up --autoscale`) that map to the fleet file's autoscale: section.
+_AUTOSCALE_FLAGS = (("autoscale_enabled", "autoscale.enabled"), ("policy", "autoscale.policy"),
+                    ("interval_s", "autoscale.interval_s"), ("min_workers", "autoscale.min_workers"),
+                    ("max_workers", "autoscale.max_workers"), ("ttft_s", "autoscale.ttft_s"),
+                    ("itl_s", "autoscale.itl_s"), ("capacity", "autoscale.capacity"),
+                    ("per_worker_rps", "autoscale.per_worker_rps"), ("autoscaler_port", "autoscale.port"))
+
+
 def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="YAML file with any of the settings below (flags win)")
     p.add_argument("--cluster", help="cluster name (etcd prefix /fleetward/<cluster>/); default local")
@@ -76,7 +86,7 @@ def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
 
 def _fleet_config(args: argparse.Namespace) -> FleetConfig:
     overrides: dict[str, Any] = {f: getattr(args, f) for f in _UP_FIELDS if getattr(args, f, None) is not None}
-    for flag, key in (("model", "vllm.model"), ("router_port", "routing.port")):
+    for flag, key in (("model", "vllm.model"), ("router_port", "routing.port"), *_AUTOSCALE_FLAGS):
         if getattr(args, flag, None) is not None:
             overrides[key] = getattr(args, flag)
     return load_fleet_config(args.config, overrides)
@@ -91,6 +101,8 @@ def _parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start a local fleet and keep it running until Ctrl-C / SIGTERM")
     _add_fleet_flags(up)
+    up.add_argument("--autoscale", dest="autoscale_enabled", action="store_true", default=None,
+                    help="start the autoscaler too (its settings: the fleet file's autoscale: section)")
 
     st = sub.add_parser("status", help="show the fleet as etcd sees it")
     st.add_argument("--cluster", default=None)
@@ -142,6 +154,21 @@ def _parser() -> argparse.ArgumentParser:
     ct.add_argument("--port", dest="supervisor_port", type=int, help="control API port")
     _add_fleet_flags(ct)
 
+    asc = sub.add_parser("autoscaler", help="daemon: the autoscaler (leader-elected; SLA-driven scaling of each "
+                         "pool, drains on scale-down)")
+    asc.add_argument("--id", dest="autoscaler_id", help="autoscaler id (default: random)")
+    asc.add_argument("--port", dest="autoscaler_port", type=int, help="its /health and /metrics port")
+    asc.add_argument("--policy", choices=["fleetward", "reactive", "dynamo-style", "static-peak"])
+    asc.add_argument("--interval", dest="interval_s", type=float, help="seconds between decisions; default 30")
+    asc.add_argument("--min", dest="min_workers", type=int, help="fewest workers per pool; default 1")
+    asc.add_argument("--max", dest="max_workers", type=int, help="most workers per pool; default 8")
+    asc.add_argument("--ttft", dest="ttft_s", type=float, help="SLA: p99 TTFT in seconds; default 2")
+    asc.add_argument("--itl", dest="itl_s", type=float, help="SLA: p99 mean ITL in seconds; default 0.05")
+    asc.add_argument("--capacity", type=Path, help="capacity model file (fleetward profile, replay)")
+    asc.add_argument("--per-worker-rps", dest="per_worker_rps", type=float,
+                     help="a flat capacity instead: requests/s one worker carries within the SLA")
+    _add_fleet_flags(asc)
+
     wk = sub.add_parser("worker", help="servers fleetward did not start: adopt one (add), give one up (remove)")
     wsub = wk.add_subparsers(dest="worker_command", required=True, metavar="ACTION")
     add = wsub.add_parser("add", help="protect a running vLLM (OpenAI-compatible) server given by URL")
@@ -185,9 +212,11 @@ def _parser() -> argparse.ArgumentParser:
             op.add_argument("--then", choices=["cordon", "stop", "restart"], default="cordon",
                             help="after the drain: stay cordoned (default), stop the worker, or restart it")
 
+    from fleetward.cli.profile import add_parser as add_profile
     from fleetward.cli.replay import add_parser as add_replay
 
     add_replay(sub)
+    add_profile(sub)
 
     # Parsed by fleetward.chaos.bench itself, imported only when asked for.
     bench = sub.add_parser("bench", add_help=False, help="benchmarks: router, migration, restart, checkpoints "
@@ -330,6 +359,10 @@ def _print_where_to_look(fleet: Any, n_ready: int, config: FleetConfig) -> None:
     out.print("  status  fleetward status          events  fleetward events")
     if fleet.router_url:
         out.print(f"  router  {fleet.router_url}   (OpenAI-compatible; streams survive worker failures)")
+    if getattr(fleet, "autoscaler", None) is not None:
+        a = config.autoscale
+        out.print(f"  scale   {a.policy} policy, {a.min_workers}-{a.max_workers} workers: decisions in etcd "
+                  f"scale/<pool> and `fleetward events scale`; metrics {fleet.autoscaler.url}/metrics")
     if entry:
         out.print(f"  try     curl -N {entry}/v1/completions -H 'content-type: application/json' "
                   f"-d '{{\"model\":\"{model}\",\"prompt\":\"Hello\",\"max_tokens\":16,\"stream\":true}}'")
@@ -491,6 +524,30 @@ def _cmd_controller(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_autoscaler(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from fleetward.autoscale.daemon import capacity_for, serve_autoscaler
+
+    config = _fleet_config(args)
+    if args.host is not None:
+        config = config.model_copy(update={"autoscale": config.autoscale.model_copy(update={"host": args.host})})
+    if not config.etcd or not config.mqtt:
+        raise ConfigError("an autoscaler needs --etcd and --mqtt, or etcd: and mqtt: in its fleet file (the "
+                          "cluster's etcd and broker)", field="etcd" if not config.etcd else "mqtt")
+    capacity = capacity_for(config.autoscale, backend=config.backend, sim=config.sim)
+    token = _admin_token(args.run_dir, args.cluster, config.admin_token_file)
+
+    def ready(scaler: Any) -> None:
+        print(f"READY {scaler.id} {scaler.url}", flush=True)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve_autoscaler(config.autoscale, etcd=config.etcd, mqtt=config.mqtt, cluster=config.cluster,
+                                    admin_token=token, capacity=capacity, autoscaler_id=args.autoscaler_id,
+                                    on_ready=ready))
+    return 0
+
+
 async def _cmd_agent(args: argparse.Namespace) -> int:
     """One node's agent against an existing etcd and broker (no embedded infrastructure)."""
     from fleetward.cli.compose import LocalFleet
@@ -535,12 +592,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_controller(args)
         if args.command == "agent":
             return asyncio.run(_cmd_agent(args))
+        if args.command == "autoscaler":
+            return _cmd_autoscaler(args)
         if args.command == "worker":
             from fleetward.cli.workers import add_worker, remove_worker
 
             return asyncio.run(add_worker(args) if args.worker_command == "add" else remove_worker(args))
         if args.command in ("drain", "undrain", "restart", "unquarantine"):
             return asyncio.run(_cmd_operate(args))
+        if args.command == "profile":
+            from fleetward.cli.profile import run as run_profile
+
+            return run_profile(args, out, err)
         if args.command == "replay":
             from fleetward.cli.replay import run as run_replay
 

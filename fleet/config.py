@@ -24,6 +24,7 @@ from fleetward.fleet.errors import ConfigError
 
 __all__ = [
     "AttachConfig",
+    "AutoscaleConfig",
     "FleetConfig",
     "Frozen",
     "ProcessRef",
@@ -160,6 +161,46 @@ class SupervisorConfig(Frozen):
                                    "streams move")
 
 
+class AutoscaleConfig(Frozen):
+    """The autoscaler (``fleetward autoscaler``; ``fleetward up --autoscale`` starts one)."""
+
+    enabled: bool = Field(False, description="``up``: start an autoscaler (``--autoscale``)")
+    host: str = Field("127.0.0.1", description="address its /health and /metrics bind (``up``: the top-level host "
+                      "unless set)")
+    port: int = Field(0, ge=0, le=65535, description="its /health and /metrics port; 0 picks a free one")
+    pools: tuple[Literal["aggregated", "prefill", "decode"], ...] = Field(
+        ("aggregated",), min_length=1, description="the pools it scales, by worker role: one decision each")
+    policy: Literal["fleetward", "reactive", "dynamo-style", "static-peak"] = Field(
+        "fleetward", description="how it decides (fleetward.autoscale.planner; the others are the baselines)")
+    ttft_s: float = Field(2.0, gt=0, description="SLA: p99 time to first token")
+    itl_s: float = Field(0.05, gt=0, description="SLA: p99 of requests' mean inter-token latency")
+    interval_s: float = Field(30.0, gt=0, description="one observation and decision per interval")
+    min_workers: int = Field(1, ge=0, description="fewest workers per pool")
+    max_workers: int = Field(8, ge=1, description="most workers per pool")
+    predictor: Literal["constant", "moving-average", "holt-winters", "arima"] = Field(
+        "holt-winters", description="how the next intervals' arrival rate is predicted")
+    capacity: Path | None = Field(None, description="a capacity model file (``fleetward profile`` or ``replay`` "
+                                  "writes one); without it, per_worker_rps, else the simulated worker is profiled "
+                                  "in the fleet simulator (backend sim)")
+    per_worker_rps: float | None = Field(None, gt=0, description="a flat capacity: requests/s one worker carries "
+                                         "within the SLA (instead of a capacity file)")
+    startup_s: float | None = Field(None, ge=0, description="a new worker's start-up time (default: the capacity "
+                                    "file's, else 5 s for sim and 60 s for vLLM)")
+    down_stable: int = Field(6, ge=1, description="intervals that must all want fewer workers before scaling down")
+    headroom: float = Field(0.1, ge=0, description="capacity kept above the predicted load (0.1: 10 %)")
+    drain_deadline_s: float = Field(60.0, ge=0, description="scale-down: how long a retired worker's streams may "
+                                    "finish before they move to other workers")
+    nodes: tuple[str, ...] = Field((), description="nodes new workers may go to (default: the nodes that run "
+                                   "workers of the pool now)")
+    lease_ttl_s: int = Field(5, ge=2, description="leadership lease: a dead planner is replaced within this")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscaleConfig:
+        if self.min_workers > self.max_workers:
+            raise ValueError(f"min_workers {self.min_workers} is above max_workers {self.max_workers}")
+        return self
+
+
 class ProcessRef(Frozen):
     """How a node agent finds the process of a server it did not start: exactly one of these."""
 
@@ -238,6 +279,7 @@ class FleetConfig(Frozen):
     vllm: VllmConfig = Field(VllmConfig(), description="the vLLM workers (``backend: vllm``)")
     routing: RouterConfig = Field(RouterConfig(), description="the router")
     supervisor: SupervisorConfig = Field(SupervisorConfig(), description="health detection and remediation")
+    autoscale: AutoscaleConfig = Field(AutoscaleConfig(), description="SLA-driven scaling of the workers")
 
     @field_validator("etcd", "mqtt")
     @classmethod

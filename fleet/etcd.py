@@ -58,7 +58,7 @@ from tenacity import (
 )
 
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
-from fleetward.fleet.errors import StoreError, StoreUnavailable, UnavailableError
+from fleetward.fleet.errors import FleetwardError, StoreError, StoreUnavailable, UnavailableError
 
 __all__ = [
     "KV",
@@ -66,6 +66,7 @@ __all__ = [
     "Delete",
     "Election",
     "EtcdStore",
+    "LeadershipLost",
     "LeaseKeeper",
     "Put",
     "Snapshot",
@@ -577,6 +578,10 @@ class LeaseKeeper:
                 await self.store.revoke(self.id)
             except (UnavailableError, StoreError) as exc:
                 log.warning("lease %x not revoked (%s); its keys expire within %ds", self.id, exc, self.ttl)
+
+
+class LeadershipLost(FleetwardError):
+    """This candidate no longer leads (its lease expired, or a fenced write failed): stop acting, campaign again."""
 
 
 class Election:

@@ -4,7 +4,8 @@ Every part of fleetward that starts a router, a supervisor controller or a node 
 the test harness, the chaos runner, the benchmarks) builds its command line here and waits for it here,
 so a flag is added in one place:
 
-- :func:`router_argv`, :func:`controller_argv`, :func:`agent_argv`: ``python -m fleetward.cli ...`` with
+- :func:`router_argv`, :func:`controller_argv`, :func:`autoscaler_argv`, :func:`agent_argv`:
+  ``python -m fleetward.cli ...`` with
   the cluster's etcd, broker and name; settings beyond the flags go in a fleet YAML file
   (:func:`write_service_config`);
 - :func:`start_service`: start one and wait until its ``GET /health`` answers 200 (raises
@@ -38,6 +39,7 @@ from fleetward.fleet.registry import Leader, read_leader
 __all__ = [
     "ServiceProcess",
     "agent_argv",
+    "autoscaler_argv",
     "controller_argv",
     "fleetward_argv",
     "restart_service",
@@ -99,6 +101,14 @@ def controller_argv(*, etcd: str, mqtt: str, cluster: str, config: Path | None =
                           *_bind(host, port), *(["--id", controller_id] if controller_id else []))
 
 
+def autoscaler_argv(*, etcd: str, mqtt: str, cluster: str, config: Path | None = None, host: str | None = None,
+                    port: int | None = None, autoscaler_id: str | None = None) -> list[str]:
+    """``fleetward autoscaler``: the config file's ``autoscale:`` section (and ``backend``/``sim`` for its
+    capacity model) configures it."""
+    return fleetward_argv("autoscaler", *_common(etcd, mqtt, cluster, config), *_bind(host, port),
+                          *(["--id", autoscaler_id] if autoscaler_id else []))
+
+
 def agent_argv(*, etcd: str, mqtt: str, cluster: str, config: Path | None = None, workers: int | None = None,
                node: str | None = None, run_dir: Path | None = None, lease_ttl_s: int | None = None) -> list[str]:
     """``fleetward supervisor --role agent``: one node's agent, starting ``workers`` workers."""
@@ -120,10 +130,12 @@ def service_env(*, admin_token: str | None = None, **extra: str) -> dict[str, st
     return {**env, **extra}
 
 
-def write_service_config(path: Path, *, cluster: str, **sections: BaseModel | None) -> Path:
-    """A fleet YAML file with ``cluster`` and the given sections (``routing=``, ``supervisor=``)."""
+def write_service_config(path: Path, *, cluster: str, **sections: BaseModel | str | None) -> Path:
+    """A fleet YAML file with ``cluster`` and the given sections (``routing=``, ``supervisor=``) or plain
+    values (``backend="sim"``)."""
     body: dict[str, Any] = {"cluster": cluster}
-    body.update({name: model.model_dump(mode="json") for name, model in sections.items() if model is not None})
+    body.update({name: model.model_dump(mode="json") if isinstance(model, BaseModel) else model
+                 for name, model in sections.items() if model is not None})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(body))
     return path

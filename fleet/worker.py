@@ -7,9 +7,10 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any, Literal
 
-__all__ = ["HealthRecord", "HealthState", "Role", "WorkerRecord", "WorkerSpec"]
+__all__ = ["ROLES", "HealthRecord", "HealthState", "Role", "WorkerRecord", "WorkerSpec"]
 
 Role = Literal["aggregated", "prefill", "decode"]
+ROLES: tuple[Role, ...] = ("aggregated", "prefill", "decode")
 
 
 class HealthState(StrEnum):

@@ -108,6 +108,8 @@ class _Metrics:
         self.requests = Counter("fleetward_router_requests", "Requests by endpoint and outcome.",
                                 ["endpoint", "outcome"], registry=r)
         self.tokens = Counter("fleetward_router_tokens", "Completion tokens delivered to clients.", registry=r)
+        self.received = Counter("fleetward_router_requests_received", "New requests accepted (resumes not counted): "
+                                "the arrival rate the autoscaler plans for.", ["endpoint"], registry=r)
         self.migrations = Counter("fleetward_router_migrations", "Streams resumed on another worker, by trigger.",
                                   ["reason"], registry=r)
         self.upstream_errors = Counter("fleetward_router_upstream_errors", "Failed upstream attempts by kind.",
@@ -118,6 +120,10 @@ class _Metrics:
                                buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5, 10, 30), registry=r)
         self.ttft = Histogram("fleetward_router_time_to_first_token_seconds", "Time to first token at the router.",
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
+        self.itl = Histogram("fleetward_router_time_per_output_token_seconds",
+                             "A streamed request's mean inter-token latency after its first token, at the router.",
+                             buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5),
+                             registry=r)
         self.checkpoint_flushes = Counter("fleetward_router_checkpoint_flushes",
                                           "Checkpoint flushes that wrote something.", registry=r)
         self.checkpoint_txns = Counter("fleetward_router_checkpoint_txns", "etcd transactions for checkpoints.",
@@ -559,6 +565,7 @@ class Router:
             j = Journal(id=new_request_id(kind), kind=kind, body=body, created=self.clock.wall(),
                         deadline=self.clock.wall() + self.config.request_timeout_s)
             self.active[j.id] = Active(j)
+            self.metrics.received.labels(endpoint).inc()
             if self.config.checkpoints:
                 self.checkpointer.track(j)
         self.metrics.in_flight.set(len(self.active))
@@ -645,6 +652,7 @@ class Router:
         # What the client holds so far. Ids come from each chunk's own count (``Out.n``), never from the
         # journal, which the upstream reader may already have advanced past what this event carries.
         delivered = max(skip, n)
+        first_at, first_n = 0.0, -1  # when and at which count this stream's first token went out
         try:
             async for out in gen:
                 if out is None:
@@ -666,8 +674,10 @@ class Router:
                         text = j.text[ends[out.n - len(tokens) - 1]:ends[out.n - 1]] if tokens else ""
                     if not tokens and out.finish_reason is None:
                         continue
-                if not first_sent or (j.kind is Kind.COMPLETION and out.n == len(tokens)):
-                    self.metrics.ttft.observe(self.clock.monotonic() - started)
+                if first_n < 0 and tokens:  # this stream's first tokens (chat or completion)
+                    first_at, first_n = self.clock.monotonic(), out.n
+                    if out.n == len(tokens):  # and the request's first: not a resume's
+                        self.metrics.ttft.observe(first_at - started)
                 extra = {"fleetward": {"worker": out.worker, "attempt": out.attempt}} if trace else None
                 yield encoder.event(out.n, tokens=tokens, text=text, finish_reason=out.finish_reason,
                                     stop_reason=out.stop_reason, logprobs=out.logprobs, first=not first_sent,
@@ -685,6 +695,8 @@ class Router:
             await gen.aclose()
         if j.wants_usage and (j.body.get("stream_options") or {}).get("include_usage"):
             yield wire.event(wire.usage_chunk(j), f"{j.id}:{delivered}")
+        if first_n >= 0 and delivered > first_n:
+            self.metrics.itl.observe((self.clock.monotonic() - first_at) / (delivered - first_n))
         self.metrics.requests.labels(j.kind.value, "ok").inc()
         yield wire.DONE
 

@@ -44,7 +44,7 @@ from fleetward.fleet.etcd import Compare, LeaseKeeper, Put, StateStore
 from fleetward.fleet.external import LeftForOperator
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.procs import free_port, port_is_free
-from fleetward.fleet.worker import HealthRecord, HealthState, WorkerRecord, WorkerSpec
+from fleetward.fleet.worker import ROLES, HealthRecord, HealthState, WorkerRecord, WorkerSpec
 from fleetward.supervisor.adoption import Adopter
 from fleetward.supervisor.detectors import RUNNING, EngineFrozenDetector, EngineSample, parse_prometheus
 from fleetward.supervisor.gpu import GpuHealthSource
@@ -72,7 +72,7 @@ class NodeAgent:
     def __init__(self, *, store: StateStore, bus: EventBus, keys: Keys, backend: Backend, node: str,
                  log_dir: Path, lease_ttl: int = 10, clock: Clock = SYSTEM_CLOCK,
                  worker_env: Mapping[str, str] | None = None, supervisor: SupervisorConfig | None = None,
-                 gpu: GpuHealthSource | None = None) -> None:
+                 gpu: GpuHealthSource | None = None, worker_host: str = "127.0.0.1") -> None:
         self.store = store
         self.bus = bus
         self.keys = keys
@@ -85,6 +85,7 @@ class NodeAgent:
         self.worker_env = dict(worker_env or {})
         self.config = supervisor or SupervisorConfig()
         self.gpu = gpu  # a GpuHealthSource, when this node has GPUs (or a fake one)
+        self.worker_host = worker_host  # where workers started by a ``start`` action bind
         self.handles: dict[str, WorkerHandle] = {}
         self.specs: dict[str, WorkerSpec] = {}
         self.failed: dict[str, str] = {}
@@ -491,6 +492,8 @@ class NodeAgent:
         try:
             if kind == "restart":
                 await self.restart(worker, delay=float(body.get("delay_s", 0.0)))
+            elif kind == "start":
+                ok, reason = await self.start_new(worker, role=body.get("role", "aggregated"))
             elif kind == "stop":
                 await self.stop(worker)
             elif kind == "selftest":
@@ -522,6 +525,17 @@ class NodeAgent:
             await backend.stop(handle, grace=5)
         with contextlib.suppress(UnavailableError):
             await self.store.delete(self.keys.worker(worker_id))
+
+    async def start_new(self, worker_id: str, *, role: str = "aggregated") -> tuple[bool, str]:
+        """A worker the leader asked for (scale-up): this node's backend and model, a free port."""
+        if worker_id in self.handles:
+            return True, "running already"
+        spec = WorkerSpec(id=worker_id, host=self.worker_host, port=free_port(self.worker_host),
+                          model=self.backend.model_name, role=role if role in ROLES else "aggregated",
+                          node=self.node)
+        await self.start_workers([spec])
+        failed = self.failed.get(worker_id)
+        return (False, failed.splitlines()[0]) if failed else (True, f"started on port {spec.port}")
 
     async def selftest(self, worker_id: str) -> tuple[bool, str]:
         spec = self.specs.get(worker_id)

@@ -20,6 +20,8 @@ The control API (bearer token) serves operators and the autoscaler:
 - ``POST /v1/workers/<id>/drain`` (``{"deadline_s", "then": "stop"|"restart"}``), ``.../undrain``,
   ``.../restart``;
 - ``POST /v1/workers/<id>/quarantine/clear``;
+- ``POST /v1/workers`` (``{"id", "node", "role", "reason"}``): start a new worker on a node (its agent
+  carries it out; the autoscaler's scale-up). Idempotent per id: asking again is answered, not repeated;
 - ``GET /health``, ``GET /metrics``.
 
 A standby answers 409 with the leader's address.
@@ -31,6 +33,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -46,7 +49,7 @@ from fleetward.fleet.bus import EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import SupervisorConfig
 from fleetward.fleet.errors import FleetwardError, StoreError
-from fleetward.fleet.etcd import Compare, Delete, Election, LeaseKeeper, Put, StateStore
+from fleetward.fleet.etcd import Compare, Delete, Election, LeadershipLost, LeaseKeeper, Put, StateStore
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.registry import read_leader
 from fleetward.fleet.worker import HealthRecord, HealthState, WorkerRecord
@@ -85,11 +88,9 @@ from fleetward.supervisor.signals import Signal
 __all__ = ["Controller", "LeadershipLost"]
 
 log = logging.getLogger(__name__)
+
+_WORKER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _HTTP_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
-
-
-class LeadershipLost(FleetwardError):
-    """A fenced write failed: another controller leads now."""
 
 
 class _Metrics:
@@ -540,6 +541,38 @@ class Controller:
             out = {wid: ws.record().to_json().decode() for wid, ws in (machine.workers.items() if machine else [])}
             return JSONResponse({"leader": self.leading.is_set(), "id": self.id,
                                  "workers": {k: json.loads(v) for k, v in out.items()}})
+
+        @app.post("/v1/workers")
+        async def start(request: Request) -> Response:
+            if not authorised(request):
+                return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
+            try:
+                body = await request.json()
+                wid, node = str(body["id"]), str(body["node"])
+                role, reason = str(body.get("role", "aggregated")), str(body.get("reason", "asked for"))
+                if not _WORKER_ID.fullmatch(wid) or not _WORKER_ID.fullmatch(node):
+                    raise ValueError("id and node must be 1-63 of [A-Za-z0-9_.-], starting with a letter or digit")
+                if role not in ("aggregated", "prefill", "decode"):
+                    raise ValueError("role must be aggregated, prefill or decode")
+            except (ValueError, TypeError, KeyError, json.JSONDecodeError) as exc:
+                return JSONResponse({"error": f"bad start request: {exc!s} (needs id and node)"}, status_code=400)
+            machine = self.machine
+            if not self.leading.is_set() or machine is None:
+                return JSONResponse({"error": "not the leader", "leader": await self.leader()}, status_code=409)
+            ws = machine.workers.get(wid)
+            if ws is not None or wid in self.workers:
+                state = ws.state.value if ws is not None else "registered"
+                return JSONResponse({"error": f"{wid}: a worker with this id exists ({state}); `undrain` or "
+                                              "`restart` brings a stopped one back", "state": state}, status_code=409)
+            action_id = f"{wid}.start"
+            key = self.keys.action(node, action_id)
+            action = {"id": action_id, "worker": wid, "node": node, "kind": "start", "role": role, "delay_s": 0.0,
+                      "reason": reason, "status": "pending", "issued_by": self.id, "issued_at": self.clock.wall()}
+            created = await self._fenced([Compare(key, "create", "==", 0)], [Put(key, orjson.dumps(action))])
+            if created:
+                self.metrics.actions.labels("start").inc()
+            return JSONResponse({"accepted": True, "leader": self.id, "worker": wid, "node": node, "new": created,
+                                 "what": f"starting {wid} on {node}" if created else f"{wid} was asked for already"})
 
         @app.post("/v1/workers/{worker}/drain")
         async def drain(worker: str, request: Request) -> Response:

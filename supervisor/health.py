@@ -485,6 +485,8 @@ class HealthMachine:
         return out
 
     def _action_done(self, e: ActionDone) -> list[Action]:
+        if e.worker not in self.workers:
+            return []  # a start for a worker that never registered (a failed one is a ``start`` signal)
         ws = self._ws(e.worker)
         if ws.pending != e.action_id:
             return []  # a stale or foreign action

@@ -1,0 +1,411 @@
+"""The autoscaler daemon: one leader per cluster observes the live fleet and scales each pool.
+
+Any number of autoscalers campaign in an etcd election (``leader/autoscaler/``); one leads, the others
+wait. Every ``interval_s`` the leader, for each pool:
+
+1. observes it (:class:`~fleetward.autoscale.observe.Observer`: etcd's ``workers/`` and ``health/``, the
+   routers' and workers' ``/metrics``);
+2. asks its policy (:mod:`fleetward.autoscale.planner`) for the number of serving workers it wants;
+3. chooses which workers: a shortfall is made up by workers it retired earlier (``parked``), then new ids
+   ``<node>-w<k>`` on the node with the fewest workers of the pool; a surplus retires the least-loaded
+   serving workers (drained: their streams finish or migrate, then they stop);
+4. writes ``scale/<pool>`` (the decision, its reason, and what it asked for) with the election's fence,
+   **before** it acts, then acts through the :class:`~fleetward.autoscale.actuate.Actuator` and publishes a
+   ``scale`` event when the desired count changed or something was started or retired.
+
+Failover loses nothing and doubles nothing: a new leader reads ``scale/<pool>``, resumes the planner at the
+last desired count, counts the workers its predecessor asked for as on their way, and asks again for those
+not seen yet (the actuator's calls are idempotent per worker id), so a step cut off between the write and
+the act is finished, once. A deposed leader's write fails on the fence, so it never acts after losing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+from fastapi import FastAPI
+from fastapi.responses import Response
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from fleetward.autoscale.actuate import ActuationError, Actuator, NewWorker
+from fleetward.autoscale.capacity import CapacityModel, CapacityPoint, Sla
+from fleetward.autoscale.observe import Observer, PoolView
+from fleetward.autoscale.planner import DynamoStyle, Observation, Planner, Policy, Reactive, StaticPeak
+from fleetward.fleet.bus import EventBus
+from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
+from fleetward.fleet.config import AutoscaleConfig, SimConfig
+from fleetward.fleet.errors import ConfigError, FleetwardError, StoreError
+from fleetward.fleet.etcd import Election, LeadershipLost, LeaseKeeper, Put, StateStore
+from fleetward.fleet.keys import Keys
+from fleetward.fleet.registry import FleetSnapshot, read_fleet
+from fleetward.fleet.worker import HealthState
+
+__all__ = ["Autoscaler", "PoolRecord", "capacity_for", "make_policy", "serve_autoscaler"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PoolRecord:
+    """``scale/<pool>``: the last decision, and the workers it is waiting for."""
+
+    pool: str
+    desired: int = 0
+    serving: int = 0
+    starting: int = 0
+    unhealthy: int = 0
+    reason: str = ""
+    policy: str = ""
+    leader: str = ""
+    ts: float = 0.0
+    seq: int = 0
+    asked: dict[str, str] = field(default_factory=dict)  # worker -> node: asked to start, not seen on its way yet
+    retiring: list[str] = field(default_factory=list)  # drained by us, not stopped yet
+    parked: list[str] = field(default_factory=list)  # retired and stopped: brought back first
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self.__dict__)
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> PoolRecord:
+        body = orjson.loads(raw)
+        known = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in body.items() if k in known})
+
+
+def make_policy(config: AutoscaleConfig, capacity: CapacityModel) -> Policy:
+    sla = Sla(config.ttft_s, config.itl_s)
+    lo, hi = config.min_workers, config.max_workers
+    if config.policy == "fleetward":
+        return Planner(capacity, sla, min_workers=lo, max_workers=hi, predictor=config.predictor,
+                       headroom=config.headroom, down_stable=config.down_stable)
+    if config.policy == "reactive":
+        return Reactive(min_workers=lo, max_workers=hi)
+    if config.policy == "dynamo-style":
+        return DynamoStyle(capacity, sla, min_workers=lo, max_workers=hi)
+    return StaticPeak(hi)
+
+
+def capacity_for(config: AutoscaleConfig, *, backend: str, sim: SimConfig | None = None) -> CapacityModel:
+    """The capacity model the planner uses: the config's file, else its flat ``per_worker_rps``, else (sim
+    backend) the simulated worker profiled in the fleet simulator. ``startup_s`` overrides the model's."""
+    default_startup = 5.0 if backend == "sim" else 60.0
+    if config.capacity is not None:
+        model = CapacityModel.load(Path(config.capacity))
+    elif config.per_worker_rps is not None:
+        r = config.per_worker_rps
+        # Within the SLA up to r, far beyond it just above: max_rate() interpolates to r.
+        model = CapacityModel((CapacityPoint(r, 0.0, 0.0), CapacityPoint(r * 1.001, 1e9, 1e9)), default_startup)
+    elif backend == "sim":
+        from fleetward.autoscale.simulate import profile_capacity
+        from fleetward.autoscale.traces import TraceRequest
+
+        sample = [TraceRequest(0.0, 64 * (1 + i % 8), 32 * (1 + i % 5)) for i in range(40)]
+        model = profile_capacity(sample, startup_s=default_startup, config=sim or SimConfig(), duration_s=120.0,
+                                 sla=Sla(config.ttft_s, config.itl_s))
+    else:
+        raise ConfigError("the autoscaler needs a capacity model for vLLM workers: `fleetward profile` writes one "
+                          "(autoscale.capacity), or set autoscale.per_worker_rps", field="autoscale.capacity")
+    if config.startup_s is not None:
+        model = CapacityModel(model.points, config.startup_s)
+    model.max_rate(Sla(config.ttft_s, config.itl_s))  # a clear error now if no load meets the SLA
+    return model
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.leader = Gauge("fleetward_autoscaler_is_leader", "1 while this autoscaler leads.", registry=r)
+        self.desired = Gauge("fleetward_autoscaler_desired_workers", "Serving workers the planner wants.",
+                             ["pool"], registry=r)
+        self.workers = Gauge("fleetward_autoscaler_workers", "Workers of a pool by what the planner counts them as.",
+                             ["pool", "state"], registry=r)
+        self.arrivals = Gauge("fleetward_autoscaler_arrival_rate", "Requests/s over the last interval.", ["pool"],
+                              registry=r)
+        self.scaled = Counter("fleetward_autoscaler_scale_events", "Workers started or retired.",
+                              ["pool", "direction"], registry=r)
+        self.errors = Counter("fleetward_autoscaler_actuation_errors", "Scaling steps that could not be carried out.",
+                              ["pool"], registry=r)
+
+
+class Autoscaler:
+    def __init__(self, config: AutoscaleConfig, *, store: StateStore, bus: EventBus, keys: Keys,
+                 capacity: CapacityModel, actuator: Actuator, autoscaler_id: str | None = None, url: str = "",
+                 clock: Clock = SYSTEM_CLOCK, observer: Observer | None = None,
+                 policy_factory: Callable[[], Policy] | None = None) -> None:
+        self.config, self.store, self.bus, self.keys = config, store, bus, keys
+        self.capacity, self.actuator, self.clock = capacity, actuator, clock
+        self.id = autoscaler_id or f"autoscaler-{uuid.uuid4().hex[:8]}"
+        self.url = url
+        self.observer = observer or Observer(store, keys, clock=clock)
+        self._policy_factory = policy_factory or (lambda: make_policy(config, capacity))
+        self.policies: dict[str, Policy] = {}
+        self.records: dict[str, PoolRecord] = {}
+        self.election: Election | None = None
+        self.leading = asyncio.Event()
+        self.metrics = _Metrics()
+        self.steps = 0  # intervals planned while leading (tests wait on it)
+        self.on_step: Callable[[dict[str, PoolRecord]], None] | None = None
+
+    # -- election ---------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Campaign, lead until leadership is lost, campaign again; until cancelled."""
+        try:
+            while True:
+                lease = await LeaseKeeper(self.store, self.config.lease_ttl_s, clock=self.clock).start()
+                self.election = Election(self.store, self.keys.leader("autoscaler"),
+                                         candidate=json.dumps({"id": self.id, "url": self.url}), lease=lease)
+                try:
+                    await self.election.campaign()
+                    log.info("autoscaler %s leads cluster %s", self.id, self.keys.cluster)
+                    self.leading.set()
+                    self.metrics.leader.set(1)
+                    await self._lead(lease)
+                except (LeadershipLost, StoreError) as exc:
+                    log.warning("autoscaler %s lost leadership: %s", self.id, exc)
+                finally:
+                    self.leading.clear()
+                    self.metrics.leader.set(0)
+                    with contextlib.suppress(FleetwardError):
+                        await self.election.resign()
+                    await lease.aclose()
+        finally:
+            await self.observer.aclose()
+
+    async def _lead(self, lease: LeaseKeeper) -> None:
+        await self._resume()
+        lost = asyncio.create_task(lease.lost.wait())
+        try:
+            while True:
+                try:
+                    await self.step()
+                except ActuationError as exc:
+                    log.warning("scaling step not carried out: %s (tried again next interval)", exc)
+                if lost.done():
+                    raise LeadershipLost("the leadership lease expired")
+                sleep = asyncio.create_task(self.clock.sleep(self.config.interval_s))
+                await asyncio.wait({sleep, lost}, return_when=asyncio.FIRST_COMPLETED)
+                sleep.cancel()
+                if lost.done():
+                    raise LeadershipLost("the leadership lease expired")
+        finally:
+            lost.cancel()
+
+    async def _resume(self) -> None:
+        """Pick up where the last leader stopped: its records, and each planner at its last decision."""
+        self.policies = {pool: self._policy_factory() for pool in self.config.pools}
+        self.records = {pool: PoolRecord(pool) for pool in self.config.pools}
+        for pool in self.config.pools:
+            kv = await self.store.get(self.keys.scale_of(pool))
+            if kv is None:
+                continue
+            try:
+                rec = PoolRecord.from_json(kv.value)
+            except (ValueError, TypeError) as exc:
+                log.warning("ignoring malformed %s: %s", self.keys.scale_of(pool), exc)
+                continue
+            self.records[pool] = rec
+            resume = getattr(self.policies[pool], "resume", None)
+            if resume is not None:
+                resume(rec.desired)
+            log.info("%s: resuming at %d worker(s) (asked for %s, retiring %s)", pool, rec.desired,
+                     sorted(rec.asked) or "none", rec.retiring or "none")
+
+    # -- one interval -----------------------------------------------------------------------------------
+
+    def _known(self) -> dict[str, str]:
+        return {w: r.pool for r in self.records.values() for w in [*r.asked, *r.retiring, *r.parked]}
+
+    async def step(self) -> dict[str, PoolRecord]:
+        """Observe, decide and act once for every pool; the records written."""
+        seen = await self.observer.observe(self.config.pools, self.config.interval_s, self._known())
+        fleet = await read_fleet(self.store, self.keys)
+        for pool, (obs, view) in seen.items():
+            await self._step_pool(pool, obs, view, fleet)
+        self.steps += 1
+        if self.on_step is not None:
+            self.on_step(dict(self.records))
+        return self.records
+
+    async def _step_pool(self, pool: str, obs: Observation, view: PoolView, fleet: FleetSnapshot) -> None:
+        rec = self.records[pool]
+        self._settle(rec, view)
+        waiting_for = [w for w in rec.asked if w not in view.members or view.state_of(w) is HealthState.DEAD]
+        obs = _with_starting(obs, obs.starting + len(waiting_for))
+        decision = self.policies[pool].decide(obs)
+        have = obs.healthy + obs.starting
+        add: list[NewWorker] = []
+        retire: list[str] = []
+        if decision.desired > have:
+            add = self._choose_new(pool, decision.desired - have, rec, view, fleet)
+        elif decision.desired < have:
+            retire = view.least_loaded(min(obs.healthy, have - decision.desired))
+        changed = decision.desired != rec.desired
+        rec.desired, rec.reason, rec.policy = decision.desired, decision.reason, self.policies[pool].name
+        rec.serving, rec.starting, rec.unhealthy = obs.healthy, obs.starting, obs.unhealthy
+        rec.leader, rec.ts, rec.seq = self.id, self.clock.wall(), rec.seq + 1
+        for w in add:
+            rec.asked[w.id] = w.node
+            if w.id in rec.parked:
+                rec.parked.remove(w.id)
+        rec.retiring += [w for w in retire if w not in rec.retiring]
+        await self._write(rec)  # the decision and what it asks for, before acting on it
+        self._gauges(pool, rec, obs)
+        again = [NewWorker(w, rec.asked[w], revive=view.state_of(w) is HealthState.DEAD)
+                 for w in waiting_for if w not in {a.id for a in add}]
+        try:
+            if add or again:
+                await self.actuator.add(pool, [*add, *again], decision.reason)
+            pending_retire = [w for w in rec.retiring
+                              if view.state_of(w) is not None and view.state_of(w) is not HealthState.DRAINING
+                              and view.state_of(w) is not HealthState.DEAD]
+            if pending_retire:
+                await self.actuator.retire(pool, pending_retire, self.config.drain_deadline_s, decision.reason)
+        except ActuationError:
+            self.metrics.errors.labels(pool).inc()
+            raise
+        finally:
+            if add:
+                self.metrics.scaled.labels(pool, "up").inc(len(add))
+            if retire:
+                self.metrics.scaled.labels(pool, "down").inc(len(retire))
+            if changed or add or retire:
+                await self.bus.publish("scale", pool=pool, desired=rec.desired, serving=rec.serving,
+                                       starting=rec.starting, unhealthy=rec.unhealthy, reason=rec.reason,
+                                       policy=rec.policy, started=[w.id for w in add] or None,
+                                       retired=retire or None, leader=self.id)
+                log.info("%s: %d serving, %d starting -> want %d (%s)%s%s", pool, obs.healthy, obs.starting,
+                         rec.desired, rec.reason, f"; starting {[w.id for w in add]}" if add else "",
+                         f"; retiring {retire}" if retire else "")
+
+    def _settle(self, rec: PoolRecord, view: PoolView) -> None:
+        """Fold what happened since the last interval into the record."""
+        for w in list(rec.asked):
+            state = view.state_of(w)
+            if state is not None and state is not HealthState.DEAD:
+                del rec.asked[w]  # on its way (starting) or serving: counted by the observation now
+        for w in list(rec.retiring):
+            state = view.state_of(w)
+            if state is HealthState.DEAD or state is None:
+                rec.retiring.remove(w)
+                if state is HealthState.DEAD and w not in rec.parked:
+                    rec.parked.append(w)
+        rec.parked = [w for w in rec.parked if view.state_of(w) is HealthState.DEAD]
+
+    def _choose_new(self, pool: str, n: int, rec: PoolRecord, view: PoolView, fleet: FleetSnapshot) -> list[NewWorker]:
+        out: list[NewWorker] = []
+        for w in rec.parked[:n]:
+            m = view.members.get(w)
+            out.append(NewWorker(w, (m.node if m is not None else None) or self._nodes(view, rec)[0], revive=True))
+        taken = set(fleet.workers) | set(fleet.health) | set(self._known())
+        load = {node: 0 for node in self._nodes(view, rec)}
+        for m in view.members.values():
+            if m.node in load and (m.serving or m.starting):
+                load[m.node] += 1
+        for node in rec.asked.values():
+            if node in load:
+                load[node] += 1
+        while len(out) < n:
+            node = min(load, key=lambda x: (load[x], x))
+            k = 0
+            while f"{node}-w{k}" in taken:
+                k += 1
+            wid = f"{node}-w{k}"
+            taken.add(wid)
+            load[node] += 1
+            out.append(NewWorker(wid, node))
+        return out
+
+    def _nodes(self, view: PoolView, rec: PoolRecord) -> list[str]:
+        nodes = list(self.config.nodes) or sorted({m.node for m in view.members.values() if m.node}
+                                                  | set(rec.asked.values()))
+        if not nodes:
+            raise ActuationError(f"{view.pool}: no node is known to start a worker on (no worker of the pool runs): "
+                                 "set autoscale.nodes")
+        return nodes
+
+    async def _write(self, rec: PoolRecord) -> None:
+        assert self.election is not None
+        result = await self.store.txn([self.election.fence], [Put(self.keys.scale_of(rec.pool), rec.to_json())])
+        if not result.succeeded:
+            raise LeadershipLost("a fenced write failed: another autoscaler leads")
+
+    def _gauges(self, pool: str, rec: PoolRecord, obs: Observation) -> None:
+        m = self.metrics
+        m.desired.labels(pool).set(rec.desired)
+        m.arrivals.labels(pool).set(obs.arrival_rate)
+        for state, n in (("serving", obs.healthy), ("starting", obs.starting), ("unhealthy", obs.unhealthy),
+                         ("retiring", len(rec.retiring)), ("parked", len(rec.parked))):
+            m.workers.labels(pool, state).set(n)
+
+    # -- HTTP -------------------------------------------------------------------------------------------
+
+    def app(self) -> FastAPI:
+        app = FastAPI(title="fleetward autoscaler", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=200)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+        return app
+
+
+def _with_starting(obs: Observation, starting: int) -> Observation:
+    return dataclasses.replace(obs, starting=starting)
+
+
+async def serve_autoscaler(config: AutoscaleConfig, *, etcd: str, mqtt: str, cluster: str, admin_token: str,
+                           capacity: CapacityModel, autoscaler_id: str | None = None,
+                           on_ready: Callable[[Autoscaler], None] | None = None) -> None:
+    """Run an autoscaler process: campaign and lead, /health and /metrics on ``config.port``, until SIGTERM."""
+    import uvicorn
+
+    from fleetward.autoscale.actuate import LocalActuator
+    from fleetward.fleet.bus import MqttBus
+    from fleetward.fleet.etcd import EtcdStore
+    from fleetward.fleet.procs import ensure_port
+
+    port = ensure_port(config.host, config.port, name="autoscaler")
+    keys = Keys(cluster)
+    store = EtcdStore(etcd)
+    await store.get(keys.root)
+    bus = await MqttBus(mqtt, cluster).start()
+    actuator = LocalActuator(store, keys, admin_token)
+    scaler = Autoscaler(config, store=store, bus=bus, keys=keys, capacity=capacity, actuator=actuator,
+                        autoscaler_id=autoscaler_id, url=f"http://{config.host}:{port}")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(scaler.run(), name="autoscaler")
+        if on_ready is not None:
+            on_ready(scaler)
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    app = scaler.app()
+    app.router.lifespan_context = lifespan
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=port, loop="none", log_level="warning",
+                                           access_log=False, lifespan="on"))
+    try:
+        await server.serve()
+    finally:
+        await actuator.aclose()
+        await bus.aclose()
+        await store.aclose()

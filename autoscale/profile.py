@@ -1,0 +1,110 @@
+"""Measuring what one live worker carries: the capacity model the planner interpolates.
+
+:func:`profile_worker` drives a worker's OpenAI-compatible ``/v1/completions`` (streamed, token-id prompts,
+``ignore_eos`` so every answer has the asked length) with Poisson arrivals at rising rates, one step per
+rate, and records each step's p99 TTFT and p99 of the requests' mean inter-token latency. It stops once the
+SLA is broken by ``give_up_factor`` (past that point the queue only grows) or the rates run out.
+``fleetward profile`` adds the worker's start-up time (launch to serving) when it starts the worker itself,
+and writes the :class:`~fleetward.autoscale.capacity.CapacityModel` as JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable, Sequence
+
+import httpx
+import orjson
+
+from fleetward.autoscale.capacity import CapacityPoint, Sla
+from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
+from fleetward.fleet.errors import FleetwardError
+
+__all__ = ["ProfileStep", "profile_worker", "rising_rates"]
+
+log = logging.getLogger(__name__)
+
+ProfileStep = Callable[[float, CapacityPoint | None, int], None]  # (rate, its point or None, failed requests)
+
+
+def rising_rates(first: float = 0.25, factor: float = 1.5, steps: int = 24) -> list[float]:
+    return [round(first * factor ** i, 4) for i in range(steps)]
+
+
+def _p99(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(0.99 * len(ordered) + 0.5) - 1))]
+
+
+async def _one(client: httpx.AsyncClient, url: str, body: dict[str, object],
+               clock: Clock) -> tuple[float, float] | None:
+    """(TTFT, mean ITL) of one streamed request, or None when it failed."""
+    started = clock.monotonic()
+    first = last = 0.0
+    n = 0
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return None
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                data = orjson.loads(line[6:])
+                if "error" in data:
+                    return None
+                k = len(data["choices"][0].get("token_ids") or []) or (1 if data["choices"][0].get("text") else 0)
+                if k:
+                    last = clock.monotonic()
+                    if n == 0:
+                        first = last
+                    n += k
+    except httpx.HTTPError:
+        return None
+    if n == 0:
+        return None
+    return first - started, (last - first) / (n - 1) if n > 1 else 0.0
+
+
+async def profile_worker(url: str, *, model: str, sla: Sla, rates: Sequence[float] | None = None, step_s: float = 20.0,
+                         prompt_tokens: int = 128, max_tokens: int = 64, seed: int = 0, give_up_factor: float = 4.0,
+                         on_step: ProfileStep | None = None, clock: Clock = SYSTEM_CLOCK) -> list[CapacityPoint]:
+    """One :class:`CapacityPoint` per rate (requests/s), rising, until the SLA is broken ``give_up_factor``
+    times over. Raises :class:`FleetwardError` when the worker answers nothing at the first rate."""
+    rng = random.Random(seed)
+    points: list[CapacityPoint] = []
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=10.0), limits=limits, trust_env=False) as client:
+        for rate in rates or rising_rates():
+            tasks: list[asyncio.Task[tuple[float, float] | None]] = []
+            t0 = clock.monotonic()
+            t = 0.0
+            while True:
+                t += rng.expovariate(rate)
+                if t > step_s:
+                    break
+                wait = t0 + t - clock.monotonic()
+                if wait > 0:
+                    await clock.sleep(wait)  # the arrival process, not a synchronisation
+                prompt = [rng.randrange(10, 200) for _ in range(prompt_tokens)]
+                body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
+                        "ignore_eos": True, "stream": True, "return_token_ids": True, "temperature": 0}
+                tasks.append(asyncio.create_task(_one(client, url, body, clock)))
+            results = await asyncio.gather(*tasks)
+            done = [r for r in results if r is not None]
+            failed = len(results) - len(done)
+            if not done:
+                if not points:
+                    raise FleetwardError(f"the worker at {url} answered none of {len(results)} request(s) at "
+                                         f"{rate:g} req/s")
+                if on_step is not None:
+                    on_step(rate, None, failed)
+                break
+            point = CapacityPoint(rate, _p99([a for a, _ in done]), _p99([b for _, b in done]))
+            points.append(point)
+            if on_step is not None:
+                on_step(rate, point, failed)
+            if point.ttft_p99 > give_up_factor * sla.ttft_s or point.itl_p99 > give_up_factor * sla.itl_s:
+                break
+    return points
