@@ -114,8 +114,9 @@ def capacity_for(config: AutoscaleConfig, *, backend: str, sim: SimConfig | None
         model = profile_capacity(sample, startup_s=default_startup, config=sim or SimConfig(), duration_s=120.0,
                                  sla=Sla(config.ttft_s, config.itl_s))
     else:
-        raise ConfigError("the autoscaler needs a capacity model for vLLM workers: `fleetward profile` writes one "
-                          "(autoscale.capacity), or set autoscale.per_worker_rps", field="autoscale.capacity")
+        raise ConfigError("the autoscaler needs a capacity model for vLLM workers: `fleetward profile` (or "
+                          "`fleetward profile --url` on a running server) writes one for autoscale.capacity; or set "
+                          "autoscale.per_worker_rps", field="autoscale.capacity")
     if config.startup_s is not None:
         model = CapacityModel(model.points, config.startup_s)
     model.max_rate(Sla(config.ttft_s, config.itl_s))  # a clear error now if no load meets the SLA

@@ -535,7 +535,8 @@ def _cmd_autoscaler(args: argparse.Namespace) -> int:
     if not config.etcd or not config.mqtt:
         raise ConfigError("an autoscaler needs --etcd and --mqtt, or etcd: and mqtt: in its fleet file (the "
                           "cluster's etcd and broker)", field="etcd" if not config.etcd else "mqtt")
-    capacity = capacity_for(config.autoscale, backend=config.backend, sim=config.sim)
+    # Servers fleetward adopted are real ones whatever `backend` says: never a simulated worker's capacity.
+    capacity = capacity_for(config.autoscale, backend="vllm" if config.attach else config.backend, sim=config.sim)
     token = _admin_token(args.run_dir, args.cluster, config.admin_token_file)
 
     def ready(scaler: Any) -> None:

@@ -28,7 +28,7 @@ def test_the_example_fleet_file_is_valid() -> None:
     config = load_fleet_config(ROOT / "deploy" / "fleet.example.yaml")
     assert config.workers == 0 and len(config.attach) == 2
     assert config.attach[0].restart_command == ("systemctl", "restart", "vllm@0.service")
-    for unit in ("agent", "controller", "router"):
+    for unit in ("agent", "controller", "router", "autoscaler"):
         text = (ROOT / "deploy" / "systemd" / f"fleetward-{unit}.service").read_text()
         assert f"fleetward {unit} --config /etc/fleetward/fleet.yaml" in text
 
