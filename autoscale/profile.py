@@ -21,6 +21,7 @@ import orjson
 from fleetward.autoscale.capacity import CapacityPoint, Sla
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.errors import FleetwardError
+from fleetward.fleet.sse import sse_lines
 
 __all__ = ["ProfileStep", "profile_worker", "rising_rates"]
 
@@ -48,7 +49,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, object],
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 return None
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r.aiter_bytes()):
                 if not line.startswith("data: {"):
                     continue
                 data = orjson.loads(line[6:])
@@ -60,7 +61,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, object],
                     if n == 0:
                         first = last
                     n += k
-    except httpx.HTTPError:
+    except (httpx.HTTPError, ValueError):  # a broken connection, or an event that is not JSON
         return None
     if n == 0:
         return None

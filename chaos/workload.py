@@ -30,11 +30,9 @@ import contextlib
 import csv
 import dataclasses
 import itertools
-import json
 import math
 import random
-import re
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -46,6 +44,7 @@ import orjson
 from fleetward.chaos.experiment import Lengths, WorkloadSpec, resolve_trace
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.errors import ConfigError
+from fleetward.fleet.sse import sse_data, sse_lines
 from fleetward.sim.tokenizer import BYTE_OFFSET, decode, encode, render_chat
 
 __all__ = [
@@ -182,36 +181,6 @@ def plan_arrivals(spec: WorkloadSpec, *, seed: int, base: Path | None = None) ->
 
 
 # -- one client request -------------------------------------------------------------------------------------
-
-_EOL = re.compile(rb"\r\n|\r|\n")
-
-
-async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
-    """The lines of an SSE body, ended by CR, LF or CRLF only (as the SSE spec says).
-
-    Not ``httpx``'s ``aiter_lines``: like ``str.splitlines`` it also splits on U+0085, U+2028, U+001C...,
-    which JSON leaves unescaped, so a token whose text is one of them would cut an event in two. An
-    unterminated last line (the body ended mid-line) is dropped, as the spec drops an incomplete event.
-    """
-    buf = b""
-    async for chunk in chunks:
-        buf += chunk
-        start = 0
-        for m in _EOL.finditer(buf):
-            if m.group() == b"\r" and m.end() == len(buf):
-                break  # maybe the first half of a CRLF: wait for more
-            yield buf[start:m.start()].decode("utf-8", errors="replace")
-            start = m.end()
-        buf = buf[start:]
-
-
-async def sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[Any]:
-    """The ``data:`` payloads of an SSE body (:func:`sse_lines`), parsed: a JSON value, or ``"[DONE]"``."""
-    async for line in sse_lines(chunks):
-        if line.startswith("data: "):
-            payload = line[len("data: "):]
-            yield payload if payload == "[DONE]" else json.loads(payload)
-
 
 @dataclass
 class Live:

@@ -1,9 +1,13 @@
-"""``fleetward replay``, as a user runs it: one JSON object with every policy, clear errors on bad input."""
+"""``fleetward replay``, as a user runs it: one JSON object with every policy, clear errors on bad input; the
+live replay as a process, against the local fleet it starts and stops."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,9 +47,24 @@ def test_replay_refuses_bad_input_clearly(tmp_path: Path, capsys: pytest.Capture
     assert main(["replay", str(bad), "--simulate"]) == 2
     assert "bad.csv:2: column input_tokens: 'ten' is not an integer" in capsys.readouterr().err
     good = trace(tmp_path)
-    assert main(["replay", str(good)]) == 2
-    assert "add --simulate" in capsys.readouterr().err
+    assert main(["replay", str(good), "--policies", "oracle"]) == 2
+    assert "oracle cannot run live (the oracle needs the future: use --simulate)" in capsys.readouterr().err
     assert main(["replay", str(good), "--simulate", "--itl", "0.001", "--no-plots"]) == 2
     assert "no measured load meets the SLA" in capsys.readouterr().err
     assert main(["replay", str(good), "--simulate", "--max", "1", "--no-plots"]) == 2
     assert "raise it or scale the trace's rate down" in capsys.readouterr().err
+
+
+def test_live_replay_runs_the_trace_through_a_local_fleet_with_the_autoscaler(tmp_path: Path) -> None:
+    """30x faster and at 5 % of the rate: 1.5 req/s, then 12, then 1.5, for 20 s each."""
+    r = subprocess.run([sys.executable, "-m", "fleetward.cli", "replay", str(trace(tmp_path)), "--speed", "30",
+                        "--rate-scale", "0.05", "--max-output", "32", "--json", "--out", "out"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout)
+    assert result["mode"] == "live" and set(result["policies"]) == {"fleetward"}
+    live = result["policies"]["fleetward"]
+    assert live["cut_streams"] == 0 and live["failed"] == 0 and live["requests"] > 200
+    assert live["scale_events"] >= 2, "up for the burst, down after it"
+    assert 0 < live["sla_attainment"] <= 1 and live["worker_hours"] > 0
+    assert (tmp_path / "out" / "replay-live.png").exists() and (tmp_path / "out" / "capacity.json").exists()

@@ -1,0 +1,104 @@
+"""The simulator and the live fleet agree: one small trace, the same planner, replayed in the fleet simulator
+and against live simulated workers (real processes, router, supervisor and the autoscaler daemon).
+
+The tolerance, stated: the planner's desired count over time may lag or lead by up to two planning
+intervals (the live planner's intervals are not aligned with the trace's start, and live arrivals are
+counted between two scrapes, not within exact windows) at no more than 10 % of the simulator's intervals;
+the peak and the final count are equal; and the live run cuts no stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import pytest_asyncio
+
+from fleetward.autoscale.actuate import LocalActuator
+from fleetward.autoscale.capacity import CapacityModel, CapacityPoint, Sla
+from fleetward.autoscale.daemon import Autoscaler
+from fleetward.autoscale.live import replay_live
+from fleetward.autoscale.planner import Planner
+from fleetward.autoscale.simulate import IntervalRecord, simulate
+from fleetward.autoscale.traces import Trace, TraceRequest
+from fleetward.chaos.harness import TestFleet
+from fleetward.fleet.backends import SimBackend
+from fleetward.fleet.config import AutoscaleConfig, SimConfig, SupervisorConfig
+
+SIM = SimConfig(decode_step_ms=5.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=5)
+SUPERVISOR = SupervisorConfig(canary_interval_s=2.0, canary_timeout_s=2.0, backoff_initial_s=0.05,
+                              backoff_max_s=0.2, lease_ttl_s=2)
+SLA = Sla(ttft_s=2.0, itl_s=0.05)
+CAPACITY = CapacityModel((CapacityPoint(3.0, 0.0, 0.0), CapacityPoint(3.003, 1e9, 1e9)), startup_s=1.0)
+INTERVAL = 1.0
+CONFIG = AutoscaleConfig(interval_s=INTERVAL, min_workers=1, max_workers=4, predictor="constant", headroom=0.0,
+                         down_stable=3, drain_deadline_s=2.0)
+
+
+def step_trace() -> Trace:
+    """1.5 req/s for 10 s, 7.5 req/s for 15 s, 1.5 req/s for 15 s (evenly spaced): 1 worker, then 3, then 1
+    at 3 req/s per worker, each far from a boundary."""
+    reqs: list[TraceRequest] = []
+    t = 0.0
+    for rate, until in ((1.5, 10.0), (7.5, 25.0), (1.5, 40.0)):
+        while t < until:
+            reqs.append(TraceRequest(round(t, 4), 32, 24))
+            t += 1 / rate
+    return Trace("step", "servegen", tuple(reqs))
+
+
+def planner() -> Planner:
+    return Planner(CAPACITY, SLA, min_workers=CONFIG.min_workers, max_workers=CONFIG.max_workers,
+                   predictor=CONFIG.predictor, headroom=CONFIG.headroom, down_stable=CONFIG.down_stable)
+
+
+@pytest_asyncio.fixture
+async def fleet(etcd_endpoint: str, broker_endpoint: str, cluster: str, tmp_path: Path) -> AsyncIterator[TestFleet]:
+    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster=cluster, run_dir=tmp_path, workers=1,
+                         backend=SimBackend(SIM), supervisor=SUPERVISOR, controller_processes=1) as f:
+        await f.start_router("r0")
+        yield f
+
+
+def desired_at(timeline: Sequence[IntervalRecord], t: float) -> int:
+    """The planner's count in force at ``t`` (a step function of its decisions)."""
+    current = timeline[0].desired
+    for r in timeline:
+        if r.t > t:
+            break
+        current = r.desired
+    return current
+
+
+async def test_the_simulator_and_the_live_fleet_make_the_same_decisions(fleet: TestFleet) -> None:
+    trace = step_trace()
+    sim = simulate(trace.requests, planner(), sla=SLA, startup_s=CAPACITY.startup_s, config=SIM, interval_s=INTERVAL,
+                   initial_workers=1, drain_deadline_s=CONFIG.drain_deadline_s)
+    actuator = LocalActuator(fleet.store, fleet.keys, fleet.admin_token)
+    scaler = Autoscaler(CONFIG, store=fleet.store, bus=fleet.bus, keys=fleet.keys, capacity=CAPACITY,
+                        actuator=actuator, autoscaler_id="as-live", policy_factory=planner)
+    task = asyncio.create_task(scaler.run())
+    try:
+        await asyncio.wait_for(scaler.leading.wait(), 30)
+        live, records = await replay_live(trace, router=fleet.routers[0].url, model="sim-tiny", store=fleet.store,
+                                          keys=fleet.keys, bus=fleet.bus, sla=SLA)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await actuator.aclose()
+    assert live.cut_streams == 0 and live.failed == 0 and len(records) == len(trace.requests)
+    assert live.met == len(records), "every request within the SLA on an unsaturated fleet"
+    sim_desired = [r.desired for r in sim.timeline]
+    live_desired = [r.desired for r in live.timeline]
+    assert max(sim_desired) == max(live_desired) == 3 and sim_desired[-1] == live_desired[-1] == 1
+    span = trace.duration_s
+    points = [r.t for r in sim.timeline if r.t <= span]
+    agree = [t for t in points if desired_at(live.timeline, t) in
+             {desired_at(sim.timeline, t + d * INTERVAL) for d in (-2, -1, 0, 1, 2)}]
+    assert len(agree) >= 0.9 * len(points), (
+        f"decisions disagree beyond two intervals at {sorted(set(points) - set(agree))}:\n"
+        f"sim  {[(round(r.t, 1), r.desired) for r in sim.timeline]}\n"
+        f"live {[(round(r.t, 1), r.desired) for r in live.timeline]}")
