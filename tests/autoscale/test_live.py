@@ -1,10 +1,13 @@
 """The simulator and the live fleet agree: one small trace, the same planner, replayed in the fleet simulator
 and against live simulated workers (real processes, router, supervisor and the autoscaler daemon).
 
-The tolerance, stated: the planner's desired count over time may lag or lead by up to two planning
-intervals (the live planner's intervals are not aligned with the trace's start, and live arrivals are
-counted between two scrapes, not within exact windows) at no more than 10 % of the simulator's intervals;
-the peak and the final count are equal; and the live run cuts no stream.
+The tolerance, stated: at 80 % of the simulator's planning intervals the live planner's desired count equals
+the simulator's within two intervals of lag or lead, and it is never off by more than one worker; the peak
+and the final count are equal; and the live run cuts no stream. Why not exact: the live planner's intervals
+are not aligned with the trace's start, and it counts arrivals between two scrapes of the routers, so a
+load change that falls inside one of its intervals is seen as an intermediate rate. A scale-down then
+takes an intermediate step (3 → 2 → 1 where the simulator goes 3 → 1), which lasts ``down_stable``
+intervals.
 """
 
 from __future__ import annotations
@@ -96,9 +99,11 @@ async def test_the_simulator_and_the_live_fleet_make_the_same_decisions(fleet: T
     assert max(sim_desired) == max(live_desired) == 3 and sim_desired[-1] == live_desired[-1] == 1
     span = trace.duration_s
     points = [r.t for r in sim.timeline if r.t <= span]
-    agree = [t for t in points if desired_at(live.timeline, t) in
-             {desired_at(sim.timeline, t + d * INTERVAL) for d in (-2, -1, 0, 1, 2)}]
-    assert len(agree) >= 0.9 * len(points), (
-        f"decisions disagree beyond two intervals at {sorted(set(points) - set(agree))}:\n"
-        f"sim  {[(round(r.t, 1), r.desired) for r in sim.timeline]}\n"
-        f"live {[(round(r.t, 1), r.desired) for r in live.timeline]}")
+    near = {t: {desired_at(sim.timeline, t + d * INTERVAL) for d in (-2, -1, 0, 1, 2)} for t in points}
+    agree = [t for t in points if desired_at(live.timeline, t) in near[t]]
+    close = [t for t in points if min(abs(desired_at(live.timeline, t) - n) for n in near[t]) <= 1]
+    report = (f"sim  {[(round(r.t, 1), r.desired) for r in sim.timeline]}\n"
+              f"live {[(round(r.t, 1), r.desired) for r in live.timeline]}")
+    assert len(close) == len(points), f"off by more than one worker at {sorted(set(points) - set(close))}:\n{report}"
+    assert len(agree) >= 0.8 * len(points), (
+        f"decisions disagree beyond two intervals at {sorted(set(points) - set(agree))}:\n{report}")
