@@ -3,10 +3,13 @@
 Workers follow the simulated worker's latency model (:meth:`fleetward.fleet.config.SimConfig.step_seconds`):
 every running sequence gets one token per step, a step takes ``decode_step_ms + decode_ms_per_seq x batch``,
 and admitting a prompt holds the whole batch for ``prefill_ms_per_token x prompt tokens`` (the prefill
-step), which gives the request its first token. Admission is bounded by ``max_num_seqs`` and the KV cache
-(prompt + output tokens reserved). The simulation is event by event, not step by step: between events
-every running sequence of a worker advances at the same rate, so a worker keeps one virtual token clock
-and a heap of finishing points, and a day of trace on hundreds of workers takes seconds.
+step), which gives the request its first token. With ``chunked_prefill_tokens`` (the default worker's),
+prompts are computed in chunks instead, oldest first, each step ``prefill_ms_per_token x chunk`` longer while
+the batch keeps decoding; a request's first token comes with its last chunk. Admission is bounded by
+``max_num_seqs`` and the KV cache (prompt + output tokens reserved). The simulation is event by event, not
+step by step: between events every running sequence of a worker advances at the same rate, so a worker
+keeps one virtual token clock and a heap of finishing points, and a day of trace on hundreds of workers
+takes seconds.
 
 Around the workers, what the live fleet does: least-loaded routing to serving workers, requests held at the
 router while every serving worker has ``max_num_seqs`` of them (so a new worker takes its share of a
@@ -37,8 +40,9 @@ from fleetward.fleet.config import SimConfig
 __all__ = ["FleetResult", "IntervalRecord", "profile_capacity", "simulate"]
 
 # A worker for the simulator: the sim worker's latency model with a batch small enough that the traces
-# need a fleet (tens of workers) rather than one or two.
-DEFAULT_WORKER = SimConfig(max_num_seqs=64, kv_capacity_tokens=262144)
+# need a fleet (tens of workers) rather than one or two, and chunked prefill as vLLM V1 always runs it
+# (512 prompt tokens per step: a latency-minded --max-num-batched-tokens).
+DEFAULT_WORKER = SimConfig(max_num_seqs=64, kv_capacity_tokens=262144, chunked_prefill_tokens=512)
 _EPS = 1e-6  # tokens: the virtual clock is a float summed over a day
 
 
@@ -65,8 +69,8 @@ class _Attempt:
 
 
 class _Worker:
-    __slots__ = ("attempts", "config", "heap", "id", "kv_used", "paused_until", "queue", "ready_at", "started_at",
-                 "state", "stopped_at", "t0", "v", "version")
+    __slots__ = ("attempts", "config", "heap", "id", "kv_used", "paused_until", "pf", "queue", "ready_at",
+                 "started_at", "state", "stopped_at", "t0", "v", "version")
 
     def __init__(self, wid: int, config: SimConfig, now: float, startup_s: float) -> None:
         self.id, self.config = wid, config
@@ -76,54 +80,86 @@ class _Worker:
         self.attempts: dict[int, _Attempt] = {}
         self.heap: list[tuple[float, int]] = []
         self.queue: deque[_Req] = deque()
+        self.pf: deque[list[Any]] = deque()  # chunked prefill: [request, prompt tokens left, kv], in order
         self.v = self.t0 = self.paused_until = 0.0
         self.kv_used = 0
         self.version = 0
 
     @property
     def load(self) -> int:
-        return len(self.attempts) + len(self.queue)
+        return len(self.attempts) + len(self.pf) + len(self.queue)
 
     def step(self) -> float:
+        if self.pf:  # a chunk of the oldest prompt rides along with every decode step
+            return self.config.step_seconds(len(self.attempts) + 1, self.config.chunked_prefill_tokens)
         return self.config.step_seconds(len(self.attempts))
 
     def advance(self, t: float) -> None:
         if t <= self.t0:
+            return
+        if self.config.chunked_prefill_tokens:
+            steps = (t - self.t0) / self.step()
+            if self.attempts:
+                self.v += steps
+            left = steps * self.config.chunked_prefill_tokens
+            for entry in self.pf:  # events stop the clock at each prompt's end: at most the head finishes here
+                used = min(entry[1], left)
+                entry[1] -= used
+                left -= used
+                if left <= 0:
+                    break
+            self.t0 = t
             return
         active = t - max(self.t0, min(t, self.paused_until)) if self.paused_until > self.t0 else t - self.t0
         if self.attempts and active > 0:
             self.v += active / self.step()
         self.t0 = t
 
+    def _start(self, req: _Req, first_at: float, kv: int) -> None:
+        if req.first_token is None:
+            req.first_token = first_at
+        rest = max(0, req.output - req.generated - 1)  # the prefill step gives one token
+        a = _Attempt(req, self.v, self.v + rest, first_at, kv)
+        self.attempts[req.id] = a
+        heapq.heappush(self.heap, (a.finish_v, req.id))
+
     def admit(self, t: float) -> list[_Req]:
-        """Start queued requests while there is room; returns them (their first token time is set)."""
+        """Start queued requests while there is room; returns them (without chunked prefill their first token
+        time is set now; with it, when their last chunk is done: :meth:`prefilled`)."""
         c = self.config
         started = []
-        while self.queue and len(self.attempts) < c.max_num_seqs:
+        while self.queue and len(self.attempts) + len(self.pf) < c.max_num_seqs:
             req = self.queue[0]
             kv = req.input + req.output
-            if self.attempts and self.kv_used + kv > c.kv_capacity_tokens:
+            if (self.attempts or self.pf) and self.kv_used + kv > c.kv_capacity_tokens:
                 break
             self.queue.popleft()
             prompt = req.input + req.generated
-            self.paused_until = max(self.paused_until, t) + c.prefill_ms_per_token * prompt / 1000.0
-            if req.first_token is None:
-                req.first_token = self.paused_until
-            rest = max(0, req.output - req.generated - 1)  # the prefill step gives one token
-            a = _Attempt(req, self.v, self.v + rest, self.paused_until, kv)
-            self.attempts[req.id] = a
-            heapq.heappush(self.heap, (a.finish_v, req.id))
             self.kv_used += kv
+            if c.chunked_prefill_tokens:
+                self.pf.append([req, float(prompt), kv])
+            else:
+                self.paused_until = max(self.paused_until, t) + c.prefill_ms_per_token * prompt / 1000.0
+                self._start(req, self.paused_until, kv)
             started.append(req)
         return started
+
+    def prefilled(self, t: float) -> None:
+        """Chunked prefill: prompts whose last chunk is done start decoding (their first token is now)."""
+        while self.pf and self.pf[0][1] <= _EPS:
+            req, _, kv = self.pf.popleft()
+            self._start(req, t, kv)
 
     def next_event(self) -> float | None:
         while self.heap and self.heap[0][1] not in self.attempts:
             heapq.heappop(self.heap)
-        if not self.heap:
-            return None
-        start = max(self.t0, self.paused_until)
-        return start + max(0.0, self.heap[0][0] - self.v) * self.step()
+        times = []
+        if self.heap:
+            start = max(self.t0, self.paused_until)
+            times.append(start + max(0.0, self.heap[0][0] - self.v) * self.step())
+        if self.pf:
+            times.append(self.t0 + self.pf[0][1] / self.config.chunked_prefill_tokens * self.step())
+        return min(times) if times else None
 
     def finish_due(self, t: float) -> list[_Req]:
         done = []
@@ -135,6 +171,7 @@ class _Worker:
             self.kv_used -= a.kv
             a.req.finish = max(t, a.first_at)
             done.append(a.req)
+        self.prefilled(t)
         return done
 
     def take_all(self, t: float) -> list[_Req]:
@@ -145,6 +182,8 @@ class _Worker:
             if t >= a.first_at:
                 a.req.generated = min(a.req.output - 1, a.req.generated + 1 + int(self.v - a.start_v + _EPS))
             out.append(a.req)
+        out += [entry[0] for entry in self.pf]  # mid-prefill: no token yet
+        self.pf.clear()
         self.attempts.clear()
         self.heap.clear()
         self.kv_used = 0
@@ -318,7 +357,7 @@ def simulate(requests: Sequence[TraceRequest], policy: Policy, *, sla: Sla, star
                 queued = list(w.queue)
                 w.queue.clear()
                 route(t, queued)
-                if not w.attempts:
+                if not w.attempts and not w.pf:
                     stop(t, w)
                 else:
                     push(t + drain_deadline_s, "deadline", w.id)

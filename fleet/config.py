@@ -75,6 +75,9 @@ class SimConfig(Frozen):
         8192, ge=1, description="tokens per step (one per running sequence plus admitted prompts)")
     tokenizer: str = Field("byte", description="the vocabulary it serves: byte, bpe or sp (built in, see "
                            "fleetward.fleet.vocab), or a model folder / tokenizer.json")
+    chunked_prefill_tokens: int = Field(0, ge=0, description="prefill prompts in chunks of at most this many tokens "
+                                        "per step while the running sequences keep decoding (vLLM's chunked "
+                                        "prefill); 0: off, a prompt's whole prefill is one step that holds the batch")
 
     def step_seconds(self, batch: int, prefill_tokens: int = 0) -> float:
         """One engine step with ``batch`` sequences and ``prefill_tokens`` prompt tokens admitted: the

@@ -29,7 +29,10 @@ The KV cache is ``kv_capacity_tokens // kv_block_size`` blocks. A sequence holds
 fed to the model (its prompt, then each generated token fed back). Admission is FIFO: the head of the
 waiting queue is admitted when there is a free batch slot (``max_num_seqs``), blocks for its prompt, and
 room in the step's token budget (``max_num_batched_tokens``; the first prompt of a step is admitted even
-when longer, as if chunked prefill were off). When a running sequence cannot grow, the most recently
+when longer, as if chunked prefill were off). With ``chunked_prefill_tokens`` (vLLM's chunked prefill), a
+prompt is admitted without the budget check and computed in chunks: each step computes at most that many
+prompt tokens, oldest prompts first, alongside the decode of every running sequence; a sequence gets its
+first token at the end of the step that computed its last chunk. When a running sequence cannot grow, the most recently
 admitted sequence is preempted (vLLM's recompute preemption): its blocks are freed and it goes back to
 the front of the queue; when readmitted it re-prefills prompt + generated tokens and continues. Tokens
 already emitted are never emitted again.
@@ -246,8 +249,8 @@ class SimRequest:
     __slots__ = (
         "_decoder", "_final_sent", "_on_park", "_sent_ids", "_sent_text", "_stop_buffer", "_waiter",
         "admitted_at", "arrival", "blocks", "cut_at", "error", "finish_reason", "first_token_at",
-        "last_token_at", "output_ids", "output_text", "params", "prompt_ids", "request_id", "state", "status",
-        "stop_reason",
+        "last_token_at", "output_ids", "output_text", "params", "prefill_left", "prompt_ids", "request_id", "state",
+        "status", "stop_reason",
     )
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingSpec, *, arrival: float,
@@ -268,6 +271,7 @@ class SimRequest:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.cut_at: int | None = None  # set when cut: the consumer gets this many tokens, then RequestCut
+        self.prefill_left = 0  # chunked prefill: prompt tokens not computed yet (no token until 0)
         # The worker's own text, as vLLM makes it: a detokenizer primed with this attempt's prompt.
         self._decoder: IncrementalDecoder | Detokenizer = IncrementalDecoder() if vocab is None else \
             vocab.detokenizer(prompt_ids, skip_special_tokens=params.skip_special_tokens,
@@ -465,11 +469,12 @@ class SimScheduler:
         admitted: list[SimRequest] = []
         prefill_tokens = 0
         budget = self.config.max_num_batched_tokens - len(running)
+        chunk = self.config.chunked_prefill_tokens
         while self.waiting and len(running) < self.config.max_num_seqs:
             req = self.waiting[0]
             tokens = req.num_tokens
             need = _blocks_for(tokens, bs)
-            if need > self.free_blocks or (admitted and tokens > budget):
+            if need > self.free_blocks or (not chunk and admitted and tokens > budget):
                 break
             self.waiting.popleft()
             self.free_blocks -= need
@@ -480,8 +485,19 @@ class SimScheduler:
                 self.stats.queue.observe(now - req.arrival)
             running.append(req)
             admitted.append(req)
-            prefill_tokens += tokens
-            budget -= tokens
+            if chunk:
+                req.prefill_left = tokens
+            else:
+                prefill_tokens += tokens
+                budget -= tokens
+        if chunk:  # this step computes up to ``chunk`` prompt tokens, oldest prompts first
+            left = chunk
+            for req in running:
+                if req.prefill_left and left:
+                    take = min(req.prefill_left, left)
+                    req.prefill_left -= take
+                    prefill_tokens += take
+                    left -= take
         if not running:
             return None
         return Step(list(running), admitted, prefill_tokens, self.step_duration(len(running), prefill_tokens))
@@ -508,6 +524,8 @@ class SimScheduler:
         for req in step.batch:
             if req.status != _RUNNING:
                 continue  # aborted or preempted meanwhile
+            if req.prefill_left:
+                continue  # chunked prefill: its prompt is not all computed yet
             p = req.params
             n_out = len(req.output_ids)
             if reset_after is not None and n_out >= reset_after:  # the switch came after it passed k

@@ -457,6 +457,37 @@ def test_step_time_grows_with_the_batch_and_with_prefill() -> None:
     assert lone is not None and lone.duration < decode_step.duration
 
 
+def test_chunked_prefill_keeps_the_batch_decoding_while_a_long_prompt_is_computed() -> None:
+    """A 1,000-token prompt arrives while a short sequence decodes: without chunking its prefill is one step
+    that holds the batch (one token for the short one in 520 ms); with chunks of 100 the short sequence gets a
+    token every step meanwhile, and the long one its first token after ten chunks; tokens stay exact."""
+    for chunk, short_tokens_during, long_first_step in ((0, 1, 2), (100, 10, 11)):
+        s = SimScheduler(_config(chunked_prefill_tokens=chunk, max_model_len=2048))
+        short = s.new_request("short", [5] * 4, SamplingSpec(max_tokens=40), now=0.0)
+        long = s.new_request("long", [6] * 1000, SamplingSpec(max_tokens=3), now=0.0)
+        s.add(short)
+        first = s.schedule(0.0)
+        assert first is not None
+        now = first.duration
+        s.complete(first, now)
+        s.add(long)
+        durations = []
+        while long.first_token_at is None:
+            step = s.schedule(now)
+            assert step is not None
+            now += step.duration
+            durations.append(step.duration)
+            s.complete(step, now)
+        assert len(durations) == long_first_step - 1
+        assert len(short.output_ids) - 1 == short_tokens_during
+        if chunk:
+            assert max(durations) == pytest.approx((10 + 2 * 1 + 0.5 * 100) / 1000), "a chunk's cost per step"
+        else:
+            assert durations == [pytest.approx((10 + 2 * 1 + 0.5 * 1000) / 1000)], "the whole prompt at once"
+        _run_to_end(s)
+        assert short.output_ids == SIM.continuation([5] * 4, 40) and long.output_ids == SIM.continuation([6] * 1000, 3)
+
+
 def test_preempted_sequences_resume_exactly_where_they_were() -> None:
     s = SimScheduler(_config(kv_capacity_tokens=64, max_model_len=64, kv_block_size=16))
     prompts = [[20] * 24, [21] * 24]
