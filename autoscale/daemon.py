@@ -27,7 +27,7 @@ import dataclasses
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -374,11 +374,10 @@ async def serve_autoscaler(config: AutoscaleConfig, *, etcd: str, mqtt: str, clu
                            capacity: CapacityModel, autoscaler_id: str | None = None,
                            on_ready: Callable[[Autoscaler], None] | None = None) -> None:
     """Run an autoscaler process: campaign and lead, /health and /metrics on ``config.port``, until SIGTERM."""
-    import uvicorn
-
     from fleetward.autoscale.actuate import LocalActuator
     from fleetward.fleet.bus import MqttBus
     from fleetward.fleet.etcd import EtcdStore
+    from fleetward.fleet.launch import serve_app
     from fleetward.fleet.procs import ensure_port
 
     port = ensure_port(config.host, config.port, name="autoscaler")
@@ -390,22 +389,9 @@ async def serve_autoscaler(config: AutoscaleConfig, *, etcd: str, mqtt: str, clu
     scaler = Autoscaler(config, store=store, bus=bus, keys=keys, capacity=capacity, actuator=actuator,
                         autoscaler_id=autoscaler_id, url=f"http://{config.host}:{port}")
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(scaler.run(), name="autoscaler")
-        if on_ready is not None:
-            on_ready(scaler)
-        yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    app = scaler.app()
-    app.router.lifespan_context = lifespan
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=port, loop="none", log_level="warning",
-                                           access_log=False, lifespan="on"))
     try:
-        await server.serve()
+        await serve_app(scaler.app(), host=config.host, port=port, main=scaler.run, name="autoscaler",
+                        on_ready=None if on_ready is None else lambda: on_ready(scaler))
     finally:
         await actuator.aclose()
         await bus.aclose()

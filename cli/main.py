@@ -8,7 +8,7 @@
     fleetward autoscaler [--policy P] [--interval S] [--min N] [--max N]   the leader-elected autoscaler daemon
     fleetward bench router|migration|restart|checkpoints ...             benchmarks (docs/benchmarks.md)
     fleetward profile [--backend sim|vllm | --url URL] [--out FILE]      one worker's capacity (autoscaler model)
-    fleetward replay TRACE --simulate [--json] ...                       scaling policies on a request trace
+    fleetward replay TRACE [--simulate] [--json] ...                     a trace live, or every policy simulated
     fleetward chaos run|check|faults|validate ...                        chaos experiments (docs/chaos.md)
 
 Errors fleetward raises on purpose (:class:`FleetwardError`) print as one clear line and exit 2 (bad

@@ -11,7 +11,8 @@ so a flag is added in one place:
 - :func:`start_service`: start one and wait until its ``GET /health`` answers 200 (raises
   :class:`~fleetward.fleet.errors.ProcessError` with the log tail when it exits or times out first);
   :func:`restart_service` starts a killed one again on the same port;
-- :func:`wait_leader`: wait until some controller (or a given one) leads the supervisor.
+- :func:`wait_leader`: wait until some controller (or a given one) leads the supervisor;
+- :func:`serve_app`: the other side, inside such a process: serve its HTTP app while its main task runs.
 
 Secrets never go on a command line: the admin token is passed in the environment
 (``FLEETWARD_ADMIN_TOKEN``, :func:`service_env`).
@@ -23,6 +24,7 @@ import asyncio
 import contextlib
 import os
 import sys
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,7 @@ __all__ = [
     "fleetward_argv",
     "restart_service",
     "router_argv",
+    "serve_app",
     "service_env",
     "start_service",
     "wait_healthy",
@@ -185,3 +188,26 @@ async def wait_leader(store: StateStore, keys: Keys, *, timeout: float = 30.0, l
             if leader is not None and leader_id in (None, leader.id):
                 return leader
             await asyncio.sleep(interval)
+
+
+async def serve_app(app: Any, *, host: str, port: int, main: Callable[[], Coroutine[Any, Any, None]], name: str,
+                    on_ready: Callable[[], None] | None = None) -> None:
+    """Serve ``app`` (a FastAPI app) on ``host:port`` with uvicorn until SIGTERM, running ``main()`` as a task
+    from start-up to shutdown (a controller's or an autoscaler's campaign-and-lead loop). ``on_ready`` is
+    called once both run (a process says ``READY`` there)."""
+    import uvicorn
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Any) -> AsyncIterator[None]:
+        task = asyncio.create_task(main(), name=name)
+        if on_ready is not None:
+            on_ready()
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    app.router.lifespan_context = lifespan
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, loop="none", log_level="warning",
+                                           access_log=False, lifespan="on"))
+    await server.serve()

@@ -35,7 +35,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -626,10 +626,9 @@ async def serve_controller(config: SupervisorConfig, *, etcd: str, mqtt: str, cl
                            controller_id: str | None = None,
                            on_ready: Callable[[Controller], None] | None = None) -> None:
     """Run a controller process: campaign and lead, control API on ``config.port``, until SIGTERM."""
-    import uvicorn
-
     from fleetward.fleet.bus import MqttBus
     from fleetward.fleet.etcd import EtcdStore
+    from fleetward.fleet.launch import serve_app
     from fleetward.fleet.procs import ensure_port
 
     port = ensure_port(config.host, config.port, name="supervisor controller")
@@ -639,22 +638,9 @@ async def serve_controller(config: SupervisorConfig, *, etcd: str, mqtt: str, cl
     controller = Controller(config, store=store, bus=bus, keys=Keys(cluster), controller_id=controller_id,
                             url=f"http://{config.host}:{port}", admin_token=admin_token)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(controller.run(), name="controller")
-        if on_ready is not None:
-            on_ready(controller)
-        yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    app = controller.app()
-    app.router.lifespan_context = lifespan
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=port, loop="none", log_level="warning",
-                                           access_log=False, lifespan="on"))
     try:
-        await server.serve()
+        await serve_app(controller.app(), host=config.host, port=port, main=controller.run, name="controller",
+                        on_ready=None if on_ready is None else lambda: on_ready(controller))
     finally:
         await bus.aclose()
         await store.aclose()

@@ -73,3 +73,22 @@ def test_profile_refuses_bad_rates_and_an_unreachable_server_clearly(tmp_path: P
     assert r.returncode == 2 and "no model listed at /v1/models" in r.stderr
     r = run("autoscaler", "--etcd", "127.0.0.1:2379", cwd=tmp_path)
     assert r.returncode == 2 and "needs --etcd and --mqtt" in r.stderr
+
+
+def test_impossible_autoscale_settings_are_refused_with_file_line_and_field(tmp_path: Path) -> None:
+    from fleetward.autoscale.daemon import capacity_for
+    from fleetward.fleet.config import AutoscaleConfig, load_fleet_config
+    from fleetward.fleet.errors import ConfigError
+
+    conf = tmp_path / "fleet.yaml"
+    conf.write_text("cluster: c\nautoscale:\n  min_workers: 5\n  max_workers: 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_fleet_config(conf)
+    assert "fleet.yaml:2: autoscale:" in str(info.value) and "min_workers 5 is above max_workers 2" in str(info.value)
+    conf.write_text("cluster: c\nautoscale:\n  polcy: fleetward\n")
+    with pytest.raises(ConfigError, match=r"fleet.yaml:3: autoscale.polcy: unknown field"):
+        load_fleet_config(conf)
+    with pytest.raises(ConfigError, match="no measured load meets the SLA"):
+        capacity_for(AutoscaleConfig(itl_s=0.0001), backend="sim")
+    with pytest.raises(ConfigError, match="fleetward profile"):
+        capacity_for(AutoscaleConfig(), backend="vllm")

@@ -14,13 +14,11 @@ import asyncio
 import contextlib
 import math
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
-import pytest_asyncio
 
 from fleetward.autoscale.actuate import LocalActuator, NewWorker
 from fleetward.autoscale.capacity import CapacityModel, CapacityPoint
@@ -29,9 +27,8 @@ from fleetward.autoscale.observe import Observer, histogram_quantile
 from fleetward.chaos.checkers import align
 from fleetward.chaos.harness import TestFleet
 from fleetward.chaos.workload import sse_lines
-from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.bus import Event
-from fleetward.fleet.config import AutoscaleConfig, SimConfig, SupervisorConfig
+from fleetward.fleet.config import AutoscaleConfig, SimConfig
 from fleetward.fleet.registry import FleetSnapshot, read_fleet
 from fleetward.fleet.worker import HealthRecord, HealthState, WorkerRecord
 from fleetward.sim.model import SimModel
@@ -39,8 +36,6 @@ from fleetward.sim.tokenizer import encode
 
 SIM = SimConfig(decode_step_ms=15.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=11)
 MODEL = SimModel(seed=SIM.seed)
-SUPERVISOR = SupervisorConfig(canary_interval_s=2.0, canary_timeout_s=2.0, backoff_initial_s=0.05,
-                              backoff_max_s=0.2, lease_ttl_s=2, progress_interval_s=0.1)
 CAPACITY = CapacityModel((CapacityPoint(2.0, 0.0, 0.0), CapacityPoint(2.002, 1e9, 1e9)), startup_s=1.0)
 
 
@@ -85,12 +80,9 @@ def test_a_pool_record_survives_its_json() -> None:
 # -- live -----------------------------------------------------------------------------------------------
 
 
-@pytest_asyncio.fixture
-async def fleet(etcd_endpoint: str, broker_endpoint: str, cluster: str, tmp_path: Path) -> AsyncIterator[TestFleet]:
-    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster=cluster, run_dir=tmp_path, workers=1,
-                         backend=SimBackend(SIM), supervisor=SUPERVISOR, controller_processes=1) as f:
-        await f.start_router("r0")
-        yield f
+@pytest.fixture
+def sim_config() -> SimConfig:
+    return SIM
 
 
 class Scaler:

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
-import pytest_asyncio
+import pytest
 
 from fleetward.autoscale.actuate import LocalActuator
 from fleetward.autoscale.capacity import CapacityModel, CapacityPoint, Sla
@@ -27,12 +26,9 @@ from fleetward.autoscale.planner import Planner
 from fleetward.autoscale.simulate import IntervalRecord, simulate
 from fleetward.autoscale.traces import Trace, TraceRequest
 from fleetward.chaos.harness import TestFleet
-from fleetward.fleet.backends import SimBackend
-from fleetward.fleet.config import AutoscaleConfig, SimConfig, SupervisorConfig
+from fleetward.fleet.config import AutoscaleConfig, SimConfig
 
 SIM = SimConfig(decode_step_ms=5.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=5)
-SUPERVISOR = SupervisorConfig(canary_interval_s=2.0, canary_timeout_s=2.0, backoff_initial_s=0.05,
-                              backoff_max_s=0.2, lease_ttl_s=2)
 SLA = Sla(ttft_s=2.0, itl_s=0.05)
 CAPACITY = CapacityModel((CapacityPoint(3.0, 0.0, 0.0), CapacityPoint(3.003, 1e9, 1e9)), startup_s=1.0)
 INTERVAL = 1.0
@@ -57,12 +53,9 @@ def planner() -> Planner:
                    predictor=CONFIG.predictor, headroom=CONFIG.headroom, down_stable=CONFIG.down_stable)
 
 
-@pytest_asyncio.fixture
-async def fleet(etcd_endpoint: str, broker_endpoint: str, cluster: str, tmp_path: Path) -> AsyncIterator[TestFleet]:
-    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster=cluster, run_dir=tmp_path, workers=1,
-                         backend=SimBackend(SIM), supervisor=SUPERVISOR, controller_processes=1) as f:
-        await f.start_router("r0")
-        yield f
+@pytest.fixture
+def sim_config() -> SimConfig:
+    return SIM
 
 
 def desired_at(timeline: Sequence[IntervalRecord], t: float) -> int:
