@@ -72,6 +72,7 @@ class PoolRecord:
     asked: dict[str, str] = field(default_factory=dict)  # worker -> node: asked to start, not seen on its way yet
     retiring: list[str] = field(default_factory=list)  # drained by us, not stopped yet
     parked: list[str] = field(default_factory=list)  # retired and stopped: brought back first
+    observed: dict[str, float | None] = field(default_factory=dict)  # what the decision saw (Observation)
 
     def to_json(self) -> bytes:
         return orjson.dumps(self.__dict__)
@@ -255,6 +256,9 @@ class Autoscaler:
         changed = decision.desired != rec.desired
         rec.desired, rec.reason, rec.policy = decision.desired, decision.reason, self.policies[pool].name
         rec.serving, rec.starting, rec.unhealthy = obs.healthy, obs.starting, obs.unhealthy
+        rec.observed = {"arrival_rate": round(obs.arrival_rate, 4), "ttft_p99": obs.ttft_p99, "itl_p99": obs.itl_p99,
+                        "queue_depth": obs.queue_depth, "kv_usage": round(obs.kv_usage, 4),
+                        "mean_input": round(obs.mean_input, 1), "mean_output": round(obs.mean_output, 1)}
         rec.leader, rec.ts, rec.seq = self.id, self.clock.wall(), rec.seq + 1
         for w in add:
             rec.asked[w.id] = w.node

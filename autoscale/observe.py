@@ -6,7 +6,9 @@
 - **The routers' /metrics**: new requests (``fleetward_router_requests_received_total``), TTFT and per-request
   ITL histograms. Counters are turned into rates over the interval, histograms into the interval's p99
   (bucket deltas, interpolated as Prometheus' ``histogram_quantile`` does).
-- **The workers' /metrics** (vLLM's names): requests waiting and running, KV-cache use.
+- **The workers' /metrics** (vLLM's names): requests waiting and running, KV-cache use, and the mean prompt
+  and output length of the requests they finished (``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``
+  over ``vllm:request_success_total``; re-prefills after a migration count as prompt tokens).
 
 Nothing here imports another service: a router or a worker is a URL.
 """
@@ -29,7 +31,7 @@ from fleetward.fleet.keys import Keys
 from fleetward.fleet.registry import FleetSnapshot, read_fleet
 from fleetward.fleet.worker import HealthState
 
-__all__ = ["Member", "Observer", "PoolView", "RouterSample", "histogram_quantile", "parse_metrics"]
+__all__ = ["Member", "Observer", "PoolView", "RouterSample", "WorkerSample", "histogram_quantile", "parse_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +103,18 @@ class RouterSample:
     itl: Buckets = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerSample:
+    """One worker's vLLM metrics at one scrape: gauges now, counters cumulative."""
+
+    waiting: float
+    running: float
+    kv_usage: float
+    prompt_tokens: float
+    generation_tokens: float
+    finished: float  # requests finished (vllm:request_success_total)
+
+
 def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     """Prometheus text → sample name → [(labels, value)] (the ``_total``, ``_bucket`` suffixes kept)."""
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
@@ -160,6 +174,7 @@ class Observer:
         self._http = http or httpx.AsyncClient(timeout=timeout_s, trust_env=False)
         self._own_http = http is None
         self._before: dict[str, RouterSample] = {}
+        self._workers_before: dict[str, WorkerSample] = {}
         self._at: float | None = None
 
     async def aclose(self) -> None:
@@ -189,8 +204,8 @@ class Observer:
                                     ttft=_buckets(m, TTFT), itl=_buckets(m, ITL))
         return out
 
-    async def _worker_load(self, urls: Mapping[str, str]) -> dict[str, tuple[float, float, float]]:
-        """worker -> (waiting, running, KV use) from its vLLM metrics."""
+    async def _worker_load(self, urls: Mapping[str, str]) -> dict[str, WorkerSample]:
+        """worker -> what its vLLM metrics say now."""
         ids = list(urls)
         texts = await asyncio.gather(*(self._get(urls[w]) for w in ids))
         out = {}
@@ -202,9 +217,24 @@ class Observer:
             except ValueError:
                 continue
             kv = m.get("vllm:kv_cache_usage_perc") or m.get("vllm:gpu_cache_usage_perc") or []
-            out[wid] = (_sum(m, "vllm:num_requests_waiting"), _sum(m, "vllm:num_requests_running"),
-                        max((v for _, v in kv), default=0.0))
+            out[wid] = WorkerSample(_sum(m, "vllm:num_requests_waiting"), _sum(m, "vllm:num_requests_running"),
+                                    max((v for _, v in kv), default=0.0), _sum(m, "vllm:prompt_tokens_total"),
+                                    _sum(m, "vllm:generation_tokens_total"), _sum(m, "vllm:request_success_total"))
         return out
+
+    def _lengths(self, load: Mapping[str, WorkerSample]) -> tuple[float, float]:
+        """Mean prompt and output tokens of the requests the workers finished since the last call (their
+        counters' deltas; a worker seen for the first time or restarted only sets its baseline)."""
+        prompt = generated = finished = 0.0
+        for wid, now in load.items():
+            before = self._workers_before.get(wid)
+            self._workers_before[wid] = now
+            if before is None or now.finished < before.finished:
+                continue
+            prompt += now.prompt_tokens - before.prompt_tokens
+            generated += now.generation_tokens - before.generation_tokens
+            finished += now.finished - before.finished
+        return (prompt / finished, generated / finished) if finished > 0 else (0.0, 0.0)
 
     async def observe(self, pools: Sequence[str], interval_s: float, known: Mapping[str, str] | None = None,
                       ) -> dict[str, tuple[Observation, PoolView]]:
@@ -231,13 +261,14 @@ class Observer:
             view = self.view(fleet, pool, known)
             serving = view.serving()
             load = await self._worker_load({w: fleet.workers[w].url for w in serving})
-            view.running = {w: waiting + running for w, (waiting, running, _) in load.items()}
-            kv = [k for _, _, k in load.values()]
+            view.running = {w: x.waiting + x.running for w, x in load.items()}
+            kv = [x.kv_usage for x in load.values()]
+            mean_input, mean_output = self._lengths(load)
             obs = Observation(
                 now=now, interval_s=interval_s, arrival_rate=rate, healthy=len(serving),
-                starting=len(view.starting()), ttft_p99=histogram_quantile(0.99, ttft),
-                itl_p99=histogram_quantile(0.99, itl), queue_depth=int(sum(w for w, _, _ in load.values())),
-                kv_usage=sum(kv) / len(kv) if kv else 0.0,
+                starting=len(view.starting()), mean_input=mean_input, mean_output=mean_output,
+                ttft_p99=histogram_quantile(0.99, ttft), itl_p99=histogram_quantile(0.99, itl),
+                queue_depth=int(sum(x.waiting for x in load.values())), kv_usage=sum(kv) / len(kv) if kv else 0.0,
                 unhealthy=sum(1 for m in view.members.values() if not m.serving and not m.starting))
             out[pool] = (obs, view)
         return out

@@ -181,6 +181,7 @@ async def test_scales_up_under_load_and_down_by_draining_without_cutting_a_strea
 
             load = asyncio.create_task(press())
             await wait_until(lambda: _count(serving(fleet), 3), timeout=90, message="scaled up to 3 under load")
+            seen_under_load = [(await record(fleet)).observed]  # type: ignore[union-attr]
             # The load stops and long streams start, spread over the three workers: the planner wants 1 again.
             pressing.set()
             await load
@@ -196,6 +197,10 @@ async def test_scales_up_under_load_and_down_by_draining_without_cutting_a_strea
     moved = [workers for _, workers, _ in results if len(workers) > 1]
     assert moved, "some stream outlived its worker's drain deadline and moved to the survivor"
     rec = await record(fleet)
+    seen = seen_under_load[0]
+    # The load as the routers and workers showed it: 8 req/s, 6-8-token prompts, 4-token answers (counter
+    # deltas over an interval also hold tokens of requests that finish in the next one: about, not exactly).
+    assert seen["arrival_rate"] > 2 and 2 <= seen["mean_output"] <= 6 and 2 <= seen["mean_input"] <= 12
     assert rec is not None and rec.desired == 1 and sorted(rec.parked) == sorted(
         w for w, s in (await states(fleet)).items() if s == "dead")
     ups = [e for e in events if e.data.get("started")]
