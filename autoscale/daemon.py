@@ -48,6 +48,7 @@ from fleetward.fleet.errors import ConfigError, FleetwardError, StoreError
 from fleetward.fleet.etcd import Election, LeadershipLost, LeaseKeeper, Put, StateStore
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.registry import FleetSnapshot, read_fleet
+from fleetward.fleet.telemetry import link_gauges
 from fleetward.fleet.worker import HealthState
 
 __all__ = ["Autoscaler", "PoolRecord", "capacity_for", "make_policy", "serve_autoscaler"]
@@ -128,6 +129,8 @@ class _Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.leader = Gauge("fleetward_autoscaler_is_leader", "1 while this autoscaler leads.", registry=r)
+        self.leaderships = Counter("fleetward_autoscaler_leadership_changes",
+                                   "Times this autoscaler became the leader.", registry=r)
         self.desired = Gauge("fleetward_autoscaler_desired_workers", "Serving workers the planner wants.",
                              ["pool"], registry=r)
         self.workers = Gauge("fleetward_autoscaler_workers", "Workers of a pool by what the planner counts them as.",
@@ -156,6 +159,7 @@ class Autoscaler:
         self.election: Election | None = None
         self.leading = asyncio.Event()
         self.metrics = _Metrics()
+        link_gauges(self.metrics.registry, store=store, bus=bus)
         self.steps = 0  # intervals planned while leading (tests wait on it)
         self.on_step: Callable[[dict[str, PoolRecord]], None] | None = None
 
@@ -173,6 +177,7 @@ class Autoscaler:
                     log.info("autoscaler %s leads cluster %s", self.id, self.keys.cluster)
                     self.leading.set()
                     self.metrics.leader.set(1)
+                    self.metrics.leaderships.inc()
                     await self._lead(lease)
                 except (LeadershipLost, StoreError) as exc:
                     log.warning("autoscaler %s lost leadership: %s", self.id, exc)

@@ -267,6 +267,7 @@ class EtcdStore:
         self._client: aetcd.Client | None = None
         self._lock = asyncio.Lock()
         self._closed = False
+        self.reachable = True  # the last call got through (False once one gave up: ``fleetward_etcd_up``)
 
     async def __aenter__(self) -> EtcdStore:
         return self
@@ -333,7 +334,9 @@ class EtcdStore:
                     attempts += 1
                     client = await self._connected()
                     try:
-                        return await fn(client)
+                        result = await fn(client)
+                        self.reachable = True
+                        return result
                     except transient:
                         await self._rotate(client)
                         raise
@@ -344,6 +347,7 @@ class EtcdStore:
                         raise
         except RetryError as exc:
             cause = exc.last_attempt.exception()
+            self.reachable = False
             raise StoreUnavailable(
                 f"etcd unreachable at {', '.join(self._endpoints)}: {what} failed {attempts} time(s) "
                 f"({type(cause).__name__}: {cause}); is etcd running? (`fleetward up` starts one, "

@@ -53,6 +53,8 @@ class Checkpointer:
         self.keys_written = 0
         self.bytes_written = 0
         self.enabled = True
+        self.last_ok = clock.monotonic()  # when a flush last ended without error (checkpoint lag counts from it)
+        self.on_flush: Callable[[float], None] | None = None  # each flush's duration, for the histogram
 
     async def start(self) -> None:
         self.lease = await LeaseKeeper(self.store, self.ttl_s, clock=self.clock).start()
@@ -81,10 +83,20 @@ class Checkpointer:
     async def run(self) -> None:
         while True:
             await self.clock.sleep(self.interval_s)
+            started = self.clock.monotonic()
             try:
                 await self.flush()
             except FleetwardError as exc:
                 log.warning("checkpoint flush failed (%s); will retry", exc)
+                continue
+            self.last_ok = self.clock.monotonic()
+            if self.on_flush is not None:
+                self.on_flush(self.last_ok - started)
+
+    @property
+    def lag_s(self) -> float:
+        """Seconds since a flush last succeeded: what a router that dies now could lose to a resume."""
+        return self.clock.monotonic() - self.last_ok if self.enabled else 0.0
 
     async def flush(self) -> None:
         if not self.enabled or self.lease is None:

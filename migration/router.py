@@ -43,6 +43,7 @@ from fleetward.fleet.config import RouterConfig
 from fleetward.fleet.etcd import LeaseKeeper, StateStore
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.registry import FleetView
+from fleetward.fleet.telemetry import link_gauges
 from fleetward.fleet.worker import HealthState
 from fleetward.migration import wire
 from fleetward.migration.checkpoint import Checkpointer
@@ -124,6 +125,18 @@ class _Metrics:
                              "A streamed request's mean inter-token latency after its first token, at the router.",
                              buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5),
                              registry=r)
+        self.checkpoint_flush = Histogram("fleetward_router_checkpoint_flush_seconds",
+                                          "Duration of a checkpoint flush (every live journal's changes, one etcd "
+                                          "transaction per batch).",
+                                          buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+                                          registry=r)
+        self.checkpoint_lag = Gauge("fleetward_router_checkpoint_lag_seconds",
+                                    "Seconds since a checkpoint flush last succeeded (0 with checkpoints off).",
+                                    registry=r)
+        self.migration_failures = Counter("fleetward_router_migration_failures",
+                                          "Streams that could not be resumed after a worker failed, by why "
+                                          "(limit: migration_limit exhausted; not_resumable; deadline; no_worker).",
+                                          ["reason"], registry=r)
         self.checkpoint_flushes = Counter("fleetward_router_checkpoint_flushes",
                                           "Checkpoint flushes that wrote something.", registry=r)
         self.checkpoint_txns = Counter("fleetward_router_checkpoint_txns", "etcd transactions for checkpoints.",
@@ -155,6 +168,9 @@ class Router:
         self.active: dict[str, Active] = {}
         self.texts = TextSources(config.tokenizers)
         self.metrics = _Metrics()
+        link_gauges(self.metrics.registry, store=store, bus=bus)
+        self.metrics.checkpoint_lag.set_function(lambda: self.checkpointer.lag_s)
+        self.checkpointer.on_flush = self.metrics.checkpoint_flush.observe
         self._tasks: list[asyncio.Task[Any]] = []
         self._lease: LeaseKeeper | None = None
         self._accepting = False
@@ -394,14 +410,18 @@ class Router:
             if j.attempts > 0:
                 why_not = j.resumable()
                 if why_not is not None:
+                    self.metrics.migration_failures.labels("not_resumable").inc()
                     raise RouterError(502, f"the worker failed mid-stream ({reason}) and this request cannot be "
                                       f"resumed exactly: {why_not}")
                 if j.attempts > self.config.migration_limit:
+                    self.metrics.migration_failures.labels("limit").inc()
                     raise RouterError(503 if not j.emitted else 502,
                                       f"gave up after {j.attempts} attempts (migration_limit="
                                       f"{self.config.migration_limit}); last failure: {reason}",
                                       retry_after=self.config.retry_after_s)
             if self.clock.wall() > j.deadline:
+                if j.attempts > 0:
+                    self.metrics.migration_failures.labels("deadline").inc()
                 raise RouterError(504, f"request deadline passed after {j.attempts} attempt(s); last failure: "
                                   f"{reason}")
             candidates, known = self._candidates(j.model, failed)
@@ -410,6 +430,8 @@ class Router:
                     valid = ", ".join(self.models())
                     raise RouterError(404, f"The model `{j.model}` does not exist. Valid models: {valid}.",
                                       param="model")
+                if j.attempts > 0:
+                    self.metrics.migration_failures.labels("no_worker").inc()
                 raise RouterError(503, "no healthy worker can take this request now"
                                   + (f" (last failure: {reason})" if reason else ""),
                                   retry_after=self.config.retry_after_s)

@@ -1,3 +1,4 @@
-"""Operational data: one runbook per alert, Prometheus alert rules and Grafana dashboards (to come)."""
+"""Operational data: Prometheus alert rules and their promtool tests (``alerts/``), one runbook per alert
+(``*.md``); Grafana dashboards are to come."""
 
 __all__: list[str] = []

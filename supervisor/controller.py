@@ -52,6 +52,7 @@ from fleetward.fleet.errors import FleetwardError, StoreError
 from fleetward.fleet.etcd import Compare, Delete, Election, LeadershipLost, LeaseKeeper, Put, StateStore
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.registry import read_leader
+from fleetward.fleet.telemetry import link_gauges
 from fleetward.fleet.worker import HealthRecord, HealthState, WorkerRecord
 from fleetward.supervisor.detectors import (
     Detector,
@@ -97,6 +98,8 @@ class _Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.leader = Gauge("fleetward_supervisor_is_leader", "1 while this controller leads.", registry=r)
+        self.leaderships = Counter("fleetward_supervisor_leadership_changes",
+                                   "Times this controller became the leader.", registry=r)
         self.transitions = Counter("fleetward_supervisor_health_transitions",
                                    "Health transitions by new state and detector.", ["state", "detector"], registry=r)
         self.signals = Counter("fleetward_supervisor_signals", "Signals seen by detector and severity.",
@@ -130,6 +133,7 @@ class Controller:
         self.election: Election | None = None
         self.leading = asyncio.Event()
         self.metrics = _Metrics()
+        link_gauges(self.metrics.registry, store=store, bus=bus)
         self.workers: dict[str, WorkerRecord] = {}
         self.routers: dict[str, str] = {}
         self.progress = StreamProgressDetector(clock=clock)
@@ -160,6 +164,7 @@ class Controller:
                     log.info("controller %s leads cluster %s", self.id, self.keys.cluster)
                     self.leading.set()
                     self.metrics.leader.set(1)
+                    self.metrics.leaderships.inc()
                     await self._lead(lease)
                 except (LeadershipLost, StoreError) as exc:
                     log.warning("controller %s lost leadership: %s", self.id, exc)

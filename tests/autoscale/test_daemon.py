@@ -224,6 +224,12 @@ async def test_scaling_up_again_brings_back_the_workers_it_retired(fleet: TestFl
     await wait_until(lambda: _count(serving(fleet), 2), timeout=60, message="min 2 again")
     await scaler.stop()
     assert set(await serving(fleet)) == {"node-w0", *parked} and (await record(fleet)).parked == []  # type: ignore[union-attr]
+    async with httpx.AsyncClient(timeout=5) as client:  # the links and checkpoints, as a live router reports them
+        text = (await client.get(fleet.routers[0].url + "/metrics")).text
+    for line in ("fleetward_etcd_up 1.0", "fleetward_broker_up 1.0"):
+        assert line in text.splitlines()
+    lag = next(float(ln.split()[1]) for ln in text.splitlines() if ln.startswith("fleetward_router_checkpoint_lag"))
+    assert lag >= 0
 
 
 class Stalled:

@@ -1,0 +1,22 @@
+"""Metrics every fleetward service exposes about its own links: whether etcd and the broker answer.
+
+``fleetward_etcd_up`` is 1 while the service's last etcd call got through (0 once one gave up after its
+bounded retries) and ``fleetward_broker_up`` is 1 while its MQTT publisher is connected. Each service adds
+them to its own registry with :func:`link_gauges`; they are read when Prometheus scrapes, never polled.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Gauge
+
+__all__ = ["link_gauges"]
+
+
+def link_gauges(registry: CollectorRegistry, *, store: object, bus: object) -> None:
+    """Add ``fleetward_etcd_up`` and ``fleetward_broker_up`` for ``store`` and ``bus`` to ``registry``."""
+    etcd = Gauge("fleetward_etcd_up", "1 while this process's last etcd call got through, 0 once one gave up "
+                 "after its retries.", registry=registry)
+    etcd.set_function(lambda: 1.0 if getattr(store, "reachable", True) else 0.0)
+    broker = Gauge("fleetward_broker_up", "1 while this process's MQTT publisher is connected to the broker.",
+                   registry=registry)
+    broker.set_function(lambda: 1.0 if getattr(bus, "connected", True) else 0.0)
