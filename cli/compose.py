@@ -10,8 +10,10 @@ and store clients, then broker and etcd) and leaves no process behind. It implem
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
+import importlib.resources
 import logging
 import os
 import shutil
@@ -27,7 +29,14 @@ from pydantic import SecretStr
 from fleetward.fleet import handle as fleet_handle
 from fleetward.fleet.backends import Backend, VllmBackend, make_backend
 from fleetward.fleet.bus import MqttBus
-from fleetward.fleet.config import AutoscaleConfig, FleetConfig, RouterConfig, SupervisorConfig, admin_token_for
+from fleetward.fleet.config import (
+    AutoscaleConfig,
+    FleetConfig,
+    PrometheusConfig,
+    RouterConfig,
+    SupervisorConfig,
+    admin_token_for,
+)
 from fleetward.fleet.errors import FleetwardError
 from fleetward.fleet.etcd import EtcdStore
 from fleetward.fleet.handle import AgentWorkers, Fleet, FleetClient, RouterRef
@@ -44,6 +53,7 @@ from fleetward.fleet.launch import (
     write_service_config,
 )
 from fleetward.fleet.procs import RUN_MARK, ensure_port, kill_tree, marked_processes
+from fleetward.fleet.prometheus import LocalPrometheus, TargetsWriter
 from fleetward.fleet.registry import publish_attachments
 from fleetward.fleet.state import StateFile, state_path
 from fleetward.fleet.worker import WorkerSpec
@@ -79,6 +89,8 @@ class LocalFleet(AgentWorkers, FleetClient):
         self.routers: list[ServiceProcess] = []
         self.controller: ServiceProcess | None = None
         self.autoscaler: ServiceProcess | None = None
+        self.prometheus: LocalPrometheus | None = None
+        self._targets: asyncio.Task[None] | None = None
         self._http = httpx.AsyncClient(timeout=10.0, trust_env=False)
         # The mark every process this run starts inherits (the command sets it in its own environment, before
         # anything starts): what outlives its parent is still found when the fleet stops.
@@ -197,6 +209,8 @@ class LocalFleet(AgentWorkers, FleetClient):
             self._progress("router", f"the router is up on {router.url}")
         if c.autoscale.enabled:
             await self._start_autoscaler()
+        if c.prometheus.enabled:
+            await self._start_prometheus()
         self._write_state()
 
     def _fleet_yaml(self) -> Path:
@@ -219,7 +233,21 @@ class LocalFleet(AgentWorkers, FleetClient):
             "autoscaler", argv, url=f"http://{host}:{port}", log_path=self.log_dir / "autoscaler.log",
             env=service_env(admin_token=self.admin_secret.get_secret_value()), timeout=120)
 
-    def _host_of(self, section: RouterConfig | SupervisorConfig | AutoscaleConfig) -> str:
+    async def _start_prometheus(self) -> None:
+        c = self.config
+        rules = Path(str(importlib.resources.files("fleetward.runbooks") / "alerts" / "fleetward.rules.yml"))
+        prom = LocalPrometheus(self.root / "prometheus", host=self._host_of(c.prometheus), port=c.prometheus.port,
+                               scrape_interval_s=c.prometheus.scrape_interval_s, rule_files=(rules,))
+        self._progress("prometheus", f"starting Prometheus on {prom.url} (scraping every "
+                       f"{c.prometheus.scrape_interval_s:g} s, the alert rules loaded)")
+        writer = TargetsWriter(prom, self.store, self.keys)
+        await writer.refresh()
+        prom.start(self.log_dir)
+        self.prometheus = prom
+        await prom.wait_ready()
+        self._targets = asyncio.create_task(writer.run(), name="prometheus-targets")
+
+    def _host_of(self, section: RouterConfig | SupervisorConfig | AutoscaleConfig | PrometheusConfig) -> str:
         """A section's own ``host`` when the file sets it, else the fleet's (``host``, ``--host``)."""
         return section.host if "host" in section.model_fields_set else self.config.host
 
@@ -299,6 +327,7 @@ class LocalFleet(AgentWorkers, FleetClient):
             "backend": self.backend.name,
             "router": self.router_url,
             "controller": self.controller_url,
+            "prometheus": self.prometheus.url if self.prometheus is not None else None,
             "workers": {wid: h.url for wid, h in (self.agent.handles.items() if "agent" in vars(self) else [])},
         }
         self.state_file.write()
@@ -321,6 +350,14 @@ class LocalFleet(AgentWorkers, FleetClient):
     # -- stopping ---------------------------------------------------------------------------------------
 
     async def aclose(self) -> None:
+        if self._targets is not None:
+            self._targets.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._targets
+            self._targets = None
+        if self.prometheus is not None:
+            await self.prometheus.stop()
+            self.prometheus = None
         if self.autoscaler is not None:  # first: it must not start or retire workers while the fleet stops
             await self.autoscaler.process.stop(grace=5)
             self.autoscaler = None

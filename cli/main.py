@@ -60,7 +60,8 @@ _AUTOSCALE_FLAGS = (("autoscale_enabled", "autoscale.enabled"), ("policy", "auto
                     ("interval_s", "autoscale.interval_s"), ("min_workers", "autoscale.min_workers"),
                     ("max_workers", "autoscale.max_workers"), ("ttft_s", "autoscale.ttft_s"),
                     ("itl_s", "autoscale.itl_s"), ("capacity", "autoscale.capacity"),
-                    ("per_worker_rps", "autoscale.per_worker_rps"), ("autoscaler_port", "autoscale.port"))
+                    ("per_worker_rps", "autoscale.per_worker_rps"), ("autoscaler_port", "autoscale.port"),
+                    ("prometheus_enabled", "prometheus.enabled"))
 
 
 def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
@@ -103,6 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_fleet_flags(up)
     up.add_argument("--autoscale", dest="autoscale_enabled", action="store_true", default=None,
                     help="start the autoscaler too (its settings: the fleet file's autoscale: section)")
+    up.add_argument("--prometheus", dest="prometheus_enabled", action="store_true", default=None,
+                    help="start a local Prometheus that scrapes the fleet and runs the alert rules")
 
     st = sub.add_parser("status", help="show the fleet as etcd sees it")
     st.add_argument("--cluster", default=None)
@@ -274,6 +277,8 @@ def _print_status(status: dict[str, Any]) -> None:
               else "supervisor: [red]no controller leads this cluster[/] (drain/restart need one)")
     if status["routers"]:
         out.print("routers: " + ", ".join(f"{r['id']} {r['url']}" for r in status["routers"]))
+    if status.get("prometheus"):
+        out.print(f"prometheus: {status['prometheus']} (alerts: {status['prometheus']}/alerts)")
     if not status["workers"]:
         out.print("(no workers registered)")
 
@@ -359,6 +364,9 @@ def _print_where_to_look(fleet: Any, n_ready: int, config: FleetConfig) -> None:
     out.print("  status  fleetward status          events  fleetward events")
     if fleet.router_url:
         out.print(f"  router  {fleet.router_url}   (OpenAI-compatible; streams survive worker failures)")
+    if getattr(fleet, "prometheus", None) is not None:
+        out.print(f"  prom    {fleet.prometheus.url}   (alerts: {fleet.prometheus.url}/alerts; rules in "
+                  "runbooks/alerts/)")
     if getattr(fleet, "autoscaler", None) is not None:
         a = config.autoscale
         out.print(f"  scale   {a.policy} policy, {a.min_workers}-{a.max_workers} workers: decisions in etcd "
@@ -381,6 +389,9 @@ async def _cmd_status(args: argparse.Namespace) -> int:
     finally:
         await store.aclose()
     status = fleet.to_status()
+    path = state_file(args.run_dir, cluster)  # what a local fleet started beside the key space (Prometheus)
+    local: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    status["prometheus"] = local.get("prometheus") if local.get("cluster") == cluster else None
     if args.json:
         print(json.dumps(status, indent=2))
     else:

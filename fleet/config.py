@@ -28,6 +28,7 @@ __all__ = [
     "FleetConfig",
     "Frozen",
     "ProcessRef",
+    "PrometheusConfig",
     "RouterConfig",
     "SimConfig",
     "SupervisorConfig",
@@ -204,6 +205,15 @@ class AutoscaleConfig(Frozen):
         return self
 
 
+class PrometheusConfig(Frozen):
+    """A local Prometheus (``fleetward up --prometheus``): scrapes every service and worker, runs the alert rules."""
+
+    enabled: bool = Field(False, description="``up``: start Prometheus (``--prometheus``; Debian's prometheus package)")
+    host: str = Field("127.0.0.1", description="address it binds (``up``: the top-level host unless set)")
+    port: int = Field(0, ge=0, le=65535, description="its web and API port; 0 picks a free one")
+    scrape_interval_s: float = Field(5.0, gt=0, description="how often targets are scraped and rules evaluated")
+
+
 class ProcessRef(Frozen):
     """How a node agent finds the process of a server it did not start: exactly one of these."""
 
@@ -283,6 +293,7 @@ class FleetConfig(Frozen):
     routing: RouterConfig = Field(RouterConfig(), description="the router")
     supervisor: SupervisorConfig = Field(SupervisorConfig(), description="health detection and remediation")
     autoscale: AutoscaleConfig = Field(AutoscaleConfig(), description="SLA-driven scaling of the workers")
+    prometheus: PrometheusConfig = Field(PrometheusConfig(), description="a local Prometheus with the alert rules")
 
     @field_validator("etcd", "mqtt")
     @classmethod

@@ -1,0 +1,100 @@
+"""``fleetward up --prometheus`` as a user runs it: a real Prometheus (Debian's) scrapes every service and worker
+found in etcd, loads the alert rules, and a silent hang on a worker makes ``FleetwardWorkerHung`` fire, read
+back through Prometheus' HTTP API."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import psutil
+import pytest
+
+from fleetward.fleet.procs import ManagedProcess
+from fleetward.fleet.sse import sse_lines
+
+FLEETWARD = [sys.executable, "-m", "fleetward.cli"]
+ENV = {"PYTHONSAFEPATH": "1"}
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*FLEETWARD, *args], capture_output=True, text=True, timeout=60, env={**os.environ, **ENV})
+
+
+@pytest.fixture
+def prometheus_installed() -> None:
+    from fleetward.fleet.errors import ProcessError
+    from fleetward.fleet.prometheus import prometheus_binary
+
+    try:
+        prometheus_binary()
+    except ProcessError as exc:
+        if os.geteuid() == 0:
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
+
+
+async def test_up_prometheus_scrapes_the_fleet_and_an_alert_fires_on_a_silent_hang(
+        tmp_path: Path, wait_until: Any, prometheus_installed: None) -> None:
+    conf = tmp_path / "fleet.yaml"
+    conf.write_text("workers: 2\nprometheus:\n  scrape_interval_s: 1\nsupervisor:\n  canary_interval_s: 2\n"
+                    "sim:\n  decode_step_ms: 20\n")
+    up = ManagedProcess("fleetward up", [*FLEETWARD, "up", "--prometheus", "--config", str(conf), "--run-dir",
+                                         str(tmp_path), "--cluster", "promtest"], log_path=tmp_path / "up.log",
+                        env=ENV).start()
+    try:
+        def status() -> dict[str, Any] | None:
+            r = run("status", "--json", "--run-dir", str(tmp_path), "--cluster", "promtest")
+            if r.returncode != 0:
+                return None
+            data = json.loads(r.stdout)
+            ready = [w for w in data["workers"] if w["health"] == "ready"]
+            return data if len(ready) == 2 and data["prometheus"] else None
+
+        data = await wait_until(status, timeout=90, interval=0.5, message="2 ready workers and Prometheus")
+        prom = data["prometheus"]
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            async def targets_up() -> set[str] | None:
+                body = (await client.get(prom + "/api/v1/targets")).json()["data"]["activeTargets"]
+                jobs = {t["labels"]["job"] for t in body if t["health"] == "up"}
+                return jobs if jobs >= {"router", "controller", "worker"} else None
+
+            await wait_until(targets_up, timeout=60, interval=0.5, message="every service scraped and up")
+            rules = (await client.get(prom + "/api/v1/rules")).json()["data"]["groups"]
+            assert {"fleetward-workers", "fleetward-slo", "fleetward-control-plane"} <= {g["name"] for g in rules}
+            firing = (await client.get(prom + "/api/v1/alerts")).json()["data"]["alerts"]
+            assert [a for a in firing if a["labels"]["alertname"] == "FleetwardWorkerHung"] == [], "quiet so far"
+            # A stream, then SIGSTOP the worker under it: alive, /health never asked, no tokens.
+            stopped: list[int] = []
+            async with client.stream("POST", data["routers"][0]["url"] + "/v1/completions",
+                                     json={"model": "sim-tiny", "prompt": "hang here", "max_tokens": 400,
+                                           "stream": True},
+                                     headers={"X-Fleetward-Trace": "1"}) as r:
+                async for line in sse_lines(r.aiter_bytes()):
+                    if not stopped and line.startswith("data: {"):
+                        worker = orjson.loads(line[6:])["fleetward"]["worker"]
+                        pid = next(w["pid"] for w in data["workers"] if w["id"] == worker)
+                        os.kill(pid, signal.SIGSTOP)
+                        stopped.append(pid)
+
+            async def hung_alert() -> bool:
+                alerts = (await client.get(prom + "/api/v1/alerts")).json()["data"]["alerts"]
+                return any(a["labels"]["alertname"] == "FleetwardWorkerHung" and a["state"] == "firing"
+                           and a["annotations"]["runbook_url"] == "runbooks/worker-hung.md" for a in alerts)
+
+            await wait_until(hung_alert, timeout=60, interval=0.5, message="FleetwardWorkerHung fires")
+        tree = up.tree()
+        up.signal(signal.SIGTERM)
+        assert await up.wait_exit() == 0
+        assert "stopped; no process left behind" in up.log_tail()
+        assert [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+    finally:
+        if up.is_running:
+            await up.stop(grace=5)
