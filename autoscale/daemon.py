@@ -22,7 +22,6 @@ the act is finished, once. A deposed leader's write fails on the fence, so it ne
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -44,8 +43,8 @@ from fleetward.autoscale.planner import DynamoStyle, Observation, Planner, Polic
 from fleetward.fleet.bus import EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import AutoscaleConfig, SimConfig
-from fleetward.fleet.errors import ConfigError, FleetwardError, StoreError
-from fleetward.fleet.etcd import Election, LeadershipLost, LeaseKeeper, Put, StateStore
+from fleetward.fleet.errors import ConfigError
+from fleetward.fleet.etcd import Election, LeadershipLost, LeaseKeeper, Put, StateStore, lead_forever
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.registry import FleetSnapshot, read_fleet
 from fleetward.fleet.telemetry import link_gauges
@@ -167,26 +166,22 @@ class Autoscaler:
 
     async def run(self) -> None:
         """Campaign, lead until leadership is lost, campaign again; until cancelled."""
+
+        def leading(election: Election) -> None:
+            self.election = election
+            log.info("autoscaler %s leads cluster %s", self.id, self.keys.cluster)
+            self.leading.set()
+            self.metrics.leader.set(1)
+            self.metrics.leaderships.inc()
+
+        def stepped_down() -> None:
+            self.leading.clear()
+            self.metrics.leader.set(0)
+
         try:
-            while True:
-                lease = await LeaseKeeper(self.store, self.config.lease_ttl_s, clock=self.clock).start()
-                self.election = Election(self.store, self.keys.leader("autoscaler"),
-                                         candidate=json.dumps({"id": self.id, "url": self.url}), lease=lease)
-                try:
-                    await self.election.campaign()
-                    log.info("autoscaler %s leads cluster %s", self.id, self.keys.cluster)
-                    self.leading.set()
-                    self.metrics.leader.set(1)
-                    self.metrics.leaderships.inc()
-                    await self._lead(lease)
-                except (LeadershipLost, StoreError) as exc:
-                    log.warning("autoscaler %s lost leadership: %s", self.id, exc)
-                finally:
-                    self.leading.clear()
-                    self.metrics.leader.set(0)
-                    with contextlib.suppress(FleetwardError):
-                        await self.election.resign()
-                    await lease.aclose()
+            await lead_forever(self.store, self.keys.leader("autoscaler"), name=f"autoscaler {self.id}",
+                               candidate=json.dumps({"id": self.id, "url": self.url}), ttl_s=self.config.lease_ttl_s,
+                               lead=self._lead, on_leading=leading, on_stepped_down=stepped_down, clock=self.clock)
         finally:
             await self.observer.aclose()
 

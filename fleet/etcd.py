@@ -74,6 +74,7 @@ __all__ = [
     "TxnResult",
     "WatchEvent",
     "dumps",
+    "lead_forever",
     "loads_all",
     "prefix_end",
 ]
@@ -679,3 +680,27 @@ def dumps(obj: Any) -> bytes:
 
 def loads_all(items: Iterable[KV]) -> dict[str, Any]:
     return {kv.key: kv.json() for kv in items}
+
+
+async def lead_forever(store: StateStore, prefix: str, *, candidate: str, ttl_s: int, name: str,
+                       lead: Callable[[LeaseKeeper], Awaitable[None]], on_leading: Callable[[Election], None],
+                       on_stepped_down: Callable[[], None], clock: Clock = SYSTEM_CLOCK) -> None:
+    """Campaign under ``prefix`` with a fresh lease, lead (``await lead(lease)``) until leadership is lost (a
+    :class:`LeadershipLost` or a :class:`StoreError` out of it), step down (resign, revoke the lease), and
+    campaign again; until cancelled. ``on_leading(election)`` runs once this candidate leads, before ``lead``;
+    ``on_stepped_down()`` whenever a term (or a campaign) ends. The supervisor's controllers and the
+    autoscalers both run this way."""
+    while True:
+        lease = await LeaseKeeper(store, ttl_s, clock=clock).start()
+        election = Election(store, prefix, candidate=candidate, lease=lease)
+        try:
+            await election.campaign()
+            on_leading(election)
+            await lead(lease)
+        except (LeadershipLost, StoreError) as exc:
+            log.warning("%s lost leadership: %s", name, exc)
+        finally:
+            on_stepped_down()
+            with contextlib.suppress(FleetwardError):
+                await election.resign()
+            await lease.aclose()

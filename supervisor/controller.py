@@ -30,7 +30,6 @@ A standby answers 409 with the leader's address.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import re
@@ -48,8 +47,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from fleetward.fleet.bus import EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import SupervisorConfig
-from fleetward.fleet.errors import FleetwardError, StoreError
-from fleetward.fleet.etcd import Compare, Delete, Election, LeadershipLost, LeaseKeeper, Put, StateStore
+from fleetward.fleet.errors import StoreError
+from fleetward.fleet.etcd import Compare, Delete, Election, LeadershipLost, LeaseKeeper, Put, StateStore, lead_forever
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.registry import read_leader
 from fleetward.fleet.telemetry import link_gauges
@@ -154,29 +153,25 @@ class Controller:
 
     async def run(self) -> None:
         """Campaign, lead until leadership is lost, campaign again; until cancelled."""
+
+        def leading(election: Election) -> None:
+            self.election = election
+            log.info("controller %s leads cluster %s", self.id, self.keys.cluster)
+            self.leading.set()
+            self.metrics.leader.set(1)
+            self.metrics.leaderships.inc()
+
+        def stepped_down() -> None:
+            self.leading.clear()
+            self.metrics.leader.set(0)
+            for t in self._canaries.values():
+                t.cancel()
+            self._canaries.clear()
+
         try:
-            while True:
-                lease = await LeaseKeeper(self.store, self.config.lease_ttl_s, clock=self.clock).start()
-                self.election = Election(self.store, self.keys.leader("supervisor"),
-                                         candidate=json.dumps({"id": self.id, "url": self.url}), lease=lease)
-                try:
-                    await self.election.campaign()
-                    log.info("controller %s leads cluster %s", self.id, self.keys.cluster)
-                    self.leading.set()
-                    self.metrics.leader.set(1)
-                    self.metrics.leaderships.inc()
-                    await self._lead(lease)
-                except (LeadershipLost, StoreError) as exc:
-                    log.warning("controller %s lost leadership: %s", self.id, exc)
-                finally:
-                    self.leading.clear()
-                    self.metrics.leader.set(0)
-                    for t in self._canaries.values():
-                        t.cancel()
-                    self._canaries.clear()
-                    with contextlib.suppress(FleetwardError):
-                        await self.election.resign()
-                    await lease.aclose()
+            await lead_forever(self.store, self.keys.leader("supervisor"), name=f"controller {self.id}",
+                               candidate=json.dumps({"id": self.id, "url": self.url}), ttl_s=self.config.lease_ttl_s,
+                               lead=self._lead, on_leading=leading, on_stepped_down=stepped_down, clock=self.clock)
         finally:
             if self._http is not None:
                 await self._http.close()
