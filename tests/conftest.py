@@ -22,7 +22,11 @@ Per test (function-scoped):
 - ``spawn_python(code, *args, ready="READY")``: run ``python -c code args...`` as a
   :class:`ManagedProcess` and wait until its output holds the ``ready`` line; stopped after the test;
 - ``outside_servers(n, sim_config)``: simulated workers started as an operator starts servers (detached,
-  a pidfile each, a command to start one again), for fleetward to adopt; killed after the test.
+  a pidfile each, a command to start one again), for fleetward to adopt; killed after the test;
+- ``fleetward_up(*args, run_dir=, cluster=)``: ``fleetward up ARGS`` as a user runs it (an async context
+  manager yielding the process and a ``status()`` that returns ``fleetward status --json`` or None); on
+  leaving, SIGTERM, and the test fails unless it exits 0 leaving no process behind;
+  ``fleetward_cli(*args, cwd=None)``: any other ``fleetward`` command, run to completion.
 
 Leftover processes: after each test module, any process started during the module that is still alive
 (a descendant of pytest, or an orphan carrying this session's mark in its environment) and not registered
@@ -35,8 +39,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import uuid
@@ -379,3 +385,48 @@ def outside_servers(tmp_path: Path) -> Iterator[Callable[..., list[OutsideServer
     finally:
         for server in made:
             server.kill()
+
+
+# -- the CLI as a user runs it ----------------------------------------------------------------------------
+
+FLEETWARD = [sys.executable, "-m", "fleetward.cli"]
+
+
+def _cli(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*FLEETWARD, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          env={**os.environ, "PYTHONSAFEPATH": "1"})
+
+
+@pytest.fixture
+def fleetward_cli() -> Callable[..., subprocess.CompletedProcess[str]]:
+    return _cli
+
+
+class UpProcess:
+    def __init__(self, process: ManagedProcess, run_dir: Path, cluster: str) -> None:
+        self.process, self.run_dir, self.cluster = process, run_dir, cluster
+
+    def status(self) -> dict[str, Any] | None:
+        r = _cli("status", "--json", "--run-dir", str(self.run_dir), "--cluster", self.cluster, timeout=60)
+        return json.loads(r.stdout) if r.returncode == 0 else None
+
+
+@pytest.fixture
+def fleetward_up() -> Callable[..., contextlib.AbstractAsyncContextManager[UpProcess]]:
+    @contextlib.asynccontextmanager
+    async def up(*args: str, run_dir: Path, cluster: str) -> AsyncIterator[UpProcess]:
+        proc = ManagedProcess("fleetward up", [*FLEETWARD, "up", *args, "--run-dir", str(run_dir), "--cluster",
+                                               cluster], log_path=run_dir / "up.log",
+                              env={"PYTHONSAFEPATH": "1"}).start()
+        try:
+            yield UpProcess(proc, run_dir, cluster)
+            tree = proc.tree()
+            proc.signal(signal.SIGTERM)
+            assert await proc.wait_exit() == 0, proc.log_tail()
+            assert "stopped; no process left behind" in proc.log_tail()
+            assert [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+        finally:
+            if proc.is_running:
+                await proc.stop(grace=5)
+
+    return up

@@ -4,28 +4,16 @@ back through Prometheus' HTTP API."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
-import psutil
 import pytest
 
-from fleetward.fleet.procs import ManagedProcess
 from fleetward.fleet.sse import sse_lines
-
-FLEETWARD = [sys.executable, "-m", "fleetward.cli"]
-ENV = {"PYTHONSAFEPATH": "1"}
-
-
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*FLEETWARD, *args], capture_output=True, text=True, timeout=60, env={**os.environ, **ENV})
 
 
 @pytest.fixture
@@ -42,23 +30,18 @@ def prometheus_installed() -> None:
 
 
 async def test_up_prometheus_scrapes_the_fleet_and_an_alert_fires_on_a_silent_hang(
-        tmp_path: Path, wait_until: Any, prometheus_installed: None) -> None:
+        tmp_path: Path, wait_until: Any, prometheus_installed: None, fleetward_up: Any) -> None:
     conf = tmp_path / "fleet.yaml"
     conf.write_text("workers: 2\nprometheus:\n  scrape_interval_s: 1\nsupervisor:\n  canary_interval_s: 2\n"
                     "sim:\n  decode_step_ms: 20\n")
-    up = ManagedProcess("fleetward up", [*FLEETWARD, "up", "--prometheus", "--config", str(conf), "--run-dir",
-                                         str(tmp_path), "--cluster", "promtest"], log_path=tmp_path / "up.log",
-                        env=ENV).start()
-    try:
-        def status() -> dict[str, Any] | None:
-            r = run("status", "--json", "--run-dir", str(tmp_path), "--cluster", "promtest")
-            if r.returncode != 0:
+    async with fleetward_up("--prometheus", "--config", str(conf), run_dir=tmp_path, cluster="promtest") as up:
+        def ready() -> dict[str, Any] | None:
+            data = up.status()
+            if not data or not data["prometheus"]:
                 return None
-            data = json.loads(r.stdout)
-            ready = [w for w in data["workers"] if w["health"] == "ready"]
-            return data if len(ready) == 2 and data["prometheus"] else None
+            return data if sorted(w["health"] for w in data["workers"]) == ["ready", "ready"] else None
 
-        data = await wait_until(status, timeout=90, interval=0.5, message="2 ready workers and Prometheus")
+        data = await wait_until(ready, timeout=90, interval=0.5, message="2 ready workers and Prometheus")
         prom = data["prometheus"]
         async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
             async def targets_up() -> set[str] | None:
@@ -75,8 +58,7 @@ async def test_up_prometheus_scrapes_the_fleet_and_an_alert_fires_on_a_silent_ha
             stopped: list[int] = []
             async with client.stream("POST", data["routers"][0]["url"] + "/v1/completions",
                                      json={"model": "sim-tiny", "prompt": "hang here", "max_tokens": 400,
-                                           "stream": True},
-                                     headers={"X-Fleetward-Trace": "1"}) as r:
+                                           "stream": True}, headers={"X-Fleetward-Trace": "1"}) as r:
                 async for line in sse_lines(r.aiter_bytes()):
                     if not stopped and line.startswith("data: {"):
                         worker = orjson.loads(line[6:])["fleetward"]["worker"]
@@ -90,11 +72,3 @@ async def test_up_prometheus_scrapes_the_fleet_and_an_alert_fires_on_a_silent_ha
                            and a["annotations"]["runbook_url"] == "runbooks/worker-hung.md" for a in alerts)
 
             await wait_until(hung_alert, timeout=60, interval=0.5, message="FleetwardWorkerHung fires")
-        tree = up.tree()
-        up.signal(signal.SIGTERM)
-        assert await up.wait_exit() == 0
-        assert "stopped; no process left behind" in up.log_tail()
-        assert [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
-    finally:
-        if up.is_running:
-            await up.stop(grace=5)

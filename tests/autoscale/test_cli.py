@@ -3,61 +3,34 @@ the user would leave them."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from fleetward.autoscale.capacity import CapacityModel, Sla
-from fleetward.fleet.procs import ManagedProcess
-
-FLEETWARD = [sys.executable, "-m", "fleetward.cli"]
-ENV = {"PYTHONSAFEPATH": "1"}
 
 
-def run(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*FLEETWARD, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                          env={**os.environ, **ENV})
-
-
-@pytest.mark.asyncio
-async def test_up_autoscale_scales_to_the_minimum_and_sigterm_leaves_nothing(tmp_path: Path, wait_until: Any) -> None:
+async def test_up_autoscale_scales_to_the_minimum_and_sigterm_leaves_nothing(tmp_path: Path, wait_until: Any,
+                                                                           fleetward_up: Any) -> None:
     conf = tmp_path / "fleet.yaml"
     conf.write_text("workers: 1\nautoscale:\n  interval_s: 0.5\n  min_workers: 2\n  max_workers: 3\n"
                     "  per_worker_rps: 4\n")
-    up = ManagedProcess("fleetward up", [*FLEETWARD, "up", "--autoscale", "--config", str(conf), "--run-dir",
-                                         str(tmp_path), "--cluster", "astest"], log_path=tmp_path / "up.log",
-                        env=ENV).start()
-    try:
-        def status() -> dict[str, Any] | None:
-            r = run("status", "--json", "--run-dir", str(tmp_path), "--cluster", "astest")
-            if r.returncode != 0:
-                return None
-            data = json.loads(r.stdout)
-            return data if sorted(w["health"] for w in data["workers"]) == ["ready", "ready"] else None
+    async with fleetward_up("--autoscale", "--config", str(conf), run_dir=tmp_path, cluster="astest") as up:
+        def two_ready() -> dict[str, Any] | None:
+            data = up.status()
+            return data if data and sorted(w["health"] for w in data["workers"]) == ["ready", "ready"] else None
 
-        data = await wait_until(status, timeout=90, interval=0.5, message="the autoscaler brought a second worker")
-        assert {w["id"] for w in data["workers"]} == {f"{w['node']}-w0" for w in data["workers"]} | {
-            f"{data['workers'][0]['node']}-w1"}
-        assert "scale   fleetward policy" in up.log_tail(4000)
-        tree = up.tree()
-        up.signal(signal.SIGTERM)
-        assert await up.wait_exit() == 0
-        assert "stopped; no process left behind" in up.log_tail()
-        assert [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
-    finally:
-        if up.is_running:
-            await up.stop(grace=5)
+        data = await wait_until(two_ready, timeout=90, interval=0.5, message="the autoscaler brought a second worker")
+        node = data["workers"][0]["node"]
+        assert {w["id"] for w in data["workers"]} == {f"{node}-w0", f"{node}-w1"}
+        assert "scale   fleetward policy" in up.process.log_tail(4000)
 
 
-def test_profile_measures_a_worker_it_starts_and_writes_a_model_the_autoscaler_takes(tmp_path: Path) -> None:
-    r = run("profile", "--rates", "1,8", "--step", "2", "--max-tokens", "16", "--out", "cap.json", cwd=tmp_path)
+def test_profile_measures_a_worker_it_starts_and_writes_a_model_the_autoscaler_takes(tmp_path: Path,
+                                                                                   fleetward_cli: Any) -> None:
+    r = fleetward_cli("profile", "--rates", "1,8", "--step", "2", "--max-tokens", "16", "--out", "cap.json",
+                      cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "wrote cap.json: 2 point(s)" in r.stdout and "the worker serves after" in r.stderr
     model = CapacityModel.load(tmp_path / "cap.json")
@@ -66,7 +39,8 @@ def test_profile_measures_a_worker_it_starts_and_writes_a_model_the_autoscaler_t
     assert (tmp_path / ".fleetward" / "profile" / "worker-profile-w0.log").exists(), "the default run dir"
 
 
-def test_profile_refuses_bad_rates_and_an_unreachable_server_clearly(tmp_path: Path) -> None:
+def test_profile_refuses_bad_rates_and_an_unreachable_server_clearly(tmp_path: Path, fleetward_cli: Any) -> None:
+    run = fleetward_cli
     r = run("profile", "--rates", "4,2", cwd=tmp_path)
     assert r.returncode == 2 and "--rates: positive requests/s, strictly rising" in r.stderr
     r = run("profile", "--url", "http://127.0.0.1:9", cwd=tmp_path)
