@@ -56,15 +56,15 @@ def test_replay_refuses_bad_input_clearly(tmp_path: Path, capsys: pytest.Capture
 
 
 def test_live_replay_runs_the_trace_through_a_local_fleet_with_the_autoscaler(tmp_path: Path) -> None:
-    """30x faster and at 5 % of the rate: 1.5 req/s, then 12, then 1.5, for 20 s each."""
-    r = subprocess.run([sys.executable, "-m", "fleetward.cli", "replay", str(trace(tmp_path)), "--speed", "30",
-                        "--rate-scale", "0.05", "--max-output", "32", "--json", "--out", "out"], cwd=tmp_path,
+    """60x faster and at 2.5 % of the rate: 1.5 req/s, then 12, then 1.5, for 10 s each."""
+    r = subprocess.run([sys.executable, "-m", "fleetward.cli", "replay", str(trace(tmp_path)), "--speed", "60",
+                        "--rate-scale", "0.025", "--max-output", "32", "--json", "--out", "out"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONSAFEPATH": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout)
     assert result["mode"] == "live" and set(result["policies"]) == {"fleetward"}
     live = result["policies"]["fleetward"]
-    assert live["cut_streams"] == 0 and live["failed"] == 0 and live["requests"] > 200
+    assert live["cut_streams"] == 0 and live["failed"] == 0 and live["requests"] > 100
     assert live["scale_events"] >= 2, "up for the burst, down after it"
     assert 0 < live["sla_attainment"] <= 1 and live["worker_hours"] > 0
     assert (tmp_path / "out" / "replay-live.png").exists() and (tmp_path / "out" / "capacity.json").exists()
