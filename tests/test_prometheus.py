@@ -1,6 +1,6 @@
 """``fleetward up --prometheus`` as a user runs it: a real Prometheus (Debian's) scrapes every service and worker
 found in etcd, loads the alert rules, and a silent hang on a worker makes ``FleetwardWorkerHung`` fire, read
-back through Prometheus' HTTP API."""
+back through Prometheus' HTTP API; then every query of every dashboard panel returns data."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import httpx
 import orjson
 import pytest
 
+from fleetward.cli.dashboards import panel_queries
 from fleetward.fleet.sse import sse_lines
 
 
@@ -33,8 +34,10 @@ async def test_up_prometheus_scrapes_the_fleet_and_an_alert_fires_on_a_silent_ha
         tmp_path: Path, wait_until: Any, prometheus_installed: None, fleetward_up: Any) -> None:
     conf = tmp_path / "fleet.yaml"
     conf.write_text("workers: 2\nprometheus:\n  scrape_interval_s: 1\nsupervisor:\n  canary_interval_s: 2\n"
-                    "sim:\n  decode_step_ms: 20\n")
-    async with fleetward_up("--prometheus", "--config", str(conf), run_dir=tmp_path, cluster="promtest") as up:
+                    "sim:\n  decode_step_ms: 20\nautoscale:\n  interval_s: 1\n  min_workers: 2\n  max_workers: 2\n"
+                    "  per_worker_rps: 4\n")
+    async with fleetward_up("--prometheus", "--autoscale", "--config", str(conf), run_dir=tmp_path,
+                            cluster="promtest") as up:
         def ready() -> dict[str, Any] | None:
             data = up.status()
             if not data or not data["prometheus"]:
@@ -47,7 +50,7 @@ async def test_up_prometheus_scrapes_the_fleet_and_an_alert_fires_on_a_silent_ha
             async def targets_up() -> set[str] | None:
                 body = (await client.get(prom + "/api/v1/targets")).json()["data"]["activeTargets"]
                 jobs = {t["labels"]["job"] for t in body if t["health"] == "up"}
-                return jobs if jobs >= {"router", "controller", "worker"} else None
+                return jobs if jobs >= {"router", "controller", "worker", "autoscaler"} else None
 
             await wait_until(targets_up, timeout=60, interval=0.5, message="every service scraped and up")
             rules = (await client.get(prom + "/api/v1/rules")).json()["data"]["groups"]
@@ -72,3 +75,21 @@ async def test_up_prometheus_scrapes_the_fleet_and_an_alert_fires_on_a_silent_ha
                            and a["annotations"]["runbook_url"] == "runbooks/worker-hung.md" for a in alerts)
 
             await wait_until(hung_alert, timeout=60, interval=0.5, message="FleetwardWorkerHung fires")
+
+            # Every dashboard panel, as Grafana would ask for it now: some value that is a number.
+            async def empty_panels() -> list[str]:
+                missing = []
+                for uid, title, expr in panel_queries():
+                    result = (await client.get(prom + "/api/v1/query", params={"query": expr})).json()["data"]
+                    values = [float(r["value"][1]) for r in result["result"]]
+                    if not [v for v in values if v == v]:  # none, or only NaN (a quantile of nothing)
+                        missing.append(f"{uid} / {title}: {expr}")
+                return missing
+
+            async def all_have_data() -> bool:
+                return not await empty_panels()
+
+            try:
+                await wait_until(all_have_data, timeout=30, interval=1.0, message="every panel has data")
+            except BaseException:
+                raise AssertionError("panels without data:\n" + "\n".join(await empty_panels())) from None
