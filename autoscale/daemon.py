@@ -231,8 +231,8 @@ class Autoscaler:
 
     async def step(self) -> dict[str, PoolRecord]:
         """Observe, decide and act once for every pool; the records written."""
-        seen = await self.observer.observe(self.config.pools, self.config.interval_s, self._known())
         fleet = await read_fleet(self.store, self.keys)
+        seen = await self.observer.observe(self.config.pools, self.config.interval_s, self._known(), fleet)
         for pool, (obs, view) in seen.items():
             await self._step_pool(pool, obs, view, fleet)
         self.steps += 1
@@ -244,7 +244,7 @@ class Autoscaler:
         rec = self.records[pool]
         self._settle(rec, view)
         waiting_for = [w for w in rec.asked if w not in view.members or view.state_of(w) is HealthState.DEAD]
-        obs = _with_starting(obs, obs.starting + len(waiting_for))
+        obs = dataclasses.replace(obs, starting=obs.starting + len(waiting_for))
         decision = self.policies[pool].decide(obs)
         have = obs.healthy + obs.starting
         add: list[NewWorker] = []
@@ -272,9 +272,9 @@ class Autoscaler:
         try:
             if add or again:
                 await self.actuator.add(pool, [*add, *again], decision.reason)
+            # Retiring, and not draining or stopped yet: the drain was never asked (a leader cut off) or failed.
             pending_retire = [w for w in rec.retiring
-                              if view.state_of(w) is not None and view.state_of(w) is not HealthState.DRAINING
-                              and view.state_of(w) is not HealthState.DEAD]
+                              if view.state_of(w) not in (None, HealthState.DRAINING, HealthState.DEAD)]
             if pending_retire:
                 await self.actuator.retire(pool, pending_retire, self.config.drain_deadline_s, decision.reason)
         except ActuationError:
@@ -369,9 +369,6 @@ class Autoscaler:
 
         return app
 
-
-def _with_starting(obs: Observation, starting: int) -> Observation:
-    return dataclasses.replace(obs, starting=starting)
 
 
 async def serve_autoscaler(config: AutoscaleConfig, *, etcd: str, mqtt: str, cluster: str, admin_token: str,

@@ -26,8 +26,8 @@ import httpx
 import orjson
 
 from fleetward.autoscale.capacity import Sla
-from fleetward.autoscale.simulate import FleetResult, IntervalRecord
-from fleetward.autoscale.traces import Trace, TraceRequest
+from fleetward.autoscale.simulate import FleetResult, IntervalRecord, p99
+from fleetward.autoscale.traces import Trace
 from fleetward.fleet.bus import EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.etcd import StateStore
@@ -36,7 +36,7 @@ from fleetward.fleet.registry import read_fleet
 from fleetward.fleet.sse import sse_lines
 from fleetward.fleet.worker import HealthState
 
-__all__ = ["ClientRecord", "replay_live"]
+__all__ = ["ClientRecord", "replay_live", "stream_request"]
 
 _ALIVE = {HealthState.STARTING, HealthState.READY, HealthState.SUSPECT, HealthState.DRAINING,
           HealthState.RESTARTING, HealthState.UNHEALTHY}
@@ -67,19 +67,18 @@ class ClientRecord:
                 and (self.itl_s or 0.0) <= sla.itl_s)
 
 
-async def _send(client: httpx.AsyncClient, router: str, model: str, req: TraceRequest, rec: ClientRecord,
-                prompt: list[int], clock: Clock) -> None:
-    body = {"model": model, "prompt": prompt, "max_tokens": rec.asked, "min_tokens": rec.asked, "ignore_eos": True,
-            "stream": True, "return_token_ids": True, "temperature": 0}
+async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, object], rec: ClientRecord, *,
+                         clock: Clock = SYSTEM_CLOCK, headers: dict[str, str] | None = None) -> ClientRecord:
+    """POST ``body`` (a streamed completion) to ``url`` and record in ``rec`` what the client saw: TTFT, mean
+    ITL, tokens, an error, and the workers that produced them (the router's trace header, when asked for)."""
     started = clock.monotonic()
     first = last = 0.0
     workers: set[str] = set()
     try:
-        async with client.stream("POST", router + "/v1/completions", json=body,
-                                 headers={"X-Fleetward-Trace": "1"}) as r:
+        async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
             if r.status_code != 200:
                 rec.error = f"HTTP {r.status_code}"
-                return
+                return rec
             async for line in sse_lines(r.aiter_bytes()):
                 if not line.startswith("data: {"):
                     continue
@@ -87,13 +86,14 @@ async def _send(client: httpx.AsyncClient, router: str, model: str, req: TraceRe
                 if "error" in data:
                     rec.error = str(data["error"].get("message", data["error"]))[:200]
                     continue
-                ids = data["choices"][0].get("token_ids") or []
-                if ids:
+                choice = data["choices"][0]
+                n = len(choice.get("token_ids") or []) or (1 if choice.get("text") else 0)
+                if n:
                     last = clock.monotonic()
                     if rec.tokens == 0:
                         first = last
                         rec.ttft_s = first - started
-                    rec.tokens += len(ids)
+                    rec.tokens += n
                     workers.add(str((data.get("fleetward") or {}).get("worker", "")))
     except (httpx.HTTPError, ValueError) as exc:  # a broken connection, or an event that is not JSON
         rec.error = f"{type(exc).__name__}: {exc}"[:200]
@@ -101,6 +101,7 @@ async def _send(client: httpx.AsyncClient, router: str, model: str, req: TraceRe
         rec.workers = len(workers)
         if rec.tokens > 1:
             rec.itl_s = (last - first) / (rec.tokens - 1)
+    return rec
 
 
 async def replay_live(trace: Trace, *, router: str, model: str, store: StateStore, keys: Keys, bus: EventBus,
@@ -167,7 +168,10 @@ async def replay_live(trace: Trace, *, router: str, model: str, store: StateStor
                 rec = ClientRecord(req.arrival_s, max(1, min(req.output_tokens, max_output_tokens)))
                 records.append(rec)
                 prompt = [rng.randrange(10, 200) for _ in range(max(1, min(req.input_tokens, max_prompt_tokens)))]
-                task = tg.create_task(_send(client, router, model, req, rec, prompt, clock))
+                body = {"model": model, "prompt": prompt, "max_tokens": rec.asked, "min_tokens": rec.asked,
+                        "ignore_eos": True, "stream": True, "return_token_ids": True, "temperature": 0}
+                task = tg.create_task(stream_request(client, router, body, rec, clock=clock,
+                                                     headers={"X-Fleetward-Trace": "1"}))
                 task.add_done_callback(done)
                 if on_progress is not None:
                     on_progress(len(records), finished)
@@ -181,13 +185,7 @@ async def replay_live(trace: Trace, *, router: str, model: str, store: StateStor
         policy="live", requests=len(records), met=sum(1 for r in records if r.meets(sla)),
         failed=sum(1 for r in records if r.failed), cut_streams=sum(1 for r in records if r.cut),
         migrated=sum(1 for r in records if r.workers > 1), worker_hours=worker_seconds / 3600.0,
-        scale_events=scale_events, ttft_p99=_p99([r.ttft_s for r in served if r.ttft_s is not None]),
-        itl_p99=_p99([r.itl_s for r in served if r.itl_s is not None]), timeline=timeline, reasons=reasons)
+        scale_events=scale_events, ttft_p99=p99([r.ttft_s for r in served if r.ttft_s is not None]),
+        itl_p99=p99([r.itl_s for r in served if r.itl_s is not None]), timeline=timeline, reasons=reasons)
     return result, records
 
-
-def _p99(values: list[float]) -> float | None:
-    if not values:
-        return None
-    values.sort()
-    return values[min(len(values) - 1, int(0.99 * len(values) + 0.5) - 1)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -40,6 +41,7 @@ TTFT = "fleetward_router_time_to_first_token_seconds"
 ITL = "fleetward_router_time_per_output_token_seconds"
 TOKENS = "fleetward_router_tokens"
 _STARTING = (HealthState.STARTING, HealthState.RESTARTING)
+_TRAILING_NUMBER = re.compile(r"\d+$")
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,8 @@ class PoolView:
 
 def _neg_id(worker: str) -> tuple[int, ...]:
     # Newest first among equals: a higher trailing number (``node-w7`` over ``node-w2``) sorts earlier.
-    digits = "".join(c for c in reversed(worker) if c.isdigit())[::-1] if worker[-1:].isdigit() else ""
-    return (-int(digits),) if digits else (0,)
+    trailing = _TRAILING_NUMBER.search(worker)
+    return (-int(trailing.group()),) if trailing else (0,)
 
 
 Buckets = dict[float, float]  # upper bound -> cumulative count
@@ -237,14 +239,15 @@ class Observer:
         return (prompt / finished, generated / finished) if finished > 0 else (0.0, 0.0)
 
     async def observe(self, pools: Sequence[str], interval_s: float, known: Mapping[str, str] | None = None,
-                      ) -> dict[str, tuple[Observation, PoolView]]:
+                      fleet: FleetSnapshot | None = None) -> dict[str, tuple[Observation, PoolView]]:
         """One observation per pool (``interval_s`` is the planning interval the policy plans in; ``known``
-        places unregistered workers in pools, see :meth:`view`)."""
-        fleet = await read_fleet(self.store, self.keys)
+        places unregistered workers in pools, see :meth:`view`; ``fleet``: the key space as just read, else
+        it is read here)."""
+        fleet = fleet if fleet is not None else await read_fleet(self.store, self.keys)
         now = self.clock.monotonic()
         elapsed = (now - self._at) if self._at is not None else None
         samples = await self._routers(fleet)
-        received, ttft, itl = 0.0, _empty(), _empty()
+        received, ttft, itl = 0.0, Buckets(), Buckets()
         for rid, s in samples.items():
             before = self._before.get(rid)
             if before is None or elapsed is None:
@@ -288,10 +291,6 @@ class Observer:
             node = rec.node if rec is not None else (str(h.extra["node"]) if h and h.extra.get("node") else None)
             view.members[wid] = Member(wid, node, rec.url if rec else None, h.state if h else None, rec is not None)
         return view
-
-
-def _empty() -> Buckets:
-    return {}
 
 
 def _add(a: Buckets, b: Buckets) -> Buckets:

@@ -16,12 +16,12 @@ import random
 from collections.abc import Callable, Sequence
 
 import httpx
-import orjson
 
 from fleetward.autoscale.capacity import CapacityPoint, Sla
+from fleetward.autoscale.live import ClientRecord, stream_request
+from fleetward.autoscale.simulate import p99
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.errors import FleetwardError
-from fleetward.fleet.sse import sse_lines
 
 __all__ = ["ProfileStep", "profile_worker", "rising_rates"]
 
@@ -34,40 +34,6 @@ def rising_rates(first: float = 0.25, factor: float = 1.5, steps: int = 24) -> l
     return [round(first * factor ** i, 4) for i in range(steps)]
 
 
-def _p99(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, int(0.99 * len(ordered) + 0.5) - 1))]
-
-
-async def _one(client: httpx.AsyncClient, url: str, body: dict[str, object],
-               clock: Clock) -> tuple[float, float] | None:
-    """(TTFT, mean ITL) of one streamed request, or None when it failed."""
-    started = clock.monotonic()
-    first = last = 0.0
-    n = 0
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                return None
-            async for line in sse_lines(r.aiter_bytes()):
-                if not line.startswith("data: {"):
-                    continue
-                data = orjson.loads(line[6:])
-                if "error" in data:
-                    return None
-                k = len(data["choices"][0].get("token_ids") or []) or (1 if data["choices"][0].get("text") else 0)
-                if k:
-                    last = clock.monotonic()
-                    if n == 0:
-                        first = last
-                    n += k
-    except (httpx.HTTPError, ValueError):  # a broken connection, or an event that is not JSON
-        return None
-    if n == 0:
-        return None
-    return first - started, (last - first) / (n - 1) if n > 1 else 0.0
-
-
 async def profile_worker(url: str, *, model: str, sla: Sla, rates: Sequence[float] | None = None, step_s: float = 20.0,
                          prompt_tokens: int = 128, max_tokens: int = 64, seed: int = 0, give_up_factor: float = 4.0,
                          on_step: ProfileStep | None = None, clock: Clock = SYSTEM_CLOCK) -> list[CapacityPoint]:
@@ -78,7 +44,7 @@ async def profile_worker(url: str, *, model: str, sla: Sla, rates: Sequence[floa
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=10.0), limits=limits, trust_env=False) as client:
         for rate in rates or rising_rates():
-            tasks: list[asyncio.Task[tuple[float, float] | None]] = []
+            tasks: list[asyncio.Task[ClientRecord]] = []
             t0 = clock.monotonic()
             t = 0.0
             while True:
@@ -91,9 +57,10 @@ async def profile_worker(url: str, *, model: str, sla: Sla, rates: Sequence[floa
                 prompt = [rng.randrange(10, 200) for _ in range(prompt_tokens)]
                 body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
                         "ignore_eos": True, "stream": True, "return_token_ids": True, "temperature": 0}
-                tasks.append(asyncio.create_task(_one(client, url, body, clock)))
+                tasks.append(asyncio.create_task(stream_request(client, url, body, ClientRecord(t, max_tokens),
+                                                                clock=clock)))
             results = await asyncio.gather(*tasks)
-            done = [r for r in results if r is not None]
+            done = [(r.ttft_s, r.itl_s or 0.0) for r in results if r.ttft_s is not None and r.error is None]
             failed = len(results) - len(done)
             if not done:
                 if not points:
@@ -102,7 +69,7 @@ async def profile_worker(url: str, *, model: str, sla: Sla, rates: Sequence[floa
                 if on_step is not None:
                     on_step(rate, None, failed)
                 break
-            point = CapacityPoint(rate, _p99([a for a, _ in done]), _p99([b for _, b in done]))
+            point = CapacityPoint(rate, p99([a for a, _ in done]) or 0.0, p99([b for _, b in done]) or 0.0)
             points.append(point)
             if on_step is not None:
                 on_step(rate, point, failed)

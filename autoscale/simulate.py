@@ -37,7 +37,7 @@ from fleetward.autoscale.planner import Observation, Policy, StaticPeak
 from fleetward.autoscale.traces import TraceRequest
 from fleetward.fleet.config import SimConfig
 
-__all__ = ["FleetResult", "IntervalRecord", "profile_capacity", "simulate"]
+__all__ = ["FleetResult", "IntervalRecord", "p99", "profile_capacity", "simulate"]
 
 # A worker for the simulator: the sim worker's latency model with a batch small enough that the traces
 # need a fleet (tens of workers) rather than one or two, and chunked prefill as vLLM V1 always runs it
@@ -231,7 +231,8 @@ class FleetResult:
                 "migrated": self.migrated}
 
 
-def _p99(values: list[float]) -> float | None:
+def p99(values: list[float]) -> float | None:
+    """The nearest-rank 99th percentile of ``values`` (sorted in place); None for none."""
     if not values:
         return None
     values.sort()
@@ -364,8 +365,8 @@ def simulate(requests: Sequence[TraceRequest], policy: Policy, *, sla: Sla, star
 
     def observe(t: float) -> Observation:
         ready = serving()
-        ttft = _p99([r.first_token - r.arrival for r in done_in_interval if r.first_token is not None])
-        itl = _p99([_mean_itl(r) for r in done_in_interval])
+        ttft = p99([r.first_token - r.arrival for r in done_in_interval if r.first_token is not None])
+        itl = p99([_mean_itl(r) for r in done_in_interval])
         n = len(arrivals_in_interval)
         return Observation(
             now=t, interval_s=interval_s, arrival_rate=n / interval_s, healthy=len(ready),
@@ -441,8 +442,8 @@ def simulate(requests: Sequence[TraceRequest], policy: Policy, *, sla: Sla, star
               and r.first_token - r.arrival <= sla.ttft_s and _mean_itl(r) <= sla.itl_s)
     served = [r for r in reqs if not r.failed and r.first_token is not None and r.finish is not None]
     return FleetResult(policy.name, len(reqs), met, stats["failed"], 0, stats["migrated"], worker_hours,
-                       stats["scale_events"], _p99([r.first_token - r.arrival for r in served]),  # type: ignore[operator]
-                       _p99([_mean_itl(r) for r in served]), timeline, reasons)
+                       stats["scale_events"], p99([r.first_token - r.arrival for r in served]),  # type: ignore[operator]
+                       p99([_mean_itl(r) for r in served]), timeline, reasons)
 
 
 def profile_capacity(sample: Sequence[TraceRequest], *, startup_s: float, config: SimConfig = DEFAULT_WORKER,

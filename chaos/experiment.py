@@ -44,6 +44,7 @@ from fleetward.chaos.fault import CATALOGUE, FaultSpec, Target
 from fleetward.chaos.targets import match_ids
 from fleetward.fleet.backends import BACKENDS, Backend, backend_capabilities, make_backend
 from fleetward.fleet.config import (
+    ID_PATTERN,
     Frozen,
     RouterConfig,
     SimConfig,
@@ -183,9 +184,9 @@ class FleetSpec(Frozen):
     backend: Literal["sim", "vllm"] = "sim"
     workers: int = Field(3, ge=1, le=64)
     routers: int = Field(1, ge=1, le=8)
-    node: str = Field("node", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="worker ids are "
+    node: str = Field("node", pattern=ID_PATTERN, description="worker ids are "
                       "<node>-w<i>")
-    cluster: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
+    cluster: str | None = Field(None, pattern=ID_PATTERN,
                                 description="default: chaos-<random> (or the attached fleet's)")
     etcd_members: Literal[1, 3] = Field(1, description="3: a local 3-member etcd cluster (control faults)")
     controllers: int = Field(1, ge=1, le=3, description="supervisor controllers: 1 runs inside the runner; 2 or 3 "

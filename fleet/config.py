@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from fleetward.fleet.errors import ConfigError
 
 __all__ = [
+    "ID_PATTERN",
     "AttachConfig",
     "AutoscaleConfig",
     "FleetConfig",
@@ -44,6 +45,9 @@ __all__ = [
 ]
 
 M = TypeVar("M", bound=BaseModel)
+
+# A name that is a key segment, an MQTT topic level and a file name at once: a cluster, a node, a worker id.
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 Path_ = tuple[str | int, ...]
 
 
@@ -240,7 +244,7 @@ class AttachConfig(Frozen):
     """
 
     url: str = Field(pattern=r"^https?://[^/\s:]+:[0-9]{1,5}/?$", description="http://host:port of the server")
-    id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
+    id: str | None = Field(None, pattern=ID_PATTERN,
                            description="the worker id (default <node>-<host>-<port>)")
     model: str | None = Field(None, description="the served model name (default: what /v1/models lists)")
     role: Literal["aggregated", "prefill", "decode"] = Field("aggregated", description="its pool")
@@ -269,7 +273,7 @@ class AttachConfig(Frozen):
 class FleetConfig(Frozen):
     """Everything ``fleetward up`` needs; each field is also a flag (``--workers``, ``--backend``, ...)."""
 
-    cluster: str = Field("local", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
+    cluster: str = Field("local", pattern=ID_PATTERN,
                          description="the cluster's name: its etcd prefix /fleetward/<cluster>/ and MQTT topics")
     workers: int = Field(3, ge=0, le=512, description="workers this node starts")
     backend: Literal["sim", "vllm"] = Field("sim", description="simulated workers, or real vLLM")

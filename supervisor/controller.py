@@ -46,13 +46,13 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from fleetward.fleet.bus import EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
-from fleetward.fleet.config import SupervisorConfig
+from fleetward.fleet.config import ID_PATTERN, SupervisorConfig
 from fleetward.fleet.errors import StoreError
 from fleetward.fleet.etcd import Compare, Delete, Election, LeadershipLost, LeaseKeeper, Put, StateStore, lead_forever
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.registry import read_leader
 from fleetward.fleet.telemetry import link_gauges
-from fleetward.fleet.worker import HealthRecord, HealthState, WorkerRecord
+from fleetward.fleet.worker import ROLES, HealthRecord, HealthState, WorkerRecord
 from fleetward.supervisor.detectors import (
     Detector,
     GoldenBook,
@@ -89,7 +89,7 @@ __all__ = ["Controller", "LeadershipLost"]
 
 log = logging.getLogger(__name__)
 
-_WORKER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+_WORKER_ID = re.compile(ID_PATTERN)
 _HTTP_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 
 
@@ -552,8 +552,8 @@ class Controller:
                 role, reason = str(body.get("role", "aggregated")), str(body.get("reason", "asked for"))
                 if not _WORKER_ID.fullmatch(wid) or not _WORKER_ID.fullmatch(node):
                     raise ValueError("id and node must be 1-63 of [A-Za-z0-9_.-], starting with a letter or digit")
-                if role not in ("aggregated", "prefill", "decode"):
-                    raise ValueError("role must be aggregated, prefill or decode")
+                if role not in ROLES:
+                    raise ValueError(f"role must be one of {', '.join(ROLES)}")
             except (ValueError, TypeError, KeyError, json.JSONDecodeError) as exc:
                 return JSONResponse({"error": f"bad start request: {exc!s} (needs id and node)"}, status_code=400)
             machine = self.machine
