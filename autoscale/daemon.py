@@ -38,7 +38,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from fleetward.autoscale.actuate import ActuationError, Actuator, NewWorker
 from fleetward.autoscale.capacity import CapacityModel, CapacityPoint, Sla
-from fleetward.autoscale.observe import Observer, PoolView
+from fleetward.autoscale.observe import Observer, PoolView, fraction_within
 from fleetward.autoscale.planner import DynamoStyle, Observation, Planner, Policy, Reactive, StaticPeak
 from fleetward.fleet.bus import EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
@@ -140,6 +140,9 @@ class _Metrics:
                               ["pool", "direction"], registry=r)
         self.errors = Counter("fleetward_autoscaler_actuation_errors", "Scaling steps that could not be carried out.",
                               ["pool"], registry=r)
+        self.attainment = Gauge("fleetward_autoscaler_sla_attainment_ratio",
+                                "Share of the last interval's requests within the SLA (slo: ttft or itl), from the "
+                                "routers' histograms, interpolated within a bucket.", ["pool", "slo"], registry=r)
 
 
 class Autoscaler:
@@ -353,6 +356,11 @@ class Autoscaler:
         for state, n in (("serving", obs.healthy), ("starting", obs.starting), ("unhealthy", obs.unhealthy),
                          ("retiring", len(rec.retiring)), ("parked", len(rec.parked))):
             m.workers.labels(pool, state).set(n)
+        for slo, bound, buckets in (("ttft", self.config.ttft_s, self.observer.ttft),
+                                    ("itl", self.config.itl_s, self.observer.itl)):
+            share = fraction_within(bound, buckets)
+            if share is not None:  # an interval without requests says nothing either way
+                m.attainment.labels(pool, slo).set(share)
 
     # -- HTTP -------------------------------------------------------------------------------------------
 

@@ -158,6 +158,23 @@ def histogram_quantile(q: float, buckets: Mapping[float, float]) -> float | None
     return lower
 
 
+def fraction_within(bound: float, buckets: Mapping[float, float]) -> float | None:
+    """The share of observations at or below ``bound``, interpolated linearly within the bucket it falls in (as
+    :func:`histogram_quantile` does the other way round). None without samples."""
+    bounds = sorted(buckets)
+    if not bounds or buckets[bounds[-1]] <= 0:
+        return None
+    total = buckets[bounds[-1]]
+    lower, below = 0.0, 0.0
+    for b in bounds:
+        if bound < b:
+            if math.isinf(b):
+                return below / total
+            return (below + (buckets[b] - below) * (bound - lower) / (b - lower)) / total
+        lower, below = b, buckets[b]
+    return 1.0
+
+
 def _delta(now: Buckets, before: Buckets) -> Buckets:
     return {b: max(0.0, c - before.get(b, 0.0)) for b, c in now.items()}
 
@@ -178,6 +195,7 @@ class Observer:
         self._before: dict[str, RouterSample] = {}
         self._workers_before: dict[str, WorkerSample] = {}
         self._at: float | None = None
+        self.ttft, self.itl = Buckets(), Buckets()  # the last interval's histograms, summed over the routers
 
     async def aclose(self) -> None:
         if self._own_http:
@@ -258,6 +276,7 @@ class Observer:
             ttft = _add(ttft, _delta(s.ttft, before.ttft))
             itl = _add(itl, _delta(s.itl, before.itl))
         self._before, self._at = samples, now
+        self.ttft, self.itl = ttft, itl
         rate = received / elapsed if elapsed else 0.0
         out = {}
         for pool in pools:

@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
+from fleetward.fleet.bus import FAULT_FAMILIES
 from fleetward.fleet.handle import Fleet
 from fleetward.fleet.infra import LocalBroker, LocalEtcd
 
@@ -41,7 +42,7 @@ __all__ = [
     "register",
 ]
 
-FAMILIES = ("process", "gpu", "network", "kv", "control", "load")
+FAMILIES = FAULT_FAMILIES
 Family = Literal["process", "gpu", "network", "kv", "control", "load"]
 
 

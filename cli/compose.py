@@ -90,6 +90,7 @@ class LocalFleet(AgentWorkers, FleetClient):
         self.controller: ServiceProcess | None = None
         self.autoscaler: ServiceProcess | None = None
         self.prometheus: LocalPrometheus | None = None
+        self._prometheus_plan: LocalPrometheus | None = None  # chosen before the controller starts, started last
         self._targets: asyncio.Task[None] | None = None
         self._http = httpx.AsyncClient(timeout=10.0, trust_env=False)
         # The mark every process this run starts inherits (the command sets it in its own environment, before
@@ -196,6 +197,11 @@ class LocalFleet(AgentWorkers, FleetClient):
                                worker_host=c.host)
         await self.agent.start()
         self._write_state()
+        if c.prometheus.enabled:  # its address first: the controller's fleet page lists its alerts
+            rules = Path(str(importlib.resources.files("fleetward.runbooks") / "alerts" / "fleetward.rules.yml"))
+            self._prometheus_plan = LocalPrometheus(
+                self.root / "prometheus", host=self._host_of(c.prometheus), port=c.prometheus.port,
+                scrape_interval_s=c.prometheus.scrape_interval_s, rule_files=(rules,))
         if c.controller:
             await self._start_controller()
         await self.agent.start_workers(specs, progress=lambda w, what: self._progress(w, what))
@@ -216,8 +222,11 @@ class LocalFleet(AgentWorkers, FleetClient):
     def _fleet_yaml(self) -> Path:
         """This fleet's settings as a file, for the router and controller processes (``--config``)."""
         c = self.config
+        supervisor = c.supervisor
+        if self._prometheus_plan is not None and not supervisor.prometheus_url:
+            supervisor = supervisor.model_copy(update={"prometheus_url": self._prometheus_plan.url})
         return write_service_config(self.root / "fleet.yaml", cluster=c.cluster, routing=c.routing,
-                                    supervisor=c.supervisor, autoscale=c.autoscale, backend=c.backend, sim=c.sim)
+                                    supervisor=supervisor, autoscale=c.autoscale, backend=c.backend, sim=c.sim)
 
     async def _start_autoscaler(self) -> None:
         c = self.config
@@ -235,9 +244,8 @@ class LocalFleet(AgentWorkers, FleetClient):
 
     async def _start_prometheus(self) -> None:
         c = self.config
-        rules = Path(str(importlib.resources.files("fleetward.runbooks") / "alerts" / "fleetward.rules.yml"))
-        prom = LocalPrometheus(self.root / "prometheus", host=self._host_of(c.prometheus), port=c.prometheus.port,
-                               scrape_interval_s=c.prometheus.scrape_interval_s, rule_files=(rules,))
+        prom = self._prometheus_plan
+        assert prom is not None
         self._progress("prometheus", f"starting Prometheus on {prom.url} (scraping every "
                        f"{c.prometheus.scrape_interval_s:g} s, the alert rules loaded)")
         writer = TargetsWriter(prom, self.store, self.keys)
@@ -327,6 +335,7 @@ class LocalFleet(AgentWorkers, FleetClient):
             "backend": self.backend.name,
             "router": self.router_url,
             "controller": self.controller_url,
+            "dashboard": f"{self.controller_url}/" if self.controller_url else None,
             "prometheus": self.prometheus.url if self.prometheus is not None else None,
             "workers": {wid: h.url for wid, h in (self.agent.handles.items() if "agent" in vars(self) else [])},
         }

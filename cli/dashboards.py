@@ -41,6 +41,9 @@ _SPECS: dict[str, tuple[str, list[tuple[str, list[Panel]]]]] = {
                  "{{detector}}")]),
             ("Actions by kind (per s)", "ops", [
                 ("sum by (kind) (rate(fleetward_supervisor_actions_total[1m])) or vector(0)", "{{kind}}")]),
+            ("Detection latency (first evidence to verdict)", "s", [
+                ("histogram_quantile(0.99, sum by (le, detector) (rate(fleetward_supervisor_detection_seconds_bucket"
+                 "[15m])))", "p99 {{detector}}")]),
         ]),
     ]),
     "fleetward-requests": ("fleetward: request path", [
@@ -85,6 +88,10 @@ _SPECS: dict[str, tuple[str, list[tuple[str, list[Panel]]]]] = {
                 ("sum(increase(fleetward_supervisor_quarantines_total[15m]))", "quarantines")]),
             ("Alerts firing", "short", [
                 ("count by (alertname) (ALERTS{alertstate=\"firing\"}) or vector(0)", "{{alertname}}")]),
+            ("Chaos faults in effect", "short", [
+                ("max by (family) (fleetward_chaos_faults_active)", "{{family}}")]),
+            ("Workers failed while serving (last 15 min)", "short", [
+                ("sum(increase(fleetward_supervisor_failures_total[15m]))", "failures")]),
         ]),
         ("How it was handled", [
             ("Canaries by result (per s)", "ops", [
@@ -104,6 +111,8 @@ _SPECS: dict[str, tuple[str, list[tuple[str, list[Panel]]]]] = {
             ("Starting, retiring, parked", "short", [
                 ("max by (pool, state) (fleetward_autoscaler_workers{state!=\"serving\"})", "{{pool}} {{state}}")]),
             ("Arrival rate", "reqps", [("max by (pool) (fleetward_autoscaler_arrival_rate)", "{{pool}}")]),
+            ("SLA attainment (last interval)", "percentunit", [
+                ("max by (pool, slo) (fleetward_autoscaler_sla_attainment_ratio)", "{{pool}} {{slo}}")]),
         ]),
         ("Actions", [
             ("Workers started and retired (last 15 min)", "short", [

@@ -277,6 +277,8 @@ def _print_status(status: dict[str, Any]) -> None:
               else "supervisor: [red]no controller leads this cluster[/] (drain/restart need one)")
     if status["routers"]:
         out.print("routers: " + ", ".join(f"{r['id']} {r['url']}" for r in status["routers"]))
+    if status.get("dashboard"):
+        out.print(f"fleet page: {status['dashboard']}")
     if status.get("prometheus"):
         out.print(f"prometheus: {status['prometheus']} (alerts: {status['prometheus']}/alerts)")
     if not status["workers"]:
@@ -364,6 +366,8 @@ def _print_where_to_look(fleet: Any, n_ready: int, config: FleetConfig) -> None:
     out.print("  status  fleetward status          events  fleetward events")
     if fleet.router_url:
         out.print(f"  router  {fleet.router_url}   (OpenAI-compatible; streams survive worker failures)")
+    if getattr(fleet, "controller_url", ""):
+        out.print(f"  page    {fleet.controller_url}/   (live: workers, detections, migrations, faults, alerts)")
     if getattr(fleet, "prometheus", None) is not None:
         out.print(f"  prom    {fleet.prometheus.url}   (alerts: {fleet.prometheus.url}/alerts; rules in "
                   "runbooks/alerts/)")
@@ -392,6 +396,9 @@ async def _cmd_status(args: argparse.Namespace) -> int:
     path = state_file(args.run_dir, cluster)  # what a local fleet started beside the key space (Prometheus)
     local: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
     status["prometheus"] = local.get("prometheus") if local.get("cluster") == cluster else None
+    # The fleet page is the leading controller's (any fleet, started by fleetward or not).
+    leader = status.get("controller") or {}
+    status["dashboard"] = f"{str(leader['url']).rstrip('/')}/" if leader.get("url") else None
     if args.json:
         print(json.dumps(status, indent=2))
     else:

@@ -52,7 +52,7 @@ from tenacity import (
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.errors import BusUnavailable
 
-__all__ = ["EVENT_KINDS", "Event", "EventBus", "MqttBus", "topic_for"]
+__all__ = ["EVENT_KINDS", "FAULT_FAMILIES", "Event", "EventBus", "MqttBus", "topic_for"]
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,11 @@ T = TypeVar("T")
 
 EVENT_KINDS = (
     "worker.up", "worker.down", "health.changed", "hang.detected", "migration", "restart", "quarantine",
-    "scale", "fault.start", "fault.stop",
+    "action", "scale", "fault.start", "fault.stop",
 )
+
+# The fault families a ``fault.start`` event names (chaos's catalogue groups its faults by them).
+FAULT_FAMILIES = ("process", "gpu", "network", "kv", "control", "load")
 
 _RESERVED = frozenset({"v", "id", "ts", "cluster", "kind"})
 _BATCH = 64

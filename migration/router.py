@@ -137,6 +137,8 @@ class _Metrics:
                                           "Streams that could not be resumed after a worker failed, by why "
                                           "(limit: migration_limit exhausted; not_resumable; deadline; no_worker).",
                                           ["reason"], registry=r)
+        for reason in ("limit", "not_resumable", "deadline", "no_worker"):  # at 0, so increase() sees the first
+            self.migration_failures.labels(reason)
         self.checkpoint_flushes = Counter("fleetward_router_checkpoint_flushes",
                                           "Checkpoint flushes that wrote something.", registry=r)
         self.checkpoint_txns = Counter("fleetward_router_checkpoint_txns", "etcd transactions for checkpoints.",

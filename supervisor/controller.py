@@ -24,12 +24,16 @@ The control API (bearer token) serves operators and the autoscaler:
   carries it out; the autoscaler's scale-up). Idempotent per id: asking again is answered, not repeated;
 - ``GET /health``, ``GET /metrics``.
 
+Read-only, without the token: the live fleet page ``GET /`` with its feed ``GET /v1/fleet`` and the runbooks
+``GET /runbooks/<name>.md`` (see :mod:`fleetward.supervisor.fleetpage`).
+
 A standby answers 409 with the leader's address.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -40,11 +44,11 @@ from typing import Any
 import aiohttp
 import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from fleetward.fleet.bus import EventBus
+from fleetward.fleet.bus import EVENT_KINDS, FAULT_FAMILIES, EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import ID_PATTERN, SupervisorConfig
 from fleetward.fleet.errors import StoreError
@@ -60,6 +64,7 @@ from fleetward.supervisor.detectors import (
     StreamProgressDetector,
     parse_prometheus,
 )
+from fleetward.supervisor.fleetpage import Timeline, page_html, parse_alerts, runbook_html
 from fleetward.supervisor.health import (
     ActionDone,
     AgentAction,
@@ -83,7 +88,7 @@ from fleetward.supervisor.health import (
     Tick,
     Undrain,
 )
-from fleetward.supervisor.signals import Signal
+from fleetward.supervisor.signals import Severity, Signal
 
 __all__ = ["Controller", "LeadershipLost"]
 
@@ -107,10 +112,27 @@ class _Metrics:
         self.actions = Counter("fleetward_supervisor_actions", "Remediations issued to agents.", ["kind"],
                                registry=r)
         self.hangs = Counter("fleetward_supervisor_hangs_detected", "Silent hangs confirmed.", registry=r)
+        self.failures = Counter("fleetward_supervisor_failures", "Workers found failed while serving (crashed, hung, "
+                                "failing canaries): the verdict unhealthy or quarantined from ready or suspect.",
+                                registry=r)
+        for kind in ("restart", "stop", "selftest", "start"):  # at 0 from the start, so increase() sees the first
+            self.actions.labels(kind)
         self.quarantines = Counter("fleetward_supervisor_quarantines", "Quarantines issued.", registry=r)
         self.workers = Gauge("fleetward_supervisor_workers", "Workers by health state.", ["state"], registry=r)
         self.canary_latency = Histogram("fleetward_supervisor_canary_seconds", "Canary latency (passed ones).",
                                         buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5), registry=r)
+        self.detection = Histogram(
+            "fleetward_supervisor_detection_seconds",
+            "From a failure's first evidence (a crash seen, the last token of a stalled stream, a failing canary "
+            "sent) to the verdict unhealthy or quarantined, by the detector that decided.", ["detector"],
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60), registry=r)
+        for detector in ("process", "engine-frozen", "stream-progress", "metrics", "canary", "gpu"):
+            self.detection.labels(detector)  # exported at 0 from the start, so rate() sees the first detection
+        self.faults = Gauge("fleetward_chaos_faults_active",
+                            "Chaos faults in effect in the cluster, by family (from the fault.start and fault.stop "
+                            "events chaos runs publish).", ["family"], registry=r)
+        for family in FAULT_FAMILIES:
+            self.faults.labels(family).set(0)
 
 
 class Controller:
@@ -144,6 +166,9 @@ class Controller:
         self._last_canary: dict[str, float] = {}
         self._canary_done: dict[str, float] = {}
         self._signal_revision: dict[str, int] = {}  # signals/ key -> mod revision already submitted
+        self._onset: dict[str, float] = {}  # worker -> wall time of the first evidence of its current failure
+        self.timeline = Timeline()
+        self._alerts: tuple[float, list[dict[str, Any]] | None, str | None] = (-1e9, None, None)
         # aiohttp, not httpx: with a connection per worker, httpx's pool scans every connection on each request
         # (two thirds of the controller's CPU at 1,000 workers, see docs/benchmarks.md); aiohttp keys by origin.
         self._http: aiohttp.ClientSession | None = None
@@ -168,13 +193,27 @@ class Controller:
                 t.cancel()
             self._canaries.clear()
 
+        follower = asyncio.create_task(self._follow_events(), name="controller-events")
         try:
             await lead_forever(self.store, self.keys.leader("supervisor"), name=f"controller {self.id}",
                                candidate=json.dumps({"id": self.id, "url": self.url}), ttl_s=self.config.lease_ttl_s,
                                lead=self._lead, on_leading=leading, on_stepped_down=stepped_down, clock=self.clock)
         finally:
+            follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await follower
             if self._http is not None:
                 await self._http.close()
+
+    async def _follow_events(self) -> None:
+        """The cluster's events into the page's timeline, and the chaos faults in effect into their gauge."""
+        async for event in self.bus.subscribe(EVENT_KINDS):
+            self.timeline.add(event)
+            if event.kind in ("fault.start", "fault.stop"):
+                active = self.timeline.faults_by_family()
+                family = str(event.data.get("family") or "unknown")
+                for f in {*active, family}:
+                    self.metrics.faults.labels(f).set(active.get(f, 0))
 
     async def leader(self) -> dict[str, Any] | None:
         leader = await read_leader(self.store, self.keys)
@@ -261,6 +300,10 @@ class Controller:
         """The one consumer of events: the machine sees them strictly in order."""
         while True:
             event = await self._events.get()
+            if isinstance(event, SignalSeen) and event.signal.severity in (Severity.SUSPECT, Severity.FATAL):
+                sig = event.signal
+                began = (sig.ts or self.clock.wall()) - float(sig.extra.get("silent_for_s") or 0.0)
+                self._first_evidence(machine, sig.worker, began)
             await self._apply(machine.observe(event))
             if isinstance(event, Tick):
                 counts: dict[str, int] = {}
@@ -271,6 +314,20 @@ class Controller:
 
     def submit(self, event: Event) -> None:
         self._events.put_nowait(event)
+
+    def _first_evidence(self, machine: HealthMachine, worker: str, wall: float) -> None:
+        """Remember when a serving worker's failure was first evident (the start of its detection latency)."""
+        ws = machine.workers.get(worker)
+        if ws is not None and ws.state in (HealthState.READY, HealthState.SUSPECT):
+            self._onset[worker] = min(wall, self._onset.get(worker, wall))
+
+    def _verdict(self, worker: str, state: HealthState, previous: HealthState | None, detector: str) -> None:
+        onset = self._onset.pop(worker, None) if state is not HealthState.SUSPECT else None
+        if (state in (HealthState.UNHEALTHY, HealthState.QUARANTINED)
+                and previous in (HealthState.READY, HealthState.SUSPECT)):
+            self.metrics.failures.inc()
+            if onset is not None:
+                self.metrics.detection.labels(detector or "-").observe(max(0.0, self.clock.wall() - onset))
 
     async def _watch(self, prefix: str, start: int,
                      handle: Callable[[str, str, bytes, int], Awaitable[None] | None]) -> None:
@@ -347,6 +404,7 @@ class Controller:
                     rec = action.record
                     await self._fenced([], [Put(self.keys.health_of(action.worker), rec.to_json())])
                     self.metrics.transitions.labels(rec.state.value, rec.detector or "-").inc()
+                    self._verdict(action.worker, rec.state, action.previous, rec.detector)
                     await self.bus.publish("health.changed", worker=action.worker, state=rec.state.value,
                                            previous=action.previous.value if action.previous else None,
                                            reason=rec.reason, detector=rec.detector)
@@ -488,6 +546,8 @@ class Controller:
         except (*_HTTP_ERRORS, ValueError, KeyError, IndexError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
         self.metrics.canaries.labels("ok" if ok else ("wrong" if wrong else "failed")).inc()
+        if not ok and self.machine is not None:  # the canary was sent into the failure
+            self._first_evidence(self.machine, worker, self.clock.wall() - (self.clock.monotonic() - started))
         self.submit(CanaryDone(worker, ok, reason, wrong_tokens=wrong, silent=self.progress.silent(worker)))
 
     async def _fetch(self, method: str, url: str, *, timeout: float, body: Any = None) -> tuple[int, bytes]:
@@ -497,6 +557,50 @@ class Controller:
                                                json_serialize=lambda o: orjson.dumps(o).decode())
         async with self._http.request(method, url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             return r.status, await r.read()
+
+    # -- the fleet page's feed ----------------------------------------------------------------------------
+
+    async def fleet_view(self) -> dict[str, Any]:
+        """What the fleet page shows (read-only: worker ids, states and reasons, as ``/metrics`` and events do)."""
+        machine = self.machine if self.leading.is_set() else None
+        workers = []
+        for wid, ws in sorted((machine.workers if machine is not None else {}).items()):
+            rec = self.workers.get(wid)
+            workers.append({"id": wid, "node": ws.node or (rec.node if rec else ""), "role": rec.role if rec else "",
+                            "url": rec.url if rec else "", "state": ws.state.value, "detector": ws.detector,
+                            "reason": ws.reason, "since": ws.since, "in_flight": self.progress.in_flight(wid),
+                            "restarts": ws.restart_count})
+        alerts, error = await self._alerts_now()
+        return {"cluster": self.keys.cluster, "now": self.clock.wall(),
+                "controller": {"id": self.id, "leading": self.leading.is_set(),
+                               "leader": None if self.leading.is_set() else await self._leader_or_none()},
+                "prometheus": self.config.prometheus_url, "alerts": alerts, "alerts_error": error,
+                "workers": workers, "events": self.timeline.recent(),
+                "faults_active": self.timeline.faults_by_family()}
+
+    async def _leader_or_none(self) -> dict[str, Any] | None:
+        try:
+            return await self.leader()
+        except StoreError:
+            return None
+
+    async def _alerts_now(self) -> tuple[list[dict[str, Any]] | None, str | None]:
+        """Prometheus' pending and firing alerts (asked at most once a second, however many pages poll)."""
+        url = self.config.prometheus_url.rstrip("/")
+        if not url:
+            return None, None
+        at, alerts, error = self._alerts
+        if self.clock.monotonic() - at < 1.0:
+            return alerts, error
+        try:
+            status, body = await self._fetch("GET", f"{url}/api/v1/alerts", timeout=2.0)
+            if status != 200:
+                raise ValueError(f"HTTP {status}")
+            alerts, error = parse_alerts(orjson.loads(body)), None
+        except (*_HTTP_ERRORS, ValueError, TypeError, AttributeError) as exc:
+            alerts, error = None, f"Prometheus at {url} did not answer: {type(exc).__name__}: {exc}"
+        self._alerts = (self.clock.monotonic(), alerts, error)
+        return alerts, error
 
     # -- control API ------------------------------------------------------------------------------------
 
@@ -532,6 +636,21 @@ class Controller:
         @app.get("/metrics")
         async def metrics() -> Response:
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/", response_class=HTMLResponse)
+        async def page() -> Response:
+            return HTMLResponse(page_html(), headers={"cache-control": "no-cache"})
+
+        @app.get("/v1/fleet")
+        async def fleet() -> Response:
+            return JSONResponse(await self.fleet_view(), headers={"cache-control": "no-store"})
+
+        @app.get("/runbooks/{name}.md", response_class=HTMLResponse)
+        async def runbook(name: str) -> Response:
+            body = runbook_html(name)
+            if body is None:
+                return JSONResponse({"error": f"no runbook {name!r}"}, status_code=404)
+            return HTMLResponse(body)
 
         @app.get("/v1/workers")
         async def workers(request: Request) -> Response:

@@ -27,6 +27,10 @@ Per test (function-scoped):
   manager yielding the process and a ``status()`` that returns ``fleetward status --json`` or None); on
   leaving, SIGTERM, and the test fails unless it exits 0 leaving no process behind;
   ``fleetward_cli(*args, cwd=None)``: any other ``fleetward`` command, run to completion.
+- ``prometheus_installed``: Debian's prometheus is there (fails as root, where ``./dev setup`` installs it;
+  skips otherwise);
+- ``browser``: headless Chromium (Debian's ``chromium``, same rule): ``await browser.dom(url)`` is the page's
+  DOM after its scripts ran, ``await browser.screenshot(url, path)`` a PNG of it.
 
 Leftover processes: after each test module, any process started during the module that is still alive
 (a descendant of pytest, or an orphan carrying this session's mark in its environment) and not registered
@@ -430,3 +434,63 @@ def fleetward_up() -> Callable[..., contextlib.AbstractAsyncContextManager[UpPro
                 await proc.stop(grace=5)
 
     return up
+
+
+def _need_debian(what: str, found: bool, package: str) -> None:
+    if found:
+        return
+    message = f"no {what}: `./dev setup` installs Debian's {package} package"
+    if os.geteuid() == 0:  # CI and `./dev setup` as root install it: missing is a failure
+        pytest.fail(message)
+    pytest.skip(message + " (needs root)")
+
+
+@pytest.fixture
+def prometheus_installed() -> None:
+    from fleetward.fleet.errors import ProcessError
+    from fleetward.fleet.prometheus import prometheus_binary
+
+    try:
+        prometheus_binary()
+    except ProcessError:
+        _need_debian("prometheus binary", False, "prometheus")
+
+
+class Browser:
+    """Headless Chromium, one short-lived process per page load (what an operator's browser would show)."""
+
+    def __init__(self, binary: str, profile: Path) -> None:
+        self.binary, self.profile = binary, profile
+
+    async def _run(self, url: str, *flags: str, budget_ms: int = 3000) -> str:
+        proc = await asyncio.create_subprocess_exec(
+            self.binary, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
+            f"--user-data-dir={self.profile}", f"--virtual-time-budget={budget_ms}", *flags, url,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), timeout=60)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            raise
+        assert proc.returncode == 0, f"chromium exited {proc.returncode} on {url}"
+        return out.decode(errors="replace")
+
+    async def dom(self, url: str) -> str:
+        """The rendered document, without its scripts (their source is not what the page shows)."""
+        return re.sub(r"<script\b.*?</script>", "", await self._run(url, "--dump-dom"), flags=re.S)
+
+    async def screenshot(self, url: str, path: Path, *, width: int = 1400, height: int = 1100) -> Path:
+        await self._run(url, f"--screenshot={path}", f"--window-size={width},{height}")
+        return path
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Browser:
+    import shutil
+
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    _need_debian("chromium", binary is not None, "chromium")
+    assert binary is not None
+    return Browser(binary, tmp_path / "chromium-profile")

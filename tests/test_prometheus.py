@@ -1,37 +1,25 @@
 """``fleetward up --prometheus`` as a user runs it: a real Prometheus (Debian's) scrapes every service and worker
 found in etcd, loads the alert rules, and a silent hang on a worker makes ``FleetwardWorkerHung`` fire, read
-back through Prometheus' HTTP API; then every query of every dashboard panel returns data."""
+back through Prometheus' HTTP API and on the controller's fleet page (in headless Chromium, with its runbook
+link); then every query of every dashboard panel returns data."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
-import pytest
 
 from fleetward.cli.dashboards import panel_queries
 from fleetward.fleet.sse import sse_lines
 
 
-@pytest.fixture
-def prometheus_installed() -> None:
-    from fleetward.fleet.errors import ProcessError
-    from fleetward.fleet.prometheus import prometheus_binary
-
-    try:
-        prometheus_binary()
-    except ProcessError as exc:
-        if os.geteuid() == 0:
-            pytest.fail(str(exc))
-        pytest.skip(str(exc))
-
-
 async def test_up_prometheus_scrapes_the_fleet_and_an_alert_fires_on_a_silent_hang(
-        tmp_path: Path, wait_until: Any, prometheus_installed: None, fleetward_up: Any) -> None:
+        tmp_path: Path, wait_until: Any, prometheus_installed: None, fleetward_up: Any, browser: Any) -> None:
     conf = tmp_path / "fleet.yaml"
     conf.write_text("workers: 2\nprometheus:\n  scrape_interval_s: 1\nsupervisor:\n  canary_interval_s: 2\n"
                     "sim:\n  decode_step_ms: 20\nautoscale:\n  interval_s: 1\n  min_workers: 2\n  max_workers: 2\n"
@@ -74,7 +62,19 @@ async def test_up_prometheus_scrapes_the_fleet_and_an_alert_fires_on_a_silent_ha
                 return any(a["labels"]["alertname"] == "FleetwardWorkerHung" and a["state"] == "firing"
                            and a["annotations"]["runbook_url"] == "runbooks/worker-hung.md" for a in alerts)
 
-            await wait_until(hung_alert, timeout=60, interval=0.5, message="FleetwardWorkerHung fires")
+            await wait_until(hung_alert, timeout=90, interval=0.5, message="FleetwardWorkerHung fires")
+
+            # The fleet page lists it, firing, with a link to its runbook that the controller serves.
+            async def on_the_page() -> str | None:
+                dom = await browser.dom(data["dashboard"])
+                row = re.search(r'<tr data-alert="FleetwardWorkerHung" data-state="firing">(.*?)</tr>', dom, re.S)
+                return row.group(1) if row else None
+
+            row = await wait_until(on_the_page, timeout=30, interval=0.5, message="the alert on the fleet page")
+            link = re.search(r'href="([^"]+)">runbook<', row)
+            assert link is not None and link.group(1) == "/runbooks/worker-hung.md", row
+            runbook = await client.get(data["controller"]["url"] + link.group(1))
+            assert runbook.status_code == 200 and "<h2>Remedy</h2>" in runbook.text
 
             # Every dashboard panel, as Grafana would ask for it now: some value that is a number.
             async def empty_panels() -> list[str]:

@@ -23,7 +23,7 @@ import pytest
 from fleetward.autoscale.actuate import LocalActuator, NewWorker
 from fleetward.autoscale.capacity import CapacityModel, CapacityPoint
 from fleetward.autoscale.daemon import Autoscaler, PoolRecord
-from fleetward.autoscale.observe import Observer, histogram_quantile
+from fleetward.autoscale.observe import Observer, fraction_within, histogram_quantile
 from fleetward.chaos.checkers import align
 from fleetward.chaos.harness import TestFleet
 from fleetward.chaos.workload import sse_lines
@@ -49,6 +49,16 @@ def test_histogram_quantile_interpolates_within_the_bucket_as_prometheus_does() 
     assert histogram_quantile(0.99, buckets) == pytest.approx(0.5 + 0.5 * (9 / 10))
     assert histogram_quantile(0.99, {0.1: 0.0, math.inf: 0.0}) is None
     assert histogram_quantile(0.99, {0.1: 1.0, math.inf: 10.0}) == 0.1  # in +Inf: the highest finite bound
+
+
+def test_the_share_within_an_sla_inverts_the_quantile() -> None:
+    buckets = {0.1: 50.0, 0.5: 90.0, 1.0: 100.0, math.inf: 100.0}
+    for q in (0.3, 0.5, 0.7, 0.95):
+        bound = histogram_quantile(q, buckets)
+        assert bound is not None and fraction_within(bound, buckets) == pytest.approx(q)
+    assert fraction_within(2.0, buckets) == 1.0
+    assert fraction_within(2.0, {0.1: 1.0, math.inf: 10.0}) == pytest.approx(0.1)  # +Inf: nothing known within
+    assert fraction_within(0.1, {0.1: 0.0, math.inf: 0.0}) is None
 
 
 def test_a_pool_counts_serving_starting_and_the_rest_and_places_unregistered_workers() -> None:
