@@ -28,6 +28,9 @@ _SPECS: dict[str, tuple[str, list[tuple[str, list[Panel]]]]] = {
         ("Workers", [
             ("Workers by health state", "short", [("sum by (state) (fleetward_supervisor_workers)", "{{state}}")]),
             ("Routable workers (per router)", "short", [("fleetward_router_workers_routable", "{{instance}}")]),
+            ("Worker processes per node, and exits", "short", [
+                ("sum by (instance) (fleetward_agent_workers)", "{{instance}} running"),
+                ("sum(increase(fleetward_agent_worker_exits_total[15m]))", "exits (last 15 min)")]),
         ]),
         ("Control plane", [
             ("Leaders", "short", [("max(fleetward_supervisor_is_leader)", "supervisor"),

@@ -29,7 +29,8 @@ _INTRO = """\
      fails when this page and the code disagree. Edit the metrics' help texts in the code, not this page. -->
 
 Every fleetward process serves Prometheus metrics on `GET /metrics`: the router on its port, the supervisor
-controller on its control API port, the autoscaler on its own port. Names follow Prometheus' conventions
+controller on its control API port, the autoscaler on its own port, each node agent on its own port (beside
+its workers; `agents/<node>` in etcd says where). Names follow Prometheus' conventions
 (`fleetward_` prefix, counters end in `_total`, times in `_seconds`); no label carries a request id, so the
 number of series stays bounded (each label takes a small fixed set of values). Workers keep vLLM's own names
 (`vllm:`); the simulated worker serves the ones listed here, real vLLM these and more.
@@ -89,15 +90,17 @@ def catalogue() -> list[MetricRow]:
     from fleetward.migration.router import _Metrics as RouterMetrics
     from fleetward.sim.engine import EngineStats
     from fleetward.sim.server import _Metrics as WorkerMetrics
+    from fleetward.supervisor.agent import _Metrics as AgentMetrics
     from fleetward.supervisor.controller import _Metrics as ControllerMetrics
 
     links = CollectorRegistry()
     link_gauges(links, store=object(), bus=object())
-    shared = _collected("router, controller, autoscaler", links)
+    shared = _collected("router, controller, autoscaler, agent", links)
     workers = CollectorRegistry()
     workers.register(WorkerMetrics(EngineStats(), "sim-tiny"))
     rows = [*_wrapped("router", RouterMetrics()), *_wrapped("controller", ControllerMetrics()),
-            *_wrapped("autoscaler", AutoscalerMetrics()), *shared, *_collected("worker", workers)]
+            *_wrapped("autoscaler", AutoscalerMetrics()), *_wrapped("agent", AgentMetrics()), *shared,
+            *_collected("worker", workers)]
     return sorted(rows, key=lambda r: (r.name.startswith("vllm:"), r.name))
 
 

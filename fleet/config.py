@@ -143,6 +143,8 @@ class SupervisorConfig(Frozen):
     host: str = Field("127.0.0.1", description="address the control API binds (``up``: the top-level host unless "
                       "set)")
     port: int = Field(0, ge=0, le=65535, description="the controller's control API; 0 picks a free port")
+    agent_metrics_port: int | None = Field(0, ge=0, le=65535, description="agent: the port its /metrics binds (on "
+                                           "the address its workers bind); 0 picks a free one, null serves none")
     prometheus_url: str = Field("", description="a Prometheus whose pending and firing alerts the controller's fleet "
                                 "page lists (``up --prometheus``: its own)")
     lease_ttl_s: int = Field(5, ge=2, description="leadership lease: a dead leader is replaced within this")

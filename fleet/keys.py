@@ -73,6 +73,14 @@ class Keys:
         """``attach/<id>``: a server fleetward did not start, to adopt (what ``attach:`` and ``worker add`` say)."""
         return self.attach + worker_id
 
+    @property
+    def agents(self) -> str:
+        return self.root + "agents/"
+
+    def agent(self, node: str) -> str:
+        """``agents/<node>``: a node agent's ``/metrics`` address, bound to its lease."""
+        return self.agents + node
+
     def leader(self, role: str) -> str:
         return f"{self.root}leader/{role}/"
 

@@ -2,8 +2,9 @@
 
 :class:`LocalPrometheus` writes its configuration (scrape interval, the rule files, one file-based service
 discovery target file) and runs ``prometheus`` as a :class:`ManagedProcess`. :func:`fleet_targets` turns
-what etcd says about a cluster (routers, supervisor controllers, autoscalers, workers) into file-SD target
-groups with ``job`` (router, controller, autoscaler, worker) and ``instance`` (the service's id) labels;
+what etcd says about a cluster (routers, supervisor controllers, autoscalers, node agents, workers) into
+file-SD target groups with ``job`` (router, controller, autoscaler, agent, worker) and ``instance`` (the
+service's id) labels;
 :class:`TargetsWriter` keeps the targets file current as services come and go (Prometheus re-reads it by
 itself).
 """
@@ -65,6 +66,10 @@ async def fleet_targets(store: StateStore, keys: Keys) -> list[dict[str, Any]]:
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 candidate = json.loads(json.loads(kv.value)["candidate"])
                 add(job, str(candidate["id"]), str(candidate.get("url") or ""))
+    for kv in (await store.get_prefix(keys.agents)).items:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            body = json.loads(kv.value)
+            add("agent", str(body["node"]), str(body["url"]))
     for wid, rec in sorted(fleet.workers.items()):
         add("worker", wid, rec.url, node=rec.node, role=rec.role)
     return groups

@@ -33,6 +33,9 @@ from typing import Any
 import httpx
 import orjson
 import psutil
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from tenacity import AsyncRetrying, RetryError, stop_after_attempt, wait_exponential
 
 from fleetward.fleet.backends import Backend, WorkerHandle
@@ -43,7 +46,8 @@ from fleetward.fleet.errors import FleetwardError, StoreError, UnavailableError
 from fleetward.fleet.etcd import Compare, LeaseKeeper, Put, StateStore
 from fleetward.fleet.external import LeftForOperator
 from fleetward.fleet.keys import Keys
-from fleetward.fleet.procs import free_port, port_is_free
+from fleetward.fleet.procs import ensure_port, free_port, port_is_free
+from fleetward.fleet.telemetry import link_gauges
 from fleetward.fleet.worker import ROLES, HealthRecord, HealthState, WorkerRecord, WorkerSpec
 from fleetward.supervisor.adoption import Adopter
 from fleetward.supervisor.detectors import RUNNING, EngineFrozenDetector, EngineSample, parse_prometheus
@@ -66,6 +70,22 @@ def running_signal(worker: str, pid: int | None, now: float) -> Signal:
     """The process detector's ``ok`` for a worker that registers (``signals/<id>/process``)."""
     what = f"running (pid {pid})" if pid is not None else "serving (known by URL only: no process watched)"
     return Signal(worker, "process", Severity.OK, what, now)
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.workers = Gauge("fleetward_agent_workers", "Worker processes this agent runs now.", registry=r)
+        self.exits = Counter("fleetward_agent_worker_exits", "Worker processes that exited without the agent "
+                             "stopping them (crashes, kills).", registry=r)
+        self.signals = Counter("fleetward_agent_signals", "Signals this agent's detectors wrote (process, "
+                               "engine-frozen, gpu, start), by detector and severity.", ["detector", "severity"],
+                               registry=r)
+        self.actions = Counter("fleetward_agent_actions", "Actions this agent carried out, by kind and result.",
+                               ["kind", "result"], registry=r)
+        for kind in ("restart", "start", "stop", "selftest"):
+            for result in ("done", "failed"):
+                self.actions.labels(kind, result)
 
 
 class NodeAgent:
@@ -102,11 +122,18 @@ class NodeAgent:
         self._raised: dict[str, set[str]] = {}  # worker -> detectors whose last signal here was not ok
         self._degraded_gpus: set[int] = set()  # GPUs throttled right now
         self.adopter = Adopter(self)  # servers this node protects but did not start (``attach/``)
+        self.metrics = _Metrics()
+        self.metrics.workers.set_function(lambda: float(len(self.handles)))
+        link_gauges(self.metrics.registry, store=store, bus=bus)
+        self.metrics_url = ""  # where /metrics is served (``agents/<node>`` in etcd), once started
+        self._metrics_site: web.AppRunner | None = None
 
     # -- life -------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._lease = await LeaseKeeper(self.store, self.lease_ttl, clock=self.clock).start()
+        if self.config.agent_metrics_port is not None:
+            await self._serve_metrics(self.config.agent_metrics_port)
         self._tasks = [
             asyncio.create_task(self._renew_lost_lease(), name="agent-lease"),
             asyncio.create_task(self._follow_actions(), name="agent-actions"),
@@ -162,6 +189,34 @@ class NodeAgent:
             for spec, launch, failure in launched:
                 tg.create_task(one(spec, launch, failure))
 
+    async def _serve_metrics(self, port: int) -> None:
+        """``GET /metrics`` (and ``/health``) on the workers' address, announced as ``agents/<node>``."""
+
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(body=generate_latest(self.metrics.registry),
+                                headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        async def health(_: web.Request) -> web.Response:
+            return web.Response(status=200)
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/health", health)
+        port = ensure_port(self.worker_host, port, name=f"agent {self.node} metrics")
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, self.worker_host, port).start()
+        self._metrics_site = runner
+        self.metrics_url = f"http://{self.worker_host}:{port}"
+        await self._announce()
+
+    async def _announce(self) -> None:
+        if self.metrics_url and self._lease is not None:
+            with contextlib.suppress(UnavailableError):
+                await self.store.put(self.keys.agent(self.node), orjson.dumps({"node": self.node,
+                                                                               "url": self.metrics_url}),
+                                     lease=self._lease.id)
+
     async def aclose(self, *, grace: float = 10.0) -> None:
         """Stop every worker (ordered), revoke the lease (keys vanish now), publish ``worker.down``."""
         self._closing = True
@@ -192,6 +247,9 @@ class NodeAgent:
             await self.bus.publish("worker.down", worker=h.spec.id, node=self.node, reason="stopped")
         self.handles.clear()
         await self._http.aclose()
+        if self._metrics_site is not None:
+            await self._metrics_site.cleanup()
+            self._metrics_site = None
 
     def backend_for(self, worker_id: str) -> Backend:
         return self._backends.get(worker_id, self.backend)
@@ -274,6 +332,7 @@ class NodeAgent:
 
     async def signal(self, worker_id: str, detector: str, severity: Severity, reason: str, **extra: Any) -> None:
         sig = Signal(worker_id, detector, severity, reason, self.clock.wall(), dict(extra))
+        self.metrics.signals.labels(detector, severity.value).inc()
         with contextlib.suppress(UnavailableError):
             await self.store.put(self.keys.signal(worker_id, detector), sig.to_json())
         raised = self._raised.setdefault(worker_id, set())
@@ -318,6 +377,7 @@ class NodeAgent:
         if self._closing or self.handles.get(handle.spec.id) is not handle:
             return  # we stopped it on purpose
         worker_id = handle.spec.id
+        self.metrics.exits.inc()
         reason = f"process exited with code {code}" if code is not None else "process exited"
         log.warning("worker %s: %s", worker_id, reason)
         self.handles.pop(worker_id, None)
@@ -346,6 +406,7 @@ class NodeAgent:
             registered = [h for w, h in list(self.handles.items()) if w in self._watchers]
             log.warning("agent lease expired; registering %d worker(s) again under a new lease", len(registered))
             self._lease = await LeaseKeeper(self.store, self.lease_ttl, clock=self.clock).start()
+            await self._announce()
             for handle in registered:
                 await self._put_record(handle)
 
@@ -506,6 +567,8 @@ class NodeAgent:
             log.exception("action %s failed", body.get("id"))
             ok, reason = False, f"{type(exc).__name__}: {exc}"
         done = {**claimed, "status": "done" if ok else "failed", "reason_done": reason, "done_at": self.clock.wall()}
+        if kind in ("restart", "start", "stop", "selftest"):  # a bounded label set, whatever the key space holds
+            self.metrics.actions.labels(kind, done["status"]).inc()
         await self.store.put(key, orjson.dumps(done))
         await self.bus.publish("action", worker=worker, node=self.node, action=body["id"], action_kind=kind,
                                status=done["status"], reason=reason)

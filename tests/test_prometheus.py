@@ -38,7 +38,7 @@ async def test_up_prometheus_scrapes_the_fleet_and_an_alert_fires_on_a_silent_ha
             async def targets_up() -> set[str] | None:
                 body = (await client.get(prom + "/api/v1/targets")).json()["data"]["activeTargets"]
                 jobs = {t["labels"]["job"] for t in body if t["health"] == "up"}
-                return jobs if jobs >= {"router", "controller", "worker", "autoscaler"} else None
+                return jobs if jobs >= {"router", "controller", "worker", "autoscaler", "agent"} else None
 
             await wait_until(targets_up, timeout=60, interval=0.5, message="every service scraped and up")
             rules = (await client.get(prom + "/api/v1/rules")).json()["data"]["groups"]
