@@ -36,6 +36,8 @@ class WorkerProgress:
     last_token: float = 0.0  # monotonic time of the last token (or of the first dispatch after idle)
     tokens: int = 0
     stalls: int = 0  # times the router moved this worker's streams away for silence
+    shunned_at: float | None = None  # monotonic: its streams were moved away for silence, no token since
+    shunned_wall: float = 0.0  # the same moment on the wall clock (health records' ``since`` are wall times)
     streams: dict[str, int] = field(default_factory=dict)  # stream id -> prompt length while awaiting 1st token
 
 
@@ -100,6 +102,7 @@ class ProgressModel:
         now = self.clock.monotonic()
         w.last_token = now
         w.tokens += n
+        w.shunned_at = None  # it produces again
         prompt = w.streams.pop(stream, None)
         if prompt is not None:
             w.pending_prefill_tokens -= prompt
@@ -131,9 +134,26 @@ class ProgressModel:
         """The router moved this worker's streams away for silence (kept in :meth:`view` as ``stalls``).
 
         Once its streams are gone a worker has nothing in flight, so it no longer *looks* silent; this
-        counter keeps the evidence for the supervisor.
+        counter keeps the evidence for the supervisor; and the worker is *shunned* (see :meth:`shunned`).
         """
-        self._worker(worker).stalls += 1
+        w = self._worker(worker)
+        w.stalls += 1
+        w.shunned_at, w.shunned_wall = self.clock.monotonic(), self.clock.wall()
+
+    def shunned(self, worker: str, *, hold_s: float, ready_since: float | None = None) -> bool:
+        """Whether new work should avoid this worker: its streams were moved away for silence less than
+        ``hold_s`` ago and it has not produced a token since. Without this, a hung worker that just lost its
+        streams looks idle (nothing in flight, so not silent), and the least-loaded choice sends it the next
+        request, which stalls in turn. ``ready_since``: when the supervisor last found it ready (a canary
+        passed, or it was restarted); a verdict after the stall lifts the shunning at once."""
+        w = self.workers.get(worker)
+        if w is None or w.shunned_at is None:
+            return False
+        if self.clock.monotonic() - w.shunned_at >= hold_s or (ready_since is not None and
+                                                                ready_since > w.shunned_wall):
+            w.shunned_at = None
+            return False
+        return True
 
     # -- verdicts ---------------------------------------------------------------------------------------
 

@@ -330,13 +330,15 @@ class Router:
     def _candidates(self, model: str, failed: list[str]) -> tuple[list[str], bool]:
         """Workers a request may go to next, and whether any registered worker serves ``model`` at all.
 
-        Routable (health), serving the model, not stalled right now; preferably one this request has not
-        failed on yet, else any but the one it failed on last (a worker that reset one stream may serve
-        the next), else whatever is left.
+        Routable (health), serving the model, not stalled right now and not shunned (its streams were moved
+        away for silence and it has shown no life since), unless every such worker is; preferably one this
+        request has not failed on yet, else any but the one it failed on last (a worker that reset one
+        stream may serve the next), else whatever is left.
         """
         fleet = self.view.fleet
         known = False
-        ok = []
+        ok: list[str] = []
+        shunned: list[str] = []
         for wid, rec in fleet.workers.items():
             if rec.model != model:
                 continue
@@ -346,7 +348,12 @@ class Router:
                 continue
             if self.progress.silent_for(wid) > self.progress.allowed_silence(wid):
                 continue
+            ready_since = h.since if h.state is HealthState.READY else None
+            if self.progress.shunned(wid, hold_s=self.config.stall_hold_s, ready_since=ready_since):
+                shunned.append(wid)
+                continue
             ok.append(wid)
+        ok = ok or shunned
         fresh = [w for w in ok if w not in failed]
         if fresh:
             return fresh, known

@@ -35,6 +35,30 @@ def test_stream_progress_follows_the_routers_adaptive_allowance() -> None:
     assert sig.severity is Severity.OK
 
 
+def test_a_worker_whose_streams_moved_away_for_silence_is_shunned_until_it_shows_life() -> None:
+    clock = ManualClock()
+    router = ProgressModel(clock=clock, floor_s=1.0)
+    router.dispatched("w1", "r1", prompt_tokens=5)
+    clock.advance(2.5)  # allowed: the floor, the first-token base and 5 prompt tokens' prefill
+    assert [w for w, _, _ in router.stalled()] == ["w1"]
+    router.stall_acted_on("w1")
+    router.finished("w1", "r1")  # its stream moved on: nothing in flight, so it no longer looks silent
+    assert router.silent_for("w1") == 0.0
+    assert router.shunned("w1", hold_s=30), "idle only because its work was taken away"
+    stalled_at = clock.wall()
+    clock.advance(5)
+    assert router.shunned("w1", hold_s=30, ready_since=stalled_at - 60), "a verdict older than the stall"
+    assert not router.shunned("w1", hold_s=30, ready_since=clock.wall()), "found ready after the stall"
+    router.stall_acted_on("w1")
+    router.dispatched("w1", "r2", prompt_tokens=5)
+    router.token("w1", "r2")
+    assert not router.shunned("w1", hold_s=30), "a token is life"
+    router.stall_acted_on("w1")
+    clock.advance(30)
+    assert not router.shunned("w1", hold_s=30), "the hold runs out"
+    assert not router.shunned("w2", hold_s=30)
+
+
 def test_a_long_prompt_gets_a_longer_allowance_than_a_short_one() -> None:
     clock = ManualClock()
     router = ProgressModel(clock=clock, floor_s=1.0, prefill_s_per_token=0.002, first_token_base_s=1.0)

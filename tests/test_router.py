@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,6 +18,7 @@ from fleetward.chaos.harness import RouterProcess, TestFleet
 from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.config import RouterConfig, SimConfig, SupervisorConfig
+from fleetward.fleet.worker import HealthRecord, HealthState
 from fleetward.sim.model import SimModel
 from fleetward.sim.tokenizer import encode, render_chat
 
@@ -130,6 +132,54 @@ async def test_a_stream_resumes_exactly_when_its_worker_fails_mid_way(healthy: T
     finishes = [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]
     assert finishes == ["length"]
     assert "error" not in str(events)
+
+
+async def test_new_requests_avoid_a_worker_whose_streams_just_moved_away_for_silence(
+        etcd_endpoint: str, broker_endpoint: str, tmp_path: Any, wait_until: Any) -> None:
+    """Once the router moved a hung worker's stream away, the worker has nothing in flight and looks the least
+    loaded. New requests must not go there and stall in turn: each is served by another worker, first try.
+
+    No supervisor runs (the test marks the workers ready itself), so the hung worker stays "ready" throughout,
+    as it does until a supervisor's verdict: only the router can keep requests away from it."""
+    routing = RouterConfig(stall_floor_s=0.5)
+    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="router-shun", run_dir=tmp_path,
+                         workers=3, backend=SimBackend(SIM), routing=routing, controller=False) as fleet:
+        for w in fleet.worker_ids:
+            await fleet.store.put(fleet.keys.health_of(w),
+                                  HealthRecord(HealthState.READY, "marked by the test", "test", time.time()).to_json())
+        r = await fleet.start_router("r0")
+        trace = {"X-Fleetward-Trace": "1"}
+        prompt = encode("hang, then shun: ")
+        worker = serving_worker(fleet, prompt)
+
+        async def hang(n: int) -> None:
+            if n == 20:
+                await fleet.fault(worker, hang=True)
+
+        tokens, events, _ = await stream_tokens(r.url, {"model": "sim-tiny", "prompt": prompt, "max_tokens": 60},
+                                                headers=trace, on_tokens=hang)
+        assert tokens == reference(prompt, 60)
+        assert {e["fleetward"]["worker"] for e in events if "fleetward" in e} - {worker}, "it moved on"
+        first_try = events[0]["fleetward"]["attempt"]
+
+        async def idle() -> bool:  # the hung worker holds nothing now: it looks the least loaded
+            async with httpx.AsyncClient(timeout=5) as c:
+                view = (await c.get(r.url + "/fleetward/v1/progress")).json()
+            return view["workers"].get(worker, {}).get("in_flight", 0) == 0
+
+        await wait_until(idle, timeout=10, message="the hung worker's stream released")
+        # Prompts whose affinity is the hung worker: without shunning, all of them would go there.
+        candidates = (encode(f"right after the hang {i}: ") for i in range(1000))
+        prompts = [p for p in candidates if serving_worker(fleet, p) == worker][:4]
+        results = await asyncio.gather(*(stream_tokens(r.url, {"model": "sim-tiny", "prompt": p, "max_tokens": 30},
+                                                       headers=trace) for p in prompts))
+        for i, (got, events, _) in enumerate(results):
+            served = {(e["fleetward"]["worker"], e["fleetward"]["attempt"]) for e in events if "fleetward" in e}
+            assert len(served) == 1, f"request {i}: {sorted(served)}"
+            ((served_by, attempt),) = served
+            assert attempt == first_try and served_by != worker, f"request {i}: {served_by}, attempt {attempt}"
+            assert got == reference(prompts[i], 30)
+        await fleet.fault(worker, hang=False)
 
 
 async def test_a_chat_stream_resumes_through_completions_and_stays_a_chat_stream(healthy: TestFleet) -> None:
