@@ -120,6 +120,8 @@ class RouterConfig(Frozen):
     checkpoint_ttl_s: int = Field(30, ge=2, description="how long a dead router's checkpoints stay resumable")
     detached_grace_s: float = Field(30.0, ge=0, description="how long a disconnected client may resume")
     stall_floor_s: float = Field(1.0, gt=0, description="least silence, with work in flight, that counts as a stall")
+    prefill_timeout_s: float = Field(30.0, gt=0, description="prefill/decode: how long the prefill step may take "
+                                     "before the decode worker computes the prompt itself")
     stall_hold_s: float = Field(30.0, ge=0, description="after moving a worker's streams away for silence, send it "
                                 "no new request for this long, unless it emits a token or the supervisor finds "
                                 "it ready again")

@@ -115,6 +115,14 @@ class _Metrics:
                                   ["reason"], registry=r)
         self.upstream_errors = Counter("fleetward_router_upstream_errors", "Failed upstream attempts by kind.",
                                        ["kind"], registry=r)
+        self.prefills = Counter("fleetward_router_prefills", "Prefill/decode: prompts prefilled on a prefill worker "
+                                "before their decode, by outcome (failed: the decode worker computed the prompt "
+                                "itself).", ["outcome"], registry=r)
+        for outcome in ("ok", "failed"):
+            self.prefills.labels(outcome)
+        self.prefill_seconds = Histogram("fleetward_router_prefill_seconds",
+                                         "Prefill/decode: how long the prefill step took (successful ones).",
+                                         buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r)
         self.in_flight = Gauge("fleetward_router_in_flight_requests", "Requests being served.", registry=r)
         self.stall = Histogram("fleetward_router_migration_stall_seconds",
                                "Client-visible gap between the last token before a failure and the first after it.",
@@ -360,6 +368,40 @@ class Router:
         not_last = [w for w in ok if not failed or w != failed[-1]]
         return (not_last or ok), known
 
+    async def _prefill(self, j: Journal, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Prefill/decode: have a prefill worker compute the prompt's KV first, when the model has any.
+
+        The prefill worker answers one token; the decode request then carries the ``kv_transfer_params`` it
+        answered with (vLLM's disaggregated-serving protocol; a connector that finds KV by prompt, like vLLM's
+        ExampleConnector, needs none). A resumed stream is prefilled again, prompt and emitted tokens. A
+        prefill that fails costs time, not tokens: the decode worker then computes the prompt itself, as an
+        aggregated worker would (docs/pd.md).
+        """
+        fleet = self.view.fleet
+        prefill = sorted(wid for wid, rec in fleet.workers.items()
+                         if rec.role == "prefill" and rec.model == j.model
+                         and (h := fleet.health.get(wid)) is not None and h.state.is_routable)
+        if not prefill:
+            return body
+        load = {w: p.in_flight for w, p in self.progress.workers.items()}
+        worker = min(prefill, key=lambda w: load.get(w, 0))
+        ask = {**body, "stream": False, "max_tokens": 1, "min_tokens": 0,
+               "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+        ask.pop("stream_options", None)
+        started = self.clock.monotonic()
+        try:
+            answer = await self.upstream.call(fleet.workers[worker].url, path, ask,
+                                              timeout=self.config.prefill_timeout_s)
+        except UpstreamError as exc:
+            self.metrics.prefills.labels("failed").inc()
+            log.warning("%s: prefill on %s failed (%s); the decode worker computes the prompt itself", j.id,
+                        worker, exc)
+            return body
+        self.metrics.prefills.labels("ok").inc()
+        self.metrics.prefill_seconds.observe(self.clock.monotonic() - started)
+        kv = answer.get("kv_transfer_params")
+        return {**body, "kv_transfer_params": kv} if isinstance(kv, dict) else body
+
     def _text_status(self, model: str) -> dict[str, Any]:
         if not self.config.detokenize:
             return {"detokenizer": "worker", "why": "routing.detokenize is off"}
@@ -453,6 +495,7 @@ class Router:
             worker = self.policy.choose(candidates, load, key)
             url = self.view.fleet.workers[worker].url
             path, body = j.upstream_request()
+            body = await self._prefill(j, path, body)
             prompt_len = len(body["prompt"]) if isinstance(body.get("prompt"), list) else len(
                 orjson.dumps(body.get("prompt") or body.get("messages")))
             previous = j.worker

@@ -161,6 +161,27 @@ class Upstream:
             await self._session.close()
             self._session = None
 
+    async def call(self, url: str, path: str, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+        """One request answered whole (not streamed): its JSON body, or :class:`UpstreamError`."""
+        assert self._session is not None, "Upstream.start() first"
+        try:
+            async with self._session.post(url + path, data=orjson.dumps(body),
+                                          headers={"content-type": "application/json"},
+                                          timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+                raw = await response.read()
+                status = response.status
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise UpstreamError("connect", f"{url}: {type(exc).__name__}: {exc}") from exc
+        if status != 200:
+            raise UpstreamError("status", raw.decode(errors="replace")[:500], status=status)
+        try:
+            answer = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise UpstreamError("protocol", f"{url}: not JSON: {raw[:200]!r}") from exc
+        if not isinstance(answer, dict):
+            raise UpstreamError("protocol", f"{url}: not a JSON object")
+        return answer
+
     @contextlib.asynccontextmanager
     async def open(self, worker: str, url: str, path: str, body: dict[str, Any]) -> AsyncIterator[UpstreamStream]:
         assert self._session is not None, "Upstream.start() first"
