@@ -56,7 +56,7 @@ from fleetward.fleet.procs import RUN_MARK, ensure_port, kill_tree, marked_proce
 from fleetward.fleet.prometheus import LocalPrometheus, TargetsWriter
 from fleetward.fleet.registry import publish_attachments
 from fleetward.fleet.state import StateFile, state_path
-from fleetward.fleet.worker import WorkerSpec
+from fleetward.fleet.worker import Role, WorkerSpec
 from fleetward.supervisor.agent import NodeAgent
 
 __all__ = ["LocalFleet"]
@@ -129,8 +129,9 @@ class LocalFleet(AgentWorkers, FleetClient):
         specs = []
         for i in range(c.workers):
             port = ensure_port(c.host, c.worker_base_port + i if c.worker_base_port else 0, name=f"worker {i}")
+            role: Role = ("prefill" if i < c.prefill_workers else "decode") if c.prefill_workers else "aggregated"
             specs.append(WorkerSpec(id=f"{c.node}-w{i}", host=c.host, port=port, model=self.backend.model_name,
-                                    node=c.node))
+                                    node=c.node, role=role))
         return specs
 
     def _ensure_model(self) -> None:

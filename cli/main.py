@@ -51,8 +51,8 @@ __all__ = ["main"]
 log = logging.getLogger("fleetward")
 
 # Flags of `up` that map 1:1 to FleetConfig fields (flag dest -> field).
-_UP_FIELDS = ("cluster", "workers", "backend", "host", "run_dir", "etcd", "etcd_port", "mqtt", "mqtt_port",
-              "worker_base_port", "lease_ttl_s", "node", "admin_token_file")
+_UP_FIELDS = ("cluster", "workers", "prefill_workers", "backend", "host", "run_dir", "etcd", "etcd_port", "mqtt",
+              "mqtt_port", "worker_base_port", "lease_ttl_s", "node", "admin_token_file")
 
 
 # Flags of `autoscaler` (and `up --autoscale`) that map to the fleet file's autoscale: section.
@@ -68,6 +68,8 @@ def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="YAML file with any of the settings below (flags win)")
     p.add_argument("--cluster", help="cluster name (etcd prefix /fleetward/<cluster>/); default local")
     p.add_argument("--workers", type=int, help="number of workers to start; default 3")
+    p.add_argument("--prefill-workers", dest="prefill_workers", type=int,
+                   help="of those, how many prefill (the rest decode; docs/pd.md); default 0: all aggregated")
     p.add_argument("--backend", choices=["sim", "vllm"], help="simulated workers (default) or real vLLM")
     p.add_argument("--model", help="vllm backend: model folder (default: the tiny local model, made on demand)")
     p.add_argument("--host", help="address to bind everything to; default 127.0.0.1")

@@ -285,6 +285,8 @@ class FleetConfig(Frozen):
     cluster: str = Field("local", pattern=ID_PATTERN,
                          description="the cluster's name: its etcd prefix /fleetward/<cluster>/ and MQTT topics")
     workers: int = Field(3, ge=0, le=512, description="workers this node starts")
+    prefill_workers: int = Field(0, ge=0, le=511, description="of those, how many form the prefill pool, the rest "
+                                 "the decode pool (docs/pd.md); 0: every worker aggregated")
     backend: Literal["sim", "vllm"] = Field("sim", description="simulated workers, or real vLLM")
     host: str = Field("127.0.0.1", description="the address everything binds to")
     run_dir: Path = Field(Path(".fleetward"), description="where logs, data and the running fleet's state go")
@@ -317,6 +319,13 @@ class FleetConfig(Frozen):
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"expected host:port, got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _a_decode_pool(self) -> FleetConfig:
+        if self.prefill_workers and self.prefill_workers >= self.workers:
+            raise ValueError(f"prefill_workers={self.prefill_workers} leaves no decode worker among "
+                             f"workers={self.workers}")
+        return self
 
 
 def admin_token_from_env() -> SecretStr:

@@ -34,10 +34,11 @@ async def metric(url: str, name: str) -> dict[str, float]:
     return out
 
 
-async def stream(router: str, prompt: list[int], n: int) -> tuple[list[int], set[str]]:
+async def stream(router: str, prompt: list[int], n: int, *, model: str = SIM.model_name
+                 ) -> tuple[list[int], set[str]]:
     tokens: list[int] = []
     workers: set[str] = set()
-    body = {"model": SIM.model_name, "prompt": prompt, "max_tokens": n, "stream": True, "return_token_ids": True}
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "stream": True, "return_token_ids": True}
     async with httpx.AsyncClient(timeout=60) as client, client.stream(
             "POST", router + "/v1/completions", json=body, headers={"X-Fleetward-Trace": "1"}) as r:
         assert r.status_code == 200, await r.aread()
@@ -83,3 +84,24 @@ async def test_a_stream_is_prefilled_on_the_prefill_pool_and_decoded_on_the_deco
             assert (await metric(router, "fleetward_router_prefills_total"))["failed"] == 1
         finally:
             await fleet.fault("pd-p", hang=False)
+
+
+async def test_up_with_a_prefill_pool_prefills_on_it_and_streams_from_the_decode_pool(
+        tmp_path: Path, wait_until: Any, fleetward_up: Any, fleetward_cli: Any) -> None:
+    bad = fleetward_cli("up", "--workers", "2", "--prefill-workers", "2", "--run-dir", str(tmp_path / "bad"))
+    assert bad.returncode != 0 and "prefill_workers=2 leaves no decode worker" in bad.stderr, bad.stderr
+    async with fleetward_up("--workers", "3", "--prefill-workers", "1", run_dir=tmp_path, cluster="pdup") as up:
+        def ready() -> dict[str, Any] | None:
+            data = up.status()
+            return data if data and [w["health"] for w in data["workers"]] == ["ready"] * 3 else None
+
+        data = await wait_until(ready, timeout=60, interval=0.5, message="3 ready workers")
+        roles = {w["id"]: w["role"] for w in data["workers"]}
+        assert sorted(roles.values()) == ["decode", "decode", "prefill"]
+        router = data["routers"][0]["url"]
+        prompt = encode("a local prefill/decode fleet: ")
+        model = SimModel(seed=SimConfig().seed)
+        tokens, workers = await stream(router, prompt, 30, model="sim-tiny")
+        assert tokens == model.continuation(prompt, 30)
+        assert {roles[w] for w in workers} == {"decode"}
+        assert (await metric(router, "fleetward_router_prefills_total"))["ok"] == 1
