@@ -151,8 +151,11 @@ async def test_a_silent_hang_mid_stream_is_detected_migrated_and_restarted(healt
     await wait_until(lambda: events.of("hang.detected", victim, mark), timeout=15, message="hang detected")
     detected = events.of("hang.detected", victim, mark)[0]
     # The router's stall report or a routine canary (whichever catches the hung engine first) raises the
-    # suspicion and a canary confirms it; a stopped process is seen directly by the node agent.
-    expected = {"stream-progress+canary", "canary"} if how == "hang switch" else {"engine-frozen"}
+    # suspicion and a canary confirms it; a stopped process is also seen directly by the node agent, and
+    # which of the two gets there first is a race (both within about a second; the agent's detector has
+    # its own tests in test_detectors.py).
+    expected = {"stream-progress+canary", "canary"} if how == "hang switch" else {"engine-frozen",
+                                                                                  "stream-progress+canary"}
     assert detected.data["detector"] in expected
     await wait_until(lambda: events.of("restart", victim, mark), timeout=10)
     await healthy.wait_healthy()
