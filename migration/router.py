@@ -368,7 +368,7 @@ class Router:
         not_last = [w for w in ok if not failed or w != failed[-1]]
         return (not_last or ok), known
 
-    async def _prefill(self, j: Journal, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _prefill(self, j: Journal, path: str, body: dict[str, Any], load: dict[str, int]) -> dict[str, Any]:
         """Prefill/decode: have a prefill worker compute the prompt's KV first, when the model has any.
 
         The prefill worker answers one token; the decode request then carries the ``kv_transfer_params`` it
@@ -383,7 +383,6 @@ class Router:
                          and (h := fleet.health.get(wid)) is not None and h.state.is_routable)
         if not prefill:
             return body
-        load = {w: p.in_flight for w, p in self.progress.workers.items()}
         worker = min(prefill, key=lambda w: load.get(w, 0))
         ask = {**body, "stream": False, "max_tokens": 1, "min_tokens": 0,
                "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
@@ -495,7 +494,7 @@ class Router:
             worker = self.policy.choose(candidates, load, key)
             url = self.view.fleet.workers[worker].url
             path, body = j.upstream_request()
-            body = await self._prefill(j, path, body)
+            body = await self._prefill(j, path, body, load)
             prompt_len = len(body["prompt"]) if isinstance(body.get("prompt"), list) else len(
                 orjson.dumps(body.get("prompt") or body.get("messages")))
             previous = j.worker
