@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from fleetward.autoscale.actuate import ActuationError, Actuator, NewWorker
-from fleetward.autoscale.capacity import CapacityModel, CapacityPoint, Sla
+from fleetward.autoscale.capacity import SLOS, CapacityModel, CapacityPoint, PoolCapacity, Sla
 from fleetward.autoscale.observe import Observer, PoolView, fraction_within
 from fleetward.autoscale.planner import DynamoStyle, Observation, Planner, Policy, Reactive, StaticPeak
 from fleetward.fleet.bus import EventBus
@@ -48,9 +48,9 @@ from fleetward.fleet.etcd import Election, LeadershipLost, LeaseKeeper, Put, Sta
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.registry import FleetSnapshot, read_fleet
 from fleetward.fleet.telemetry import link_gauges
-from fleetward.fleet.worker import HealthState
+from fleetward.fleet.worker import HealthState, Role
 
-__all__ = ["Autoscaler", "PoolRecord", "capacity_for", "make_policy", "serve_autoscaler"]
+__all__ = ["Autoscaler", "PoolRecord", "capacity_for", "make_policy", "pool_capacity", "serve_autoscaler"]
 
 log = logging.getLogger(__name__)
 
@@ -84,29 +84,55 @@ class PoolRecord:
         return cls(**{k: v for k, v in body.items() if k in known})
 
 
-def make_policy(config: AutoscaleConfig, capacity: CapacityModel) -> Policy:
+def make_policy(config: AutoscaleConfig, capacity: CapacityModel, pool: Role = "aggregated") -> Policy:
+    """``pool``'s policy; ``capacity`` is the aggregated model (:func:`capacity_for`), which a prefill or decode
+    pool without a capacity file of its own derives its capacity from (:func:`pool_capacity`)."""
     sla = Sla(config.ttft_s, config.itl_s)
     lo, hi = config.min_workers, config.max_workers
     if config.policy == "fleetward":
-        return Planner(capacity, sla, min_workers=lo, max_workers=hi, predictor=config.predictor,
-                       headroom=config.headroom, down_stable=config.down_stable)
+        return Planner(pool_capacity(config, capacity, pool), sla, min_workers=lo, max_workers=hi,
+                       predictor=config.predictor, headroom=config.headroom, down_stable=config.down_stable)
     if config.policy == "reactive":
         return Reactive(min_workers=lo, max_workers=hi)
     if config.policy == "dynamo-style":
-        return DynamoStyle(capacity, sla, min_workers=lo, max_workers=hi)
+        return DynamoStyle(pool_capacity(config, capacity, pool), sla, min_workers=lo, max_workers=hi)
     return StaticPeak(hi)
+
+
+def _pool_file(config: AutoscaleConfig, pool: Role) -> Path | None:
+    return config.prefill_capacity if pool == "prefill" else config.decode_capacity if pool == "decode" else None
+
+
+def pool_capacity(config: AutoscaleConfig, capacity: CapacityModel, pool: Role) -> PoolCapacity:
+    """What one worker of ``pool`` carries: the aggregated model ``capacity`` for an aggregated pool; for a
+    prefill or decode pool, its own file (``autoscale.prefill_capacity``, ``decode_capacity``: measured on a
+    worker of that role), else derived from ``capacity``. ``startup_s`` overrides the file's."""
+    path = _pool_file(config, pool)
+    if path is None:
+        return PoolCapacity.derived(capacity, pool)
+    model = CapacityModel.load(Path(path))
+    if config.startup_s is not None:
+        model = dataclasses.replace(model, startup_s=config.startup_s)
+    return PoolCapacity.measured(model, pool)
 
 
 def capacity_for(config: AutoscaleConfig, *, backend: str, sim: SimConfig | None = None) -> CapacityModel:
     """The capacity model the planner uses: the config's file, else its flat ``per_worker_rps``, else (sim
-    backend) the simulated worker profiled in the fleet simulator. ``startup_s`` overrides the model's."""
+    backend) the simulated worker profiled in the fleet simulator. ``startup_s`` overrides the model's.
+
+    It is an aggregated worker's: prefill and decode pools without a capacity file of their own derive theirs
+    from it (:func:`pool_capacity`). When every pool has its own file, none is needed: the first pool's
+    model is returned. Every pool's capacity is checked here, so a bad one is refused at start-up."""
     default_startup = 5.0 if backend == "sim" else 60.0
+    own = [_pool_file(config, pool) for pool in config.pools]
     if config.capacity is not None:
         model = CapacityModel.load(Path(config.capacity))
     elif config.per_worker_rps is not None:
         r = config.per_worker_rps
         # Within the SLA up to r, far beyond it just above: max_rate() interpolates to r.
         model = CapacityModel((CapacityPoint(r, 0.0, 0.0), CapacityPoint(r * 1.001, 1e9, 1e9)), default_startup)
+    elif all(path is not None for path in own):
+        model = CapacityModel.load(Path(next(path for path in own if path is not None)))
     elif backend == "sim":
         from fleetward.autoscale.simulate import profile_capacity
         from fleetward.autoscale.traces import TraceRequest
@@ -114,13 +140,17 @@ def capacity_for(config: AutoscaleConfig, *, backend: str, sim: SimConfig | None
         sample = [TraceRequest(0.0, 64 * (1 + i % 8), 32 * (1 + i % 5)) for i in range(40)]
         model = profile_capacity(sample, startup_s=default_startup, config=sim or SimConfig(), duration_s=120.0,
                                  sla=Sla(config.ttft_s, config.itl_s))
+        # The mix it was measured at: what a prefill or decode pool's derived capacity is in tokens of.
+        model = dataclasses.replace(model, mean_input=sum(r.input_tokens for r in sample) / len(sample),
+                                    mean_output=sum(r.output_tokens for r in sample) / len(sample))
     else:
         raise ConfigError("the autoscaler needs a capacity model for vLLM workers: `fleetward profile` (or "
                           "`fleetward profile --url` on a running server) writes one for autoscale.capacity; or set "
                           "autoscale.per_worker_rps", field="autoscale.capacity")
     if config.startup_s is not None:
-        model = CapacityModel(model.points, config.startup_s)
-    model.max_rate(Sla(config.ttft_s, config.itl_s))  # a clear error now if no load meets the SLA
+        model = dataclasses.replace(model, startup_s=config.startup_s)
+    for pool in config.pools:  # a clear error now if a pool's capacity is missing or no load meets the SLA
+        pool_capacity(config, model, pool).max_rate(Sla(config.ttft_s, config.itl_s))
     return model
 
 
@@ -141,8 +171,9 @@ class _Metrics:
         self.errors = Counter("fleetward_autoscaler_actuation_errors", "Scaling steps that could not be carried out.",
                               ["pool"], registry=r)
         self.attainment = Gauge("fleetward_autoscaler_sla_attainment_ratio",
-                                "Share of the last interval's requests within the SLA (slo: ttft or itl), from the "
-                                "routers' histograms, interpolated within a bucket.", ["pool", "slo"], registry=r)
+                                "Share of the last interval's requests within the SLA (slo: ttft or itl; a prefill "
+                                "pool reports ttft only, a decode pool itl only), from the routers' histograms, "
+                                "interpolated within a bucket.", ["pool", "slo"], registry=r)
 
 
 class Autoscaler:
@@ -155,7 +186,9 @@ class Autoscaler:
         self.id = autoscaler_id or f"autoscaler-{uuid.uuid4().hex[:8]}"
         self.url = url
         self.observer = observer or Observer(store, keys, clock=clock)
-        self._policy_factory = policy_factory or (lambda: make_policy(config, capacity))
+        self._policy_factory: Callable[[Role], Policy] = (
+            (lambda pool: policy_factory()) if policy_factory is not None
+            else (lambda pool: make_policy(config, capacity, pool)))
         self.policies: dict[str, Policy] = {}
         self.records: dict[str, PoolRecord] = {}
         self.election: Election | None = None
@@ -209,7 +242,7 @@ class Autoscaler:
 
     async def _resume(self) -> None:
         """Pick up where the last leader stopped: its records, and each planner at its last decision."""
-        self.policies = {pool: self._policy_factory() for pool in self.config.pools}
+        self.policies = {pool: self._policy_factory(pool) for pool in self.config.pools}
         self.records = {pool: PoolRecord(pool) for pool in self.config.pools}
         for pool in self.config.pools:
             kv = await self.store.get(self.keys.scale_of(pool))
@@ -358,6 +391,8 @@ class Autoscaler:
             m.workers.labels(pool, state).set(n)
         for slo, bound, buckets in (("ttft", self.config.ttft_s, self.observer.ttft),
                                     ("itl", self.config.itl_s, self.observer.itl)):
+            if slo not in SLOS[pool]:  # a prefill pool is judged on TTFT only, a decode pool on ITL only
+                continue
             share = fraction_within(bound, buckets)
             if share is not None:  # an interval without requests says nothing either way
                 m.attainment.labels(pool, slo).set(share)

@@ -8,7 +8,12 @@
   (bucket deltas, interpolated as Prometheus' ``histogram_quantile`` does).
 - **The workers' /metrics** (vLLM's names): requests waiting and running, KV-cache use, and the mean prompt
   and output length of the requests they finished (``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``
-  over ``vllm:request_success_total``; re-prefills after a migration count as prompt tokens).
+  over ``vllm:request_success_total``; re-prefills after a migration count as prompt tokens), each pool from its
+  own workers. In a prefill/decode fleet the router sends every prompt to a prefill worker with ``max_tokens``
+  1 and streams the answer from a decode worker: a prefill pool's workers show the prompts (its mean prompt
+  length is right, and its work) but one output token each, so its mean output length is not observed (0); a
+  decode pool's workers show the whole answers. The arrival rate is the routers' new requests, the same for
+  every pool: each new request is one prefill and one decode.
 
 Nothing here imports another service: a router or a worker is a URL.
 """
@@ -286,6 +291,8 @@ class Observer:
             view.running = {w: x.waiting + x.running for w, x in load.items()}
             kv = [x.kv_usage for x in load.values()]
             mean_input, mean_output = self._lengths(load)
+            if pool == "prefill":
+                mean_output = 0.0  # its workers answer one token per request: not the requests' output length
             obs = Observation(
                 now=now, interval_s=interval_s, arrival_rate=rate, healthy=len(serving),
                 starting=len(view.starting()), mean_input=mean_input, mean_output=mean_output,

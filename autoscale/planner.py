@@ -17,6 +17,13 @@ lengths, TTFT/ITL percentiles, queue depth, KV use, healthy capacity) and answer
 - :class:`Oracle`: knows every future interval's load exactly; the same capacity model and start-up
   time. The physical limit on worker-hours for that capacity model.
 
+The planner and the Dynamo-style policy plan a pool in its own unit of work
+(:class:`~fleetward.autoscale.capacity.PoolCapacity`): an aggregated pool in requests/s against TTFT and
+ITL; a prefill pool in prompt tokens/s (arrival rate x mean prompt length) against TTFT only; a decode pool
+in output tokens/s (arrival rate x mean output length, i.e. its concurrent streams at the ITL target)
+against ITL only. The observation's latencies are the routers' (end to end): a prefill pool looks at its
+TTFT, a decode pool at its ITL.
+
 Times come in with the observation (``now``), never from a clock: the planner is tested on scripted
 series and driven by the simulator at any speed.
 """
@@ -29,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from fleetward.autoscale.capacity import CapacityModel, Sla
+from fleetward.autoscale.capacity import SLOS, CapacityModel, PoolCapacity, Sla
 from fleetward.autoscale.predict import Predictor, make_predictor
 from fleetward.fleet.errors import ConfigError
 
@@ -46,8 +53,8 @@ class Observation:
     arrival_rate: float  # requests/s over the interval
     healthy: int  # serving and healthy (not draining, not quarantined)
     starting: int = 0  # asked for, not serving yet
-    mean_input: float = 0.0
-    mean_output: float = 0.0
+    mean_input: float = 0.0  # prompt tokens per request (0: none finished in the interval)
+    mean_output: float = 0.0  # output tokens per request (0: none finished, or a prefill pool: not observed)
     ttft_p99: float | None = None  # of requests whose first token came in the interval
     itl_p99: float | None = None  # of requests that finished in the interval (their mean ITL)
     queue_depth: int = 0  # requests waiting in the workers' queues
@@ -76,17 +83,44 @@ def _clamp(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, n))
 
 
+def _pool(capacity: CapacityModel | PoolCapacity) -> PoolCapacity:
+    return capacity if isinstance(capacity, PoolCapacity) else PoolCapacity.measured(capacity, "aggregated")
+
+
+class _Work:
+    """A pool's unit of work per request: 1 for an aggregated pool, the mean prompt (prefill) or output
+    (decode) tokens otherwise; the last interval that saw any when this one saw none, at first the mix the
+    capacity was measured at."""
+
+    def __init__(self, pool: PoolCapacity) -> None:
+        self.role = pool.role
+        self.per_request = 1.0 if pool.role == "aggregated" else (pool.tokens_per_request or 0.0)
+
+    def observe(self, obs: Observation) -> float:
+        seen = obs.mean_input if self.role == "prefill" else obs.mean_output if self.role == "decode" else 0.0
+        if seen > 0:
+            self.per_request = seen
+        return self.per_request
+
+    def missed(self, obs: Observation, sla: Sla) -> bool:
+        slos = SLOS[self.role]
+        return ("ttft" in slos and obs.ttft_p99 is not None and obs.ttft_p99 > sla.ttft_s) or \
+               ("itl" in slos and obs.itl_p99 is not None and obs.itl_p99 > sla.itl_s)
+
+
 class Planner:
     """fleetward's planner (module docstring)."""
 
     name = "fleetward"
 
-    def __init__(self, capacity: CapacityModel, sla: Sla, *, min_workers: int = 1, max_workers: int = 64,
-                 predictor: Predictor | str = "holt-winters", headroom: float = 0.1, hysteresis: int = 1,
-                 down_stable: int = 6, miss_intervals: int = 2) -> None:
+    def __init__(self, capacity: CapacityModel | PoolCapacity, sla: Sla, *, min_workers: int = 1,
+                 max_workers: int = 64, predictor: Predictor | str = "holt-winters", headroom: float = 0.1,
+                 hysteresis: int = 1, down_stable: int = 6, miss_intervals: int = 2) -> None:
         check_bounds(min_workers, max_workers)
-        self.capacity, self.sla = capacity, sla
-        self.per_worker = capacity.max_rate(sla)  # raises when no load meets the SLA
+        self.pool = _pool(capacity)
+        self.capacity, self.sla = self.pool.curve, sla
+        self.per_worker = self.pool.max_rate(sla)  # in the pool's unit; raises when no load meets the SLA
+        self._work = _Work(self.pool)
         self.min, self.max = min_workers, max_workers
         self.predictor = make_predictor(predictor) if isinstance(predictor, str) else predictor
         self.headroom, self.hysteresis, self.down_stable = headroom, hysteresis, down_stable
@@ -105,16 +139,16 @@ class Planner:
         self.predictor.observe(obs.arrival_rate)
         lead = max(1, math.ceil(self.capacity.startup_s / obs.interval_s) + 1)
         predicted = max([obs.arrival_rate, *self.predictor.forecast(lead)])
+        per_request = self._work.observe(obs)  # 1 for an aggregated pool: its unit is the request
         backlog = obs.queue_depth / obs.interval_s  # queued requests, to be served within one interval
-        load = predicted * (1 + self.headroom) + backlog
+        load = (predicted * (1 + self.headroom) + backlog) * per_request
         need = math.ceil(load / self.per_worker) if load > 0 else 0
         # Feedback for what the capacity model did not foresee: the SLA missed for several intervals in a
         # row while the workers are busy (a single long prompt's prefill stalls a batch for one interval:
-        # no worker more would help that).
-        missed = (obs.ttft_p99 is not None and obs.ttft_p99 > self.sla.ttft_s) or \
-                 (obs.itl_p99 is not None and obs.itl_p99 > self.sla.itl_s)
+        # no worker more would help that). Only the pool's own SLOs count.
+        missed = self._work.missed(obs, self.sla)
         have = obs.healthy + obs.starting
-        busy = obs.arrival_rate > 0.5 * self.per_worker * max(1, obs.healthy)
+        busy = obs.arrival_rate * per_request > 0.5 * self.per_worker * max(1, obs.healthy)
         self._misses = self._misses + 1 if missed and busy else 0
         missed = self._misses >= self.miss_intervals
         if missed and obs.starting == 0:
@@ -122,8 +156,12 @@ class Planner:
             self._misses = 0
         need = _clamp(need, self.min, self.max)
         self._wants.append(need)
-        why = (f"predicted {predicted:.2f} req/s over {lead} interval(s), {obs.queue_depth} queued, "
-               f"{self.per_worker:.2f} req/s per worker")
+        if self.pool.role == "aggregated":
+            why = (f"predicted {predicted:.2f} req/s over {lead} interval(s), {obs.queue_depth} queued, "
+                   f"{self.per_worker:.2f} req/s per worker")
+        else:
+            why = (f"predicted {predicted:.2f} req/s x {per_request:.0f} {self.pool.unit.split()[0]} tokens over "
+                   f"{lead} interval(s), {obs.queue_depth} queued, {self.per_worker:.0f} {self.pool.unit} per worker")
         if missed:
             why += "; SLA missed last interval"
         if need > self._current:
@@ -177,22 +215,31 @@ class Reactive:
 
 class DynamoStyle:
     """Dynamo-planner-like: last interval's load / interpolated per-worker capacity, times a correction
-    factor of observed over expected latency; reactive."""
+    factor of observed over expected latency; reactive. A prefill pool's load is prompt tokens/s and its
+    correction TTFT's; a decode pool's is output tokens/s and ITL's (an aggregated pool: requests/s, ITL)."""
 
     name = "dynamo-style"
 
-    def __init__(self, capacity: CapacityModel, sla: Sla, *, min_workers: int = 1, max_workers: int = 64) -> None:
+    def __init__(self, capacity: CapacityModel | PoolCapacity, sla: Sla, *, min_workers: int = 1,
+                 max_workers: int = 64) -> None:
         check_bounds(min_workers, max_workers)
-        self.capacity, self.sla, self.min, self.max = capacity, sla, min_workers, max_workers
-        self.per_worker = capacity.max_rate(sla)
+        self.pool = _pool(capacity)
+        self.capacity, self.sla, self.min, self.max = self.pool.curve, sla, min_workers, max_workers
+        self.per_worker = self.pool.max_rate(sla)
+        self._work = _Work(self.pool)
 
     def decide(self, obs: Observation) -> Decision:
         serving = max(1, obs.healthy)
-        expected = self.capacity.itl_at(obs.arrival_rate / serving)
+        load = obs.arrival_rate * self._work.observe(obs)
+        expected = self.pool.latency_at(load / serving)
+        observed = obs.ttft_p99 if self.pool.role == "prefill" else obs.itl_p99
         correction = 1.0
-        if obs.itl_p99 is not None and expected > 0:
-            correction = min(2.0, max(0.5, obs.itl_p99 / expected))
-        need = math.ceil(obs.arrival_rate * correction / self.per_worker) if obs.arrival_rate > 0 else 0
+        if observed is not None and expected > 0:
+            correction = min(2.0, max(0.5, observed / expected))
+        need = math.ceil(load * correction / self.per_worker) if load > 0 else 0
+        if self.pool.role != "aggregated":
+            return Decision(_clamp(need, self.min, self.max),
+                            f"{load:.0f} {self.pool.unit}, correction {correction:.2f}")
         return Decision(_clamp(need, self.min, self.max),
                         f"{obs.arrival_rate:.2f} req/s, correction {correction:.2f}")
 

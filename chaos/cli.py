@@ -239,7 +239,6 @@ def _faults(args: argparse.Namespace) -> int:
             works = backends_for(s)
             notes = [*([] if len(works) == len(BACKENDS) else [f"{'/'.join(works)} only"]),
                      *(["needs root"] if s.needs_root else []),
-                     *(["hook only: no P/D path calls it yet"] if s.extra.get("hook_only") else []),
                      *(_NEEDS[r] for r in s.extra.get("requires", ()))]
             table.add_row(s.name, ", ".join(target_kinds(s)) or "-",
                           escape(s.summary + (f" [{'; '.join(notes)}]" if notes else "")), escape(params or "-"))

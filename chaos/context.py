@@ -111,8 +111,8 @@ class FleetContext:
             return f.proxies.names
         if kind == "fleet":
             return [f.cluster]
-        if kind == "kv":
-            return ["kv"]
+        if kind == "kv":  # the KV links: named by the prefill worker that sends on them
+            return sorted(w for w, h in f.agent.handles.items() if h.spec.role == "prefill")
         if kind == "supervisor":
             return f.supervisor_control().ids
         known = self._services.get(kind)
@@ -138,8 +138,6 @@ class FleetContext:
             return self._fleet
         if name == "gpu" and self._fleet.gpu is not None:
             return self._fleet.gpu
-        if name == "kv":
-            return self._fleet.kv
         if name == "supervisor" and self._fleet.controller_procs:  # an in-process controller cannot crash
             return self._fleet.supervisor_control()
         raise KeyError(f"no service {name!r} in this context")

@@ -183,6 +183,8 @@ class FleetSpec(Frozen):
 
     backend: Literal["sim", "vllm"] = "sim"
     workers: int = Field(3, ge=1, le=64)
+    prefill_workers: int = Field(0, ge=0, le=63, description="of the workers, how many form the prefill pool (the "
+                                 "rest decode); the kv fault family acts on their KV transfers")
     routers: int = Field(1, ge=1, le=8)
     node: str = Field("node", pattern=ID_PATTERN, description="worker ids are "
                       "<node>-w<i>")
@@ -202,6 +204,13 @@ class FleetSpec(Frozen):
     vllm: VllmConfig = VllmConfig()
     routing: RouterConfig = RouterConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
+
+    @model_validator(mode="after")
+    def _pools(self) -> FleetSpec:
+        if self.prefill_workers and self.prefill_workers >= self.workers:
+            raise ValueError(f"prefill_workers={self.prefill_workers} leaves no decode worker among "
+                             f"workers={self.workers}")
+        return self
 
     @property
     def max_model_len(self) -> int:
@@ -447,8 +456,8 @@ def declared_ids(fleet: FleetSpec, kind: str) -> list[str] | None:
         return ["broker"]
     if kind == "supervisor":
         return [f"controller-{i}" for i in range(fleet.controllers)]
-    if kind == "kv":
-        return ["kv"]
+    if kind == "kv":  # KV links, named by the prefill worker that sends on them
+        return [f"{fleet.node}-w{i}" for i in range(fleet.prefill_workers)]
     if kind == "fleet":
         return ["fleet"]
     if kind == "link":

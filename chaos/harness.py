@@ -28,7 +28,6 @@ from typing import Any
 import httpx
 
 from fleetward.chaos.context import FleetContext, HarnessSupervisor
-from fleetward.chaos.faults.kv import FaultyKvTransfer
 from fleetward.chaos.net import Link, ProxyRegistry
 from fleetward.fleet import handle as fleet_handle
 from fleetward.fleet.backends import Backend, SimBackend, WorkerHandle
@@ -70,6 +69,7 @@ class TestFleet(AgentWorkers, FleetClient):
     cluster: str
     run_dir: Path
     workers: int = 3
+    prefill_workers: int = 0  # of ``workers``, the first this many are prefill workers and the rest decode ones
     backend: Backend = field(default_factory=SimBackend)  # what kind of workers (``SimBackend(SimConfig(...))``)
     routing: RouterConfig = field(default_factory=RouterConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
@@ -105,8 +105,6 @@ class TestFleet(AgentWorkers, FleetClient):
         self._own_clients: list[Any] = []  # the agent's store and bus when they go through proxies
         self._started = False
         self.warm: dict[str, int] = {}  # worker -> pid of its process that restore() warmed up (vLLM)
-        # The fleet's KV-transfer hook (kv faults act on it). No prefill/decode path calls it yet.
-        self.kv = FaultyKvTransfer()
 
     # -- life -------------------------------------------------------------------------------------------
 
@@ -140,8 +138,10 @@ class TestFleet(AgentWorkers, FleetClient):
         elif self.controller:
             await self.start_controller()
         k = self.gpus_per_worker
+        p = self.prefill_workers
         specs = [WorkerSpec(id=f"{self.node}-w{i}", host="127.0.0.1", port=free_port(), model=self.backend.model_name,
-                            node=self.node, gpus=tuple(range(i * k, (i + 1) * k)))
+                            node=self.node, gpus=tuple(range(i * k, (i + 1) * k)),
+                            role=("prefill" if i < p else "decode") if p else "aggregated")
                  for i in range(self.workers)]
         specs = [await self._proxied_spec(s) for s in specs]
         await self.agent.start_workers(specs)

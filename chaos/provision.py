@@ -76,7 +76,8 @@ def worker_backend(exp: Experiment, *, base: Path | None, run_dir: Path, say: Sa
 
 def _declared(fleet: TestFleet) -> dict[str, list[str]]:
     return {"worker": fleet.worker_ids, "router": [r.id for r in fleet.routers],
-            "supervisor": fleet.supervisor_control().ids if fleet.supervised else [], "kv": ["kv"],
+            "supervisor": fleet.supervisor_control().ids if fleet.supervised else [],
+            "kv": sorted(w for w, h in fleet.agent.handles.items() if h.spec.role == "prefill"),
             "fleet": ["fleet"]}
 
 
@@ -93,6 +94,7 @@ async def own_fleet(exp: Experiment, *, run_dir: Path, backend: Backend, etcd: s
     fleet = TestFleet(
         etcd=etcd or "", mqtt=mqtt or "", run_dir=run_dir / "fleet",
         cluster=spec.cluster or f"chaos-{uuid.uuid4().hex[:6]}", workers=spec.workers, backend=backend,
+        prefill_workers=spec.prefill_workers,
         routing=spec.routing, supervisor=spec.supervisor, node=spec.node, lease_ttl=spec.lease_ttl_s,
         # One controller runs in this process; more run as processes (a leader and standbys).
         controller=spec.controllers == 1, controller_processes=spec.controllers if spec.controllers > 1 else 0,
@@ -168,7 +170,8 @@ async def attached_fleet(exp: Experiment, *, run_dir: Path, cluster: str | None,
                               f"{exp.fleet.backend} workers", field="fleet.backend")
         if exp.fleet.backend == "sim":
             fleet.backend = SimBackend(await attached_sim_config(fleet, declared, exp.fleet.sim, say=say))
-        ids = {"worker": declared, "router": [r.id for r in fleet.routers][:exp.fleet.routers], "kv": ["kv"],
+        ids = {"worker": declared, "router": [r.id for r in fleet.routers][:exp.fleet.routers],
+               "kv": sorted(w for w in declared if w in fleet.records and fleet.records[w].role == "prefill"),
                "fleet": ["fleet"]}
         say(f"attached to fleet {fleet.cluster} ({len(fleet.worker_ids)} workers)")
         yield Provisioned(fleet, ids, None, experiment=exp)

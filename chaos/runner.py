@@ -213,10 +213,6 @@ class Runner:
                         base=self.opts.base) as workload:
                     self.workload = workload
                     self.services.update(workload=workload, history=self.history, bus=fleet.bus)
-                    if self.fleet_ctx is None:  # an attached fleet: a KV hook of the run's own (hook-level faults)
-                        from fleetward.chaos.faults.kv import FaultyKvTransfer
-
-                        self.services["kv"] = FaultyKvTransfer()
                     self.services.update(self.opts.services)
                     ran = True
                     before = await self._hypothesis("before")

@@ -83,6 +83,14 @@ class SimConfig(Frozen):
     chunked_prefill_tokens: int = Field(0, ge=0, description="prefill prompts in chunks of at most this many tokens "
                                         "per step while the running sequences keep decoding (vLLM's chunked "
                                         "prefill); 0: off, a prompt's whole prefill is one step that holds the batch")
+    kv_bytes_per_token: int = Field(256, ge=8, description="prefill/decode: KV bytes per token on the wire "
+                                    "(fleetward.fleet.kv)")
+    kv_latency_ms: float = Field(0.5, ge=0, description="prefill/decode: the KV link's latency per transfer")
+    kv_bandwidth_gbps: float = Field(10.0, gt=0, description="prefill/decode: the KV link's bandwidth")
+    kv_lease_s: float = Field(30.0, gt=0, description="prefill/decode: how long a prefill worker keeps a prompt's "
+                              "KV for the decode worker to pull, before it frees the blocks")
+    kv_timeout_s: float = Field(10.0, gt=0, description="prefill/decode: how long a decode worker waits for a KV "
+                                "transfer to complete")
 
     def step_seconds(self, batch: int, prefill_tokens: int = 0) -> float:
         """One engine step with ``batch`` sequences and ``prefill_tokens`` prompt tokens admitted: the
@@ -122,6 +130,14 @@ class RouterConfig(Frozen):
     stall_floor_s: float = Field(1.0, gt=0, description="least silence, with work in flight, that counts as a stall")
     prefill_timeout_s: float = Field(30.0, gt=0, description="prefill/decode: how long the prefill step may take "
                                      "before the decode worker computes the prompt itself")
+    kv_failure_policy: Literal["retry", "recompute", "aggregated", "fail"] = Field(
+        "retry", description="prefill/decode: what a failed KV transfer leads to (docs/pd.md): retry (prefill again "
+        "on another prefill worker, kv_retries times, then recompute), recompute (the decode worker computes the "
+        "prompt itself), aggregated (the request goes to a worker without prefill), fail (an error to the client)")
+    kv_retries: int = Field(1, ge=0, description="prefill/decode: prefills on other prefill workers after a failed "
+                            "KV transfer (kv_failure_policy retry)")
+    kv_verify: bool = Field(True, description="prefill/decode: decode workers check every KV transfer (frames, "
+                            "order, digest) before using it; off only to see what unchecked KV does")
     stall_hold_s: float = Field(30.0, ge=0, description="after moving a worker's streams away for silence, send it "
                                 "no new request for this long, unless it emits a token or the supervisor finds "
                                 "it ready again")
@@ -201,6 +217,12 @@ class AutoscaleConfig(Frozen):
                                   "in the fleet simulator (backend sim)")
     per_worker_rps: float | None = Field(None, gt=0, description="a flat capacity: requests/s one worker carries "
                                          "within the SLA (instead of a capacity file)")
+    prefill_capacity: Path | None = Field(None, description="the prefill pool's capacity file, measured on a prefill "
+                                          "worker (with its mean_input); without it, derived from the aggregated "
+                                          "model (docs/autoscale.md)")
+    decode_capacity: Path | None = Field(None, description="the decode pool's capacity file, measured on a decode "
+                                         "worker (with its mean_output); without it, derived from the aggregated "
+                                         "model (docs/autoscale.md)")
     startup_s: float | None = Field(None, ge=0, description="a new worker's start-up time (default: the capacity "
                                     "file's, else 5 s for sim and 60 s for vLLM)")
     down_stable: int = Field(6, ge=1, description="intervals that must all want fewer workers before scaling down")

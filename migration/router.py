@@ -42,6 +42,7 @@ from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import RouterConfig
 from fleetward.fleet.etcd import LeaseKeeper, StateStore
 from fleetward.fleet.keys import Keys
+from fleetward.fleet.kv import KV_ERROR_KINDS, KV_ERROR_TYPE
 from fleetward.fleet.registry import FleetView
 from fleetward.fleet.telemetry import link_gauges
 from fleetward.fleet.worker import HealthState
@@ -123,6 +124,11 @@ class _Metrics:
         self.prefill_seconds = Histogram("fleetward_router_prefill_seconds",
                                          "Prefill/decode: how long the prefill step took (successful ones).",
                                          buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r)
+        self.kv_failures = Counter("fleetward_router_kv_transfer_failures", "Prefill/decode: KV transfers a decode "
+                                   "worker refused, by what its checks found (handled by routing.kv_failure_policy)",
+                                   ["kind"], registry=r)
+        for kind in KV_ERROR_KINDS:
+            self.kv_failures.labels(kind)
         self.in_flight = Gauge("fleetward_router_in_flight_requests", "Requests being served.", registry=r)
         self.stall = Histogram("fleetward_router_migration_stall_seconds",
                                "Client-visible gap between the last token before a failure and the first after it.",
@@ -368,21 +374,25 @@ class Router:
         not_last = [w for w in ok if not failed or w != failed[-1]]
         return (not_last or ok), known
 
-    async def _prefill(self, j: Journal, path: str, body: dict[str, Any], load: dict[str, int]) -> dict[str, Any]:
+    async def _prefill(self, j: Journal, path: str, body: dict[str, Any], load: dict[str, int],
+                       exclude: set[str]) -> tuple[dict[str, Any], str | None]:
         """Prefill/decode: have a prefill worker compute the prompt's KV first, when the model has any.
 
-        The prefill worker answers one token; the decode request then carries the ``kv_transfer_params`` it
-        answered with (vLLM's disaggregated-serving protocol; a connector that finds KV by prompt, like vLLM's
-        ExampleConnector, needs none). A resumed stream is prefilled again, prompt and emitted tokens. A
-        prefill that fails costs time, not tokens: the decode worker then computes the prompt itself, as an
-        aggregated worker would (docs/pd.md).
+        Returns the decode request and the prefill worker it carries KV from (None: no KV, the decode worker
+        computes the prompt). The prefill worker answers one token; the decode request then carries the
+        ``kv_transfer_params`` it answered with (vLLM's disaggregated-serving protocol; a connector that finds
+        KV by prompt, like vLLM's ExampleConnector, needs none), plus whether the decode worker must check the
+        transfer (``verify``) and what it does when a check fails (``kv_load_failure_policy``). A resumed stream
+        is prefilled again, prompt and emitted tokens. A prefill that fails costs time, not tokens: the decode
+        worker then computes the prompt itself, as an aggregated worker would (docs/pd.md). ``exclude``: prefill
+        workers whose KV this request could not use.
         """
         fleet = self.view.fleet
         prefill = sorted(wid for wid, rec in fleet.workers.items()
-                         if rec.role == "prefill" and rec.model == j.model
+                         if rec.role == "prefill" and rec.model == j.model and wid not in exclude
                          and (h := fleet.health.get(wid)) is not None and h.state.is_routable)
         if not prefill:
-            return body
+            return body, None
         worker = min(prefill, key=lambda w: load.get(w, 0))
         ask = {**body, "stream": False, "max_tokens": 1, "min_tokens": 0,
                "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
@@ -395,11 +405,29 @@ class Router:
             self.metrics.prefills.labels("failed").inc()
             log.warning("%s: prefill on %s failed (%s); the decode worker computes the prompt itself", j.id,
                         worker, exc)
-            return body
+            return body, None
         self.metrics.prefills.labels("ok").inc()
         self.metrics.prefill_seconds.observe(self.clock.monotonic() - started)
         kv = answer.get("kv_transfer_params")
-        return {**body, "kv_transfer_params": kv} if isinstance(kv, dict) else body
+        if not isinstance(kv, dict):
+            return body, worker
+        policy = "recompute" if self.config.kv_failure_policy == "recompute" else "fail"
+        return {**body, "kv_transfer_params": {**kv, "verify": self.config.kv_verify,
+                                               "kv_load_failure_policy": policy}}, worker
+
+    def _kv_failed(self, j: Journal, exc: UpstreamError, prefilled_on: str, worker: str, retries: int) -> bool:
+        """A decode worker refused the KV from ``prefilled_on``: whether to prefill again (else the next try
+        goes without prefill); raises :class:`RouterError` under ``kv_failure_policy: fail``."""
+        err = exc.body.get("error") if isinstance(exc.body, dict) else None
+        kind = str(err.get("param")) if isinstance(err, dict) else "unknown"
+        self.metrics.kv_failures.labels(kind).inc()
+        policy = self.config.kv_failure_policy
+        log.warning("request %s: the KV transfer %s -> %s failed (%s: %s); kv_failure_policy %s", j.id,
+                    prefilled_on, worker, kind, exc.message, policy)
+        if policy == "fail":
+            raise RouterError(502, f"the KV transfer from prefill worker {prefilled_on} to decode worker {worker} "
+                              f"failed ({kind}: {exc.message}) and routing.kv_failure_policy is fail")
+        return policy == "retry" and retries < self.config.kv_retries
 
     def _text_status(self, model: str) -> dict[str, Any]:
         if not self.config.detokenize:
@@ -454,6 +482,10 @@ class Router:
         last_token_at: float | None = None
         uncounted = 0  # tokens sent but not yet added to the tokens counter
         reason = ""
+        kv_excluded: set[str] = set()  # prefill workers whose KV a decode worker refused for this request
+        kv_retries = 0
+        kv_retry = False  # the try about to start repeats one whose KV was refused (not a migration)
+        use_prefill = True
         if j.vocab is None and self.config.detokenize:
             j.vocab = await self.texts.get(j.model)
         while not j.is_done:
@@ -494,25 +526,29 @@ class Router:
             worker = self.policy.choose(candidates, load, key)
             url = self.view.fleet.workers[worker].url
             path, body = j.upstream_request()
-            body = await self._prefill(j, path, body, load)
+            prefilled_on: str | None = None
+            if use_prefill:
+                body, prefilled_on = await self._prefill(j, path, body, load, kv_excluded)
             prompt_len = len(body["prompt"]) if isinstance(body.get("prompt"), list) else len(
                 orjson.dumps(body.get("prompt") or body.get("messages")))
             previous = j.worker
             j.attempts += 1
             j.worker = worker
             j.dirty = True
-            if j.attempts > 1:
+            if j.attempts > 1 and not kv_retry:
                 j.migrations += 1
                 trigger = reason.split(":")[0] if reason else "unknown"
                 self.metrics.migrations.labels(trigger).inc()
                 await self.bus.publish("migration", request=j.id, worker=worker, from_worker=previous,
                                        reason=reason, tokens=len(j.emitted), attempt=j.attempts, router=self.id)
+            kv_retry = False
             active = self.active[j.id]
             active.worker = worker
             self.progress.dispatched(worker, j.id, prompt_len)
             try:
                 async with self.upstream.open(worker, url, path, body) as stream:
                     active.stream = stream
+                    use_prefill = True  # a later resume of this stream is prefilled again
                     if not opened:
                         opened = True
                         emit(None)
@@ -545,6 +581,15 @@ class Router:
                             stream.finished = stream.finished or chunk.finish_reason is not None
                             break
             except UpstreamError as exc:
+                if prefilled_on is not None and exc.status == 502 and isinstance(exc.body, dict) \
+                        and isinstance(err := exc.body.get("error"), dict) and err.get("type") == KV_ERROR_TYPE:
+                    # The decode worker is fine; the KV it was given is not. Try again, not as a migration.
+                    kv_excluded.add(prefilled_on)
+                    use_prefill = self._kv_failed(j, exc, prefilled_on, worker, kv_retries)
+                    kv_retries += use_prefill
+                    j.attempts -= 1
+                    kv_retry = True
+                    continue
                 if exc.is_client_error and not j.emitted:
                     raise RouterError(exc.status or 400, exc.message, body=exc.body) from None
                 reason = f"{exc.kind}: {exc.message}" if exc.kind != "aborted" else exc.message

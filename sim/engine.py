@@ -247,10 +247,31 @@ class SimRequest:
     """
 
     __slots__ = (
-        "_decoder", "_final_sent", "_on_park", "_sent_ids", "_sent_text", "_stop_buffer", "_waiter",
-        "admitted_at", "arrival", "blocks", "cut_at", "error", "finish_reason", "first_token_at",
-        "last_token_at", "output_ids", "output_text", "params", "prefill_left", "prompt_ids", "request_id", "state",
-        "status", "stop_reason",
+        "_decoder",
+        "_final_sent",
+        "_on_park",
+        "_sent_ids",
+        "_sent_text",
+        "_stop_buffer",
+        "_waiter",
+        "admitted_at",
+        "arrival",
+        "blocks",
+        "cut_at",
+        "error",
+        "finish_reason",
+        "first_token_at",
+        "kv_cached",
+        "last_token_at",
+        "output_ids",
+        "output_text",
+        "params",
+        "prefill_left",
+        "prompt_ids",
+        "request_id",
+        "state",
+        "status",
+        "stop_reason",
     )
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingSpec, *, arrival: float,
@@ -272,6 +293,7 @@ class SimRequest:
         self.error: str | None = None
         self.cut_at: int | None = None  # set when cut: the consumer gets this many tokens, then RequestCut
         self.prefill_left = 0  # chunked prefill: prompt tokens not computed yet (no token until 0)
+        self.kv_cached = 0  # prompt tokens whose KV was loaded from a prefill worker: not computed here
         # The worker's own text, as vLLM makes it: a detokenizer primed with this attempt's prompt.
         self._decoder: IncrementalDecoder | Detokenizer = IncrementalDecoder() if vocab is None else \
             vocab.detokenizer(prompt_ids, skip_special_tokens=params.skip_special_tokens,
@@ -396,10 +418,18 @@ class SimScheduler:
     # -- requests in and out ----------------------------------------------------------------------------
 
     def new_request(self, request_id: str, prompt_ids: list[int], params: SamplingSpec, *,
-                    now: float) -> SimRequest:
-        """A request for ``prompt_ids`` (not yet queued; see :meth:`add`)."""
-        return SimRequest(request_id, prompt_ids, params, arrival=now, state=self.model.state(prompt_ids),
-                          vocab=self.vocab)
+                    now: float, kv: tuple[int, int] | None = None) -> SimRequest:
+        """A request for ``prompt_ids`` (not yet queued; see :meth:`add`).
+
+        ``kv``: ``(tokens, state)`` when the prompt's first ``tokens`` come with KV loaded from a prefill
+        worker: they cost no prefill here, and generation starts from ``state`` (what that KV gives, right
+        or wrong; see :meth:`fleetward.sim.model.SimModel.state_from_kv`).
+        """
+        req = SimRequest(request_id, prompt_ids, params, arrival=now,
+                         state=self.model.state(prompt_ids) if kv is None else kv[1], vocab=self.vocab)
+        if kv is not None:
+            req.kv_cached = kv[0]
+        return req
 
     def add(self, req: SimRequest) -> None:
         self.waiting.append(req)
@@ -485,11 +515,12 @@ class SimScheduler:
                 self.stats.queue.observe(now - req.arrival)
             running.append(req)
             admitted.append(req)
+            computed = tokens - req.kv_cached
             if chunk:
-                req.prefill_left = tokens
+                req.prefill_left = computed
             else:
-                prefill_tokens += tokens
-                budget -= tokens
+                prefill_tokens += computed
+                budget -= computed
         if chunk:  # this step computes up to ``chunk`` prompt tokens, oldest prompts first
             left = chunk
             for req in running:
@@ -505,6 +536,7 @@ class SimScheduler:
     def _preempt(self, req: SimRequest) -> None:
         self.free_blocks += req.blocks
         req.blocks = 0
+        req.kv_cached = 0  # its loaded KV is freed with its blocks: recomputed on readmission
         req.status = _WAITING
         self.waiting.appendleft(req)
         self.stats.preemptions += 1
@@ -686,12 +718,12 @@ class SimEngine:
     # -- requests ---------------------------------------------------------------------------------------
 
     def submit(self, prompt_ids: list[int], params: SamplingSpec,
-               request_id: str | None = None) -> SimRequest:
-        """Queue a generation; the returned handle streams its output."""
+               request_id: str | None = None, *, kv: tuple[int, int] | None = None) -> SimRequest:
+        """Queue a generation; the returned handle streams its output (``kv``: see ``Scheduler.new_request``)."""
         if request_id is None:
             self._ids += 1
             request_id = f"sim-{self._ids}"
-        req = self.scheduler.new_request(request_id, prompt_ids, params, now=self.clock.monotonic())
+        req = self.scheduler.new_request(request_id, prompt_ids, params, now=self.clock.monotonic(), kv=kv)
         req._on_park = self._delivery.set
         self._open.add(req)
         self.scheduler.add(req)

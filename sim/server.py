@@ -111,6 +111,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
+import aiohttp
 import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -127,6 +128,9 @@ from starlette.types import Receive, Scope, Send
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import SimConfig, admin_token_from_env
 from fleetward.fleet.errors import WorkerError
+from fleetward.fleet.kv import KV_ERROR_TYPE, KvFrame, KvLink, KvOffer, KvSenderDied, KvTransferError, digest, frames_of
+from fleetward.fleet.kv import pull as pull_kv
+from fleetward.fleet.kv import send as send_kv
 from fleetward.fleet.vocab import BUILTIN
 from fleetward.sim.engine import (
     ENGINE_DEAD_MESSAGE,
@@ -138,6 +142,7 @@ from fleetward.sim.engine import (
     SimEngine,
     SimRequest,
 )
+from fleetward.sim.kvfaults import KvFaultHook, KvRule
 from fleetward.sim.tokenizer import VOCAB_SIZE, encode, render_chat
 
 __all__ = ["SimWorker", "create_app", "main"]
@@ -653,6 +658,12 @@ class _Cut(Response):
             self._on_close()
 
 
+@dataclass(slots=True)
+class _StoredKv:
+    frames: list[KvFrame]
+    expires: float
+
+
 class SimWorker:
     """One simulated worker: its config, engine, metrics and the ASGI app (:attr:`app`) serving them.
 
@@ -679,6 +690,13 @@ class SimWorker:
         self.vocab = self.engine.scheduler.vocab
         self.vocab_size = VOCAB_SIZE if self.vocab is None else self.vocab.size
         self._fingerprint_json = _enc(self.system_fingerprint)
+        # Prefill/decode (fleetward.fleet.kv): the KV this worker computed for decode workers to pull, by
+        # transfer id, oldest first (every entry has the same lease, so expiry follows insertion order).
+        self.kv_hook = KvFaultHook(die=self._crash)
+        self.kv_link = KvLink(config.kv_latency_ms / 1000, config.kv_bandwidth_gbps * 1.25e8)
+        self._kv_store: dict[str, _StoredKv] = {}
+        self.kv_stats: dict[str, Any] = {"offered": 0, "sent": 0, "loaded": 0, "recomputed": 0, "failed": {}}
+        self._session: aiohttp.ClientSession | None = None
 
         app = FastAPI(lifespan=self._lifespan, openapi_url=None, docs_url=None, redoc_url=None)
         app.state.worker = self
@@ -692,6 +710,7 @@ class SimWorker:
         r.add_route("/admin/faults", self._get_faults, methods=["GET"])
         r.add_route("/admin/faults", self._post_faults, methods=["POST"])
         r.add_route("/admin/state", self._state, methods=["GET"])
+        r.add_route("/kv/{transfer_id}", self._kv, methods=["GET"])
         self.app = app
 
     def _crash_after_tokens(self) -> None:
@@ -706,6 +725,9 @@ class SimWorker:
                 yield
             finally:
                 engine.cancel()
+                self.kv_hook.clear()
+                if self._session is not None:
+                    await self._session.close()
 
     # -- plain endpoints ----------------------------------------------------------------------------
 
@@ -741,12 +763,12 @@ class SimWorker:
     async def _get_faults(self, request: Request) -> Response:
         if (refused := self._refuse(request)) is not None:
             return refused
-        return _json_response(self.engine.faults.to_json())
+        return _json_response({**self.engine.faults.to_json(), "kv": self.kv_hook.to_json()})
 
     async def _state(self, request: Request) -> Response:
         if (refused := self._refuse(request)) is not None:
             return refused
-        return _json_response({**self.engine.state(), "model": self.model_name})
+        return _json_response({**self.engine.state(), "model": self.model_name, "kv": self.kv_stats})
 
     async def _post_faults(self, request: Request) -> Response:
         if (refused := self._refuse(request)) is not None:
@@ -754,6 +776,7 @@ class SimWorker:
         try:
             body = json.loads(await request.body())
             new, crash, fail_inflight, reset_inflight = self._parse_faults(body)
+            kv_change = self._parse_kv_faults(body)
         except (ValueError, _ApiError) as exc:
             msg = exc.message if isinstance(exc, _ApiError) else f"not JSON: {exc}"
             return _json_response({"error": msg}, 400)
@@ -764,7 +787,10 @@ class SimWorker:
         release = self.engine.hold_crash()  # a spent crash_after_tokens waits for this answer to be sent
         try:
             faults = self.engine.update_faults(new)
-            out = faults.to_json()
+            if body.get("clear") is True:
+                self.kv_hook.clear()
+            kv_change()
+            out = {**faults.to_json(), "kv": self.kv_hook.to_json()}
             if fail_inflight:
                 out["failed_inflight"] = self.engine.fail_inflight()
             if reset_inflight:
@@ -779,7 +805,7 @@ class SimWorker:
         if not isinstance(body, dict):
             raise _ApiError("expected a JSON object")
         known = {"clear", "crash", "hang", "slowdown", "error_rate", "wrong_tokens", "wrong_tokens_after",
-                 "crash_after_tokens", "reset_after_tokens", "fail_inflight", "reset_inflight"}
+                 "crash_after_tokens", "reset_after_tokens", "fail_inflight", "reset_inflight", "kv"}
         if unknown := sorted(set(body) - known):
             raise _ApiError(f"unknown fault switch(es) {unknown}; known: {sorted(known)}")
 
@@ -827,6 +853,88 @@ class SimWorker:
         if "reset_after_tokens" in body:
             cur.reset_after_tokens = count("reset_after_tokens")
         return cur, flag("crash"), flag("fail_inflight"), flag("reset_inflight")
+
+    def _parse_kv_faults(self, body: dict[str, Any]) -> Callable[[], None]:
+        """The ``kv`` switch (:mod:`fleetward.sim.kvfaults`), checked now and applied by the returned call."""
+        if "kv" not in body:
+            return lambda: None
+        op = body["kv"]
+        if not isinstance(op, dict) or len(op) != 1 or next(iter(op)) not in ("add", "remove", "clear"):
+            raise _ApiError(f'kv: expected {{"add": rule}}, {{"remove": id}} or {{"clear": true}}, got {op!r}')
+        if "add" in op:
+            try:
+                rule = KvRule.parse(op["add"])
+            except ValueError as exc:
+                raise _ApiError(str(exc)) from None
+            return functools.partial(self.kv_hook.add, rule)
+        if "remove" in op:
+            if not isinstance(op["remove"], str):
+                raise _ApiError(f"kv.remove: a rule id, got {op['remove']!r}")
+            return functools.partial(self.kv_hook.remove, op["remove"])
+        if op["clear"] is not True:
+            raise _ApiError(f"kv.clear: expected true, got {op['clear']!r}")
+        return self.kv_hook.clear
+
+    # -- KV transfer (prefill/decode) ---------------------------------------------------------------
+
+    def _offer_kv(self, request: Request, prompt_ids: list[int]) -> KvOffer | None:
+        """Keep the KV of ``prompt_ids``' whole blocks (all but the last token) for a decode worker to pull."""
+        bs = self.config.kv_block_size
+        covered = (len(prompt_ids) - 1) // bs * bs
+        if covered <= 0:
+            return None
+        now = self.clock.monotonic()
+        store = self._kv_store
+        while store and next(iter(store.values())).expires <= now:
+            del store[next(iter(store))]
+        blocks = self.engine.scheduler.model.kv_blocks(prompt_ids[:covered], self.config.kv_bytes_per_token, bs)
+        tid = f"kv-{secrets.token_hex(8)}"
+        store[tid] = _StoredKv(frames_of(tid, blocks, bs), now + self.config.kv_lease_s)
+        self.kv_stats["offered"] += 1
+        return KvOffer(str(request.base_url).rstrip("/"), tid, covered, len(blocks),
+                       digest(prompt_ids[:covered], blocks))
+
+    async def _kv(self, request: Request) -> Response:
+        tid = request.path_params["transfer_id"]
+        stored = self._kv_store.get(tid)
+        if stored is None or stored.expires <= self.clock.monotonic():
+            self._kv_store.pop(tid, None)
+            return _json_response({"error": {"message": f"no KV transfer {tid} here (unknown, or its lease of "
+                                            f"{self.config.kv_lease_s:g} s ran out)", "type": "NotFoundError",
+                                             "code": 404}}, 404)
+        self.kv_stats["sent"] += 1
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in send_kv(tid, stored.frames, self.kv_hook, self.kv_link):
+                    yield chunk
+            except KvSenderDied as exc:
+                log.warning("kv transfer cut by a fault: %s", exc)
+                raise
+
+        return StreamingResponse(body(), media_type="application/octet-stream")
+
+    async def _load_kv(self, params: dict[str, Any], offer: KvOffer, prompt_ids: list[int]) -> tuple[int, int] | None:
+        """Pull a prefill worker's KV for ``prompt_ids``: ``(tokens, state)`` to start from, or None to compute
+        the prompt here (the transfer failed and the request said ``kv_load_failure_policy: recompute``).
+        Raises :class:`KvTransferError` otherwise."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        covered = min(offer.tokens, len(prompt_ids))
+        try:
+            got = await pull_kv(self._session, offer, prompt_ids, timeout=self.config.kv_timeout_s,
+                                verify=params.get("verify", True) is not False)
+        except KvTransferError as exc:
+            failed = self.kv_stats["failed"]
+            failed[exc.kind] = failed.get(exc.kind, 0) + 1
+            if params.get("kv_load_failure_policy") != "recompute":
+                raise
+            log.info("%s; computing the prompt here (kv_load_failure_policy recompute)", exc)
+            self.kv_stats["recomputed"] += 1
+            return None
+        self.kv_stats["loaded"] += 1
+        model, bs = self.engine.scheduler.model, self.config.kv_block_size
+        return covered, model.state_from_kv(prompt_ids, covered, got.payload, self.config.kv_bytes_per_token, bs)
 
     # -- completions --------------------------------------------------------------------------------
 
@@ -953,7 +1061,14 @@ class SimWorker:
             return _error_response(exc)
         rid = self._request_id(request, body, "chatcmpl-" if chat else "cmpl-")
         created = int(self.clock.wall())
-        req = self.engine.submit(parsed.prompt_ids, parsed.spec, rid)
+        kv_params = body.get("kv_transfer_params")
+        kv: tuple[int, int] | None = None
+        if isinstance(kv_params, dict) and (offer := KvOffer.of(kv_params)) is not None:
+            try:
+                kv = await self._load_kv(kv_params, offer, parsed.prompt_ids)
+            except KvTransferError as exc:
+                return _error_response(_ApiError(str(exc), status=502, err_type=KV_ERROR_TYPE, param=exc.kind))
+        req = self.engine.submit(parsed.prompt_ids, parsed.spec, rid, kv=kv)
         release = functools.partial(self.engine.release, req)
         if parsed.stream:
             events = (self._chat_events if chat else self._completion_events)(req, parsed, rid, created)
@@ -971,7 +1086,11 @@ class SimWorker:
             err = _ApiError("Client disconnected")
         else:
             build = self._chat_body if chat else self._completion_body
-            return _Released(build(req, parsed, rid, created), 200, release)
+            answer = build(req, parsed, rid, created)
+            if isinstance(kv_params, dict) and kv_params.get("do_remote_decode"):
+                offer = self._offer_kv(request, parsed.prompt_ids)
+                answer["kv_transfer_params"] = None if offer is None else offer.params()
+            return _Released(answer, 200, release)
         return _Released(err.body(), err.status, release)
 
     async def _await_or_abort(self, request: Request, req: SimRequest) -> WorkerError | RequestCut | None:

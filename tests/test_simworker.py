@@ -670,10 +670,22 @@ async def test_admin_endpoints_need_the_bearer_token() -> None:
         assert (await c.get("/admin/state", headers={"Authorization": f"Basic {TOKEN}"})).status_code == 403
         r = await c.get("/admin/faults", headers=AUTH)
         assert r.json() == {"hang": False, "slowdown": 1.0, "error_rate": 0.0, "wrong_tokens": {"probability": 0.0},
-                            "wrong_tokens_after": None, "crash_after_tokens": None, "reset_after_tokens": None}
+                            "wrong_tokens_after": None, "crash_after_tokens": None, "reset_after_tokens": None,
+                            "kv": []}
         r = await c.post("/admin/faults", json={"slowdown": 3.0, "wrong_tokens_after": 4}, headers=AUTH)
         assert r.json()["slowdown"] == 3.0 and r.json()["wrong_tokens_after"] == 4
         assert (await c.post("/admin/faults", json={"slowdown": 0}, headers=AUTH)).status_code == 400
+        # KV fault switches (fleetward.sim.kvfaults): a bad rule is refused naming its field, and changes nothing.
+        for bad, field in [({"add": {"id": "a", "kind": "melt"}}, "kv.add.kind"),
+                           ({"add": {"id": "a", "kind": "delay", "delay_ms": -1}}, "kv.add.delay_ms"),
+                           ({"add": {"kind": "drop"}}, "kv.add.id"), ({"remove": 3}, "kv.remove"), ("x", "kv:")]:
+            r = await c.post("/admin/faults", json={"kv": bad, "slowdown": 2.0}, headers=AUTH)
+            assert r.status_code == 400 and field in r.json()["error"], (bad, r.text)
+        assert (await c.get("/admin/faults", headers=AUTH)).json()["slowdown"] == 3.0
+        r = await c.post("/admin/faults", json={"kv": {"add": {"id": "a", "kind": "truncate", "keep": 0.25}}},
+                         headers=AUTH)
+        assert r.json()["kv"] == [{"id": "a", "kind": "truncate", "keep": 0.25, "hits": 0}]
+        assert (await c.post("/admin/faults", json={"clear": True}, headers=AUTH)).json()["kv"] == []
         assert (await c.post("/admin/faults", json={"explode": True}, headers=AUTH)).status_code == 400
         r = await c.post("/admin/faults", json={"clear": True}, headers=AUTH)
         assert r.json()["slowdown"] == 1.0 and r.json()["wrong_tokens_after"] is None

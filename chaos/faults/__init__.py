@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from fleetward.chaos.faults import control, gpu, kv, load, network, process
 from fleetward.chaos.faults._base import BaseFault, FaultCheckFailed, FaultParams, FaultUnavailable, cycle
-from fleetward.chaos.faults.kv import FaultyKvTransfer
 from fleetward.chaos.faults.network import probe_link
 
 __all__ = [
@@ -30,7 +29,6 @@ __all__ = [
     "FaultCheckFailed",
     "FaultParams",
     "FaultUnavailable",
-    "FaultyKvTransfer",
     "control",
     "cycle",
     "gpu",

@@ -1,134 +1,80 @@
-"""KV-transfer faults, injected through the product's KV-transfer hook (:mod:`fleetward.fleet.kv`).
+"""KV-transfer faults: on the wire between prefill and decode workers (docs/pd.md).
 
-No P/D path exists yet. When it lands, the code that moves a request's KV cache from a prefill worker to a
-decode worker calls :meth:`~fleetward.fleet.kv.KvTransferHook.transfer` on every transfer, before the
-decode side uses it, and the chaos run provides the hook as the ``kv`` service
-(``FleetContext(services={"kv": FaultyKvTransfer()})``). Outside chaos runs the hook is
-:class:`~fleetward.fleet.kv.PassThrough`.
+A prefill worker sends every KV transfer through its send hook (:mod:`fleetward.fleet.kv`); a simulated
+worker's hook has fault switches (:mod:`fleetward.sim.kvfaults`), and these faults set them. So a KV fault
+acts on the real transfers of the fleet's requests, on the wire, and the decode workers' checks and the
+router's ``routing.kv_failure_policy`` meet it there.
 
 ===================  ==========================================================================
-fault                what the transfer does
+fault                what a transfer from a targeted prefill worker does
 ===================  ==========================================================================
-``kv.drop``          never arrives: :class:`KvTransferError` (``kind="dropped"``)
+``kv.drop``          never arrives (the connection is cut before the first block)
 ``kv.delay``         arrives ``delay_ms`` late
-``kv.corrupt``       arrives with one byte of one block flipped (same length: only a checksum or
-                     the decoded tokens show it)
-``kv.truncate``      arrives with only the first ``keep`` share of its blocks
-``kv.stall``         does not arrive until the fault is recovered (then it arrives whole)
-``kv.prefill_dies``  ``blocks_before`` blocks arrive, then the prefill side dies:
-                     :class:`KvTransferError` (``kind="prefill_died"``); with ``kill_worker``
-                     the prefill worker's process is SIGKILLed too (needs a fleet)
+``kv.corrupt``       one byte of one block flipped on the wire (``at: wire``, its frame check fails) or
+                     at the source (``at: source``: sound frames, wrong KV; only the digest shows it)
+``kv.truncate``      only the first ``keep`` share of its blocks, then an end frame as if complete
+``kv.duplicate``     a block comes twice
+``kv.stale``         the blocks of the transfer sent before (freed blocks reused), framed soundly
+``kv.stall``         does not arrive until recovery (the decode side times out first)
+``kv.prefill_dies``  ``blocks_before`` blocks arrive, then the connection is cut; with
+                     ``kill_worker`` the prefill worker's process exits there
 ===================  ==========================================================================
 
-Each fault counts the transfers it hit (``verify``: at least one) and is removed on recovery
-(``verify_recovered``: a probe transfer passes unchanged). While it verifies, a fault sends probe transfers
-through the hook (``probe: true``, the default), the way network faults probe their link: until the P/D
-path exists nothing else calls the hook, so the kv family is **hook only** (``fleetward chaos faults`` says
-so): an experiment exercises the hook and the fault objects, and no request of the fleet goes through it.
-
-Targets: ``{kind: kv}`` (the default), the fleet's one hook, ``kv``. KV faults do not count towards the
-safety share: they act on transfers, not on a component's availability.
+Targets: ``{kind: kv}`` (the default) names KV links by the prefill worker that sends on them, so its ids
+are the fleet's prefill workers (``fleet.prefill_workers``). Each fault verifies that it acted: the
+transfers it hit, counted by the worker; while none did, it sends a probe transfer of its own (prefill on
+the target, pull and check as a decode worker would) and records what the probe met. Recovery removes the
+switch and checks a probe transfer arrives intact. KV faults do not count towards the safety share: they
+act on transfers, not on a component's availability. They need simulated workers (fault switches).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Literal
+import uuid
+from typing import Any, ClassVar
 
+import aiohttp
 from pydantic import Field
 
-from fleetward.chaos.fault import FaultContext, Target
+from fleetward.chaos.fault import FaultContext
 from fleetward.chaos.faults._base import BaseFault, FaultParams, FaultUnavailable, catalogued, eventually, fleet_of
-from fleetward.fleet.kv import KvTransfer, KvTransferError
+from fleetward.fleet.handle import Fleet
+from fleetward.fleet.kv import KvOffer, KvTransferError, pull
 
-__all__ = ["FaultyKvTransfer", "KvRule"]
+__all__ = ["probe_transfer"]
 
-
-@dataclass(eq=False)
-class KvRule:
-    """One active KV fault inside :class:`FaultyKvTransfer`."""
-
-    kind: Literal["drop", "delay", "corrupt", "truncate", "stall", "prefill_dies"]
-    delay_ms: float = 0.0
-    keep: float = 0.5
-    blocks_before: int = 1
-    on_die: Callable[[KvTransfer], Any] | None = None
-    hits: int = 0
-    released: asyncio.Event = field(default_factory=asyncio.Event)
+_PROBE_TIMEOUT_S = 2.0
+_PROBE_PROMPT = [40 + (i * 7) % 60 for i in range(65)]  # ids every built-in vocabulary has; several KV blocks
 
 
-class FaultyKvTransfer:
-    """A :class:`KvTransferHook` with switchable faults (rules apply in the order they were added)."""
-
-    def __init__(self) -> None:
-        self.rules: list[KvRule] = []
-        self.transfers = 0
-
-    def add(self, rule: KvRule) -> KvRule:
-        self.rules.append(rule)
-        return rule
-
-    def remove(self, rule: KvRule) -> None:
-        if rule in self.rules:
-            self.rules.remove(rule)
-        rule.released.set()
-
-    async def transfer(self, t: KvTransfer) -> KvTransfer:
-        self.transfers += 1
-        for rule in list(self.rules):
-            if rule.released.is_set():
-                continue
-            rule.hits += 1
-            if rule.kind == "drop":
-                raise KvTransferError("dropped", t)
-            if rule.kind == "delay":
-                await asyncio.sleep(rule.delay_ms / 1000)
-            elif rule.kind == "stall":
-                await rule.released.wait()
-            elif rule.kind == "corrupt" and t.blocks:
-                first = next((i for i, b in enumerate(t.blocks) if b), None)
-                if first is not None:
-                    b = bytearray(t.blocks[first])
-                    b[len(b) // 2] ^= 0xFF
-                    t = replace(t, blocks=(*t.blocks[:first], bytes(b), *t.blocks[first + 1:]))
-            elif rule.kind == "truncate":
-                t = replace(t, blocks=t.blocks[:int(len(t.blocks) * rule.keep)])
-            elif rule.kind == "prefill_dies":
-                if rule.on_die is not None:
-                    result = rule.on_die(t)
-                    if asyncio.iscoroutine(result):
-                        await result
-                raise KvTransferError("prefill_died", t, blocks=min(rule.blocks_before, len(t.blocks)))
-        return t
-
-
-def _probe_transfer() -> KvTransfer:
-    return KvTransfer("kv-probe", "probe-prefill", "probe-decode", (1, 2, 3), (b"\x01" * 64, b"\x02" * 64)).sealed()
-
-
-def _outcome(t: asyncio.Task[KvTransfer]) -> str:
-    """What a probe transfer met: intact, altered (same blocks, wrong bytes), n/2 blocks, dropped, held..."""
-    if t.cancelled():
-        return "held"
-    exc = t.exception()
-    if isinstance(exc, KvTransferError):
-        return exc.kind
-    if exc is not None:
-        return f"{type(exc).__name__}: {exc}"
-    got = t.result()
-    if len(got.blocks) != 2:
-        return f"{len(got.blocks)}/2 blocks"
-    return "intact" if got.intact else "altered"
+async def probe_transfer(fleet: Fleet, worker: str, *, timeout: float = 10.0) -> str:
+    """One KV transfer from prefill worker ``worker``, checked as a decode worker checks it: ``intact``,
+    the :class:`KvTransferError` kind, ``no kv`` (the worker offered none) or the error met."""
+    body = {"model": fleet.spec(worker).model, "prompt": _PROBE_PROMPT, "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        try:
+            async with session.post(fleet.bind_url(worker) + "/v1/completions", json=body) as r:
+                answer = await r.json(content_type=None)
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            return f"prefill failed: {type(exc).__name__}"
+        offer = KvOffer.of(answer.get("kv_transfer_params") if isinstance(answer, dict) else None)
+        if offer is None:
+            return "no kv"
+        try:
+            await pull(session, offer, _PROBE_PROMPT, timeout=timeout)
+        except KvTransferError as exc:
+            return exc.kind
+    return "intact"
 
 
 class KvParams(FaultParams):
-    probe: bool = Field(True, description="send probe transfers through the hook while verifying (nothing else "
-                        "calls it until the P/D path lands)")
+    probe: bool = Field(True, description="send probe transfers while verifying, until a transfer of the fleet's "
+                        "own was hit")
 
 
-_KV: dict[str, Any] = {"target": "kv", "counts_toward_share": False, "hook_only": True}
+_KV: dict[str, Any] = {"target": "kv", "counts_toward_share": False, "needs": ("fault_switches",)}
 
 
 class _KvFault(BaseFault):
@@ -136,67 +82,81 @@ class _KvFault(BaseFault):
     kind: ClassVar[str]
     Params: ClassVar[type[FaultParams]] = KvParams
 
-    def __init__(self, params: Any, target: Target) -> None:
+    def __init__(self, params: Any, target: Any) -> None:
         super().__init__(params, target)
-        self._hook: FaultyKvTransfer | None = None
-        self._rule: KvRule | None = None
+        self.rule_id = f"{self.name}-{uuid.uuid4().hex[:8]}"
 
-    def rule(self, ctx: FaultContext) -> KvRule:
-        return KvRule(self.kind)  # type: ignore[arg-type]
+    def rule(self) -> dict[str, Any]:
+        return {"id": self.rule_id, "kind": self.kind}
+
+    async def _hits(self, fleet: Fleet) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for w in self.targets:
+            rules = (await fleet.fault(w)).get("kv") or []
+            out[w] = sum(r["hits"] for r in rules if r.get("id") == self.rule_id)
+        return out
 
     async def inject(self, ctx: FaultContext) -> None:
-        try:
-            hook = ctx.service("kv")
-        except KeyError:
-            raise FaultUnavailable("KV faults need the `kv` service (a FaultyKvTransfer wired to the P/D path)"
-                                   ) from None
-        if not isinstance(hook, FaultyKvTransfer):
-            raise FaultUnavailable(f"the kv service is a {type(hook).__name__}, not a FaultyKvTransfer")
-        self._hook = hook
+        fleet = fleet_of(ctx)
+        if not fleet.backend.fault_switches:
+            raise FaultUnavailable(f"KV faults act through the simulated worker's switches; {fleet.backend.name} "
+                                   "workers have none")
         self.targets = ctx.resolve(self.target)
-        self._rule = hook.add(self.rule(ctx))
+        if not self.targets:
+            raise FaultUnavailable("KV faults need prefill workers (fleet.prefill_workers) to act on")
+        for w in self.targets:
+            await fleet.fault(w, kv={"add": self.rule()})
 
     async def verify(self, ctx: FaultContext) -> bool:
-        rule, hook = self._rule, self._hook
-        if rule is None or hook is None:
-            return False
+        fleet = fleet_of(ctx)
         p: Any = self.params
-        probes: list[asyncio.Task[KvTransfer]] = []
+        probes: list[asyncio.Task[str]] = []
+        hits: dict[str, int] = {}
 
-        def hit() -> bool:
-            if rule.hits > 0:
+        async def hit() -> bool:
+            nonlocal hits
+            hits = await self._hits(fleet)
+            if any(hits.values()):
                 return True
-            if p.probe and all(t.done() for t in probes):
-                probes.append(asyncio.create_task(hook.transfer(_probe_transfer()), name=f"{self.name}-probe"))
+            if p.probe and len(probes) < 3 and all(t.done() for t in probes):
+                probes.append(asyncio.create_task(probe_transfer(fleet, self.targets[0], timeout=_PROBE_TIMEOUT_S)))
             return False
 
         try:
-            ok = await eventually(hit, self.params.verify_timeout_s, 0.02)
-            if probes:  # let a probe finish (a delayed one arrives; a stalled one stays held), for the journal
-                await asyncio.wait(probes, timeout=0.05 + getattr(p, "delay_ms", 0.0) / 1000)
+            ok = await eventually(hit, p.verify_timeout_s, 0.05)
+            if probes:  # what the last probe met, for the journal (a stalled one times out)
+                await asyncio.wait(probes, timeout=_PROBE_TIMEOUT_S + 1)
         finally:
             for t in probes:
                 t.cancel()
-            if probes:
-                await asyncio.wait(probes)
-        outcomes = [_outcome(t) for t in probes]
-        self.detail.update(hits=rule.hits, probes=outcomes)
+            await asyncio.gather(*probes, return_exceptions=True)
+        self.detail.update(hits=hits, probes=[t.result() if t.done() and not t.cancelled() and t.exception() is None
+                                              else "held" for t in probes])
         return ok
 
     async def recover(self, ctx: FaultContext) -> None:
-        if self._hook is not None and self._rule is not None:
-            self._hook.remove(self._rule)
-            self.detail["hits"] = self._rule.hits
+        fleet = fleet_of(ctx)
+        for w in self.targets:
+            try:
+                got = await fleet.fault(w, kv={"remove": self.rule_id})
+            except Exception as exc:  # a killed worker has no switches left to clear
+                self.detail.setdefault("recover", {})[w] = f"{type(exc).__name__}: {exc}"
+                continue
+            self.detail.setdefault("hits_at_recovery", {})[w] = sum(
+                r["hits"] for r in got.get("kv") or [] if r.get("id") == self.rule_id)
 
     async def verify_recovered(self, ctx: FaultContext) -> bool:
-        if self._hook is None or self._rule in self._hook.rules:
-            return False
-        probe = _probe_transfer()
-        try:
-            got = await asyncio.wait_for(self._hook.transfer(probe), self.params.recover_timeout_s)
-        except (KvTransferError, TimeoutError):
-            return False
-        return got.intact and got.blocks == probe.blocks
+        fleet = fleet_of(ctx)
+
+        async def clean() -> bool:
+            for w in self.targets:
+                if any(r.get("id") == self.rule_id for r in (await fleet.fault(w)).get("kv") or []):
+                    return False
+                if await probe_transfer(fleet, w) != "intact":
+                    return False
+            return True
+
+        return await eventually(clean, self.params.recover_timeout_s, 0.2)
 
 
 @catalogued("KV transfers are dropped (never arrive)", **_KV)
@@ -206,7 +166,7 @@ class KvDrop(_KvFault):
 
 
 class KvDelayParams(KvParams):
-    delay_ms: float = Field(500.0, ge=0)
+    delay_ms: float = Field(500.0, ge=0, le=3.6e6)
 
 
 @catalogued("KV transfers arrive delay_ms late", **_KV)
@@ -215,15 +175,25 @@ class KvDelay(_KvFault):
     kind = "delay"
     Params = KvDelayParams
 
-    def rule(self, ctx: FaultContext) -> KvRule:
+    def rule(self) -> dict[str, Any]:
         p: Any = self.params
-        return KvRule("delay", delay_ms=p.delay_ms)
+        return {**super().rule(), "delay_ms": p.delay_ms}
+
+
+class KvCorruptParams(KvParams):
+    at: str = Field("wire", pattern="^(wire|source)$", description="wire: after framing (a frame check fails); "
+                    "source: before (sound frames, wrong KV: only the digest shows it)")
 
 
 @catalogued("KV transfers arrive with one byte flipped", **_KV)
 class KvCorrupt(_KvFault):
     name = "kv.corrupt"
     kind = "corrupt"
+    Params = KvCorruptParams
+
+    def rule(self) -> dict[str, Any]:
+        p: Any = self.params
+        return {**super().rule(), "at": p.at}
 
 
 class KvTruncateParams(KvParams):
@@ -236,9 +206,21 @@ class KvTruncate(_KvFault):
     kind = "truncate"
     Params = KvTruncateParams
 
-    def rule(self, ctx: FaultContext) -> KvRule:
+    def rule(self) -> dict[str, Any]:
         p: Any = self.params
-        return KvRule("truncate", keep=p.keep)
+        return {**super().rule(), "keep": p.keep}
+
+
+@catalogued("KV transfers carry a block twice", **_KV)
+class KvDuplicate(_KvFault):
+    name = "kv.duplicate"
+    kind = "duplicate"
+
+
+@catalogued("KV transfers carry stale blocks (another transfer's, framed soundly)", **_KV)
+class KvStale(_KvFault):
+    name = "kv.stale"
+    kind = "stale"
 
 
 @catalogued("KV transfers stall until recovery (then arrive whole)", **_KV)
@@ -249,22 +231,15 @@ class KvStall(_KvFault):
 
 class KvPrefillDiesParams(KvParams):
     blocks_before: int = Field(1, ge=0, description="blocks that arrive before the prefill side dies")
-    kill_worker: bool = Field(False, description="also SIGKILL the prefill worker's process (needs a fleet)")
+    kill_worker: bool = Field(False, description="the prefill worker's process exits there too")
 
 
-@catalogued("the prefill side dies mid-transfer (optionally its worker process is killed)", **_KV)
+@catalogued("the prefill side dies mid-transfer (optionally its worker process exits)", **_KV)
 class KvPrefillDies(_KvFault):
     name = "kv.prefill_dies"
     kind = "prefill_dies"
     Params = KvPrefillDiesParams
 
-    def rule(self, ctx: FaultContext) -> KvRule:
+    def rule(self) -> dict[str, Any]:
         p: Any = self.params
-        on_die = None
-        if p.kill_worker:
-            fleet = fleet_of(ctx)
-
-            def on_die(t: KvTransfer) -> None:
-                fleet.kill(t.source)
-
-        return KvRule("prefill_dies", blocks_before=p.blocks_before, on_die=on_die)
+        return {**super().rule(), "blocks_before": p.blocks_before, "kill": p.kill_worker}

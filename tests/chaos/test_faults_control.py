@@ -1,10 +1,8 @@
-"""Control-plane faults on a fleet with its own 3-member etcd cluster and broker, and the KV-transfer hook."""
+"""Control-plane faults on a fleet with its own 3-member etcd cluster and broker (KV faults: tests/test_pd_kv.py)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
 import orjson
@@ -14,12 +12,10 @@ import pytest_asyncio
 from fleetward.chaos.fault import CATALOGUE, Target
 from fleetward.chaos.faults import FaultUnavailable, cycle
 from fleetward.chaos.faults.control import etcd_leader
-from fleetward.chaos.faults.kv import FaultyKvTransfer
 from fleetward.chaos.harness import FleetContext, TestFleet
 from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.config import RouterConfig, SimConfig
-from fleetward.fleet.kv import KvTransfer, KvTransferError
 from fleetward.sim.model import SimModel
 from fleetward.sim.tokenizer import encode
 
@@ -41,7 +37,7 @@ async def fleet(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TestF
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def ctx(fleet: TestFleet) -> AsyncIterator[FleetContext]:
-    yield fleet.fault_context(services={"kv": FaultyKvTransfer()})
+    yield fleet.fault_context()
     for link in fleet.proxies:
         link.clear()
 
@@ -110,45 +106,3 @@ async def test_the_supervisor_leader_kill_needs_the_supervisor_service(ctx: Flee
     spec = CATALOGUE["control.supervisor_leader_kill"]
     with pytest.raises(FaultUnavailable, match="supervisor"):
         await spec.factory(spec.params(), Target(kind="supervisor")).inject(ctx)
-
-
-# -- KV transfer --------------------------------------------------------------------------------------------
-
-
-def transfer(i: int) -> KvTransfer:
-    return KvTransfer(f"req-{i}", "prefill-0", "decode-0", (1, 2, 3), tuple(bytes([i, b]) * 32 for b in range(4))
-                      ).sealed()
-
-
-@pytest.mark.parametrize(("name", "params"), [
-    ("kv.drop", {}), ("kv.delay", {"delay_ms": 1}), ("kv.corrupt", {}), ("kv.truncate", {"keep": 0.5}),
-    ("kv.stall", {}), ("kv.prefill_dies", {"blocks_before": 2})])
-async def test_a_kv_fault_hits_transfers_until_recovered(ctx: FleetContext, name: str, params: dict[str, Any]) -> None:
-    hook: FaultyKvTransfer = ctx.service("kv")
-    spec = CATALOGUE[name]
-    fault = spec.factory(spec.params(**params), Target(kind="fleet"))
-    await fault.inject(ctx)
-    outcome: list[Any] = []
-
-    async def p_d_path() -> None:  # what the P/D path will do with each transfer
-        try:
-            outcome.append(await hook.transfer(transfer(1)))
-        except KvTransferError as exc:
-            outcome.append(exc)
-
-    path = asyncio.create_task(p_d_path())
-    try:
-        assert await fault.verify(ctx)
-    finally:
-        await fault.recover(ctx)
-    await path
-    assert await fault.verify_recovered(ctx)
-    got = outcome[0]
-    if name in ("kv.drop", "kv.prefill_dies"):
-        assert isinstance(got, KvTransferError)
-        assert got.kind == ("dropped" if name == "kv.drop" else "prefill_died")
-    elif name in ("kv.corrupt", "kv.truncate"):
-        assert not got.intact
-        assert (len(got.blocks) == 2) if name == "kv.truncate" else (len(got.blocks) == 4)
-    else:
-        assert got.intact and got == transfer(1)

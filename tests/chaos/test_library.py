@@ -20,7 +20,7 @@ FAMILIES = {
     "process": "process-kill-worker.yaml",
     "gpu": "gpu-xid-ecc-throttle.yaml",
     "network": "network-worker-link.yaml",
-    "kv": "kv-transfer-hook.yaml",
+    "kv": "kv-transfer.yaml",
     "control": "control-supervisor-leader-kill.yaml",
     "load": "load-burst.yaml",
 }
