@@ -32,6 +32,10 @@ With ``verify`` off (what a connector without checks does), :func:`pull` returns
 order, with missing bytes as zeros; the decode side then decodes from it, and wrong KV gives wrong tokens
 with HTTP 200 (docs/pd.md shows vLLM doing exactly that).
 
+KV moved as files (vLLM's ExampleConnector, one safetensors file per layer in a folder per prompt) gets the
+same kind of check: :func:`write_manifest` on the producer's side, :func:`check_folder` before the consumer
+loads (:mod:`fleetward.fleet.kvconnector` runs both inside vLLM).
+
 The sender passes every transfer's frames through a :class:`KvSendHook` on their way out. Outside chaos runs
 it is :class:`PassThrough`; the simulated worker's fault switches put a faulty one in its place
 (:mod:`fleetward.sim.kvfaults`), so KV faults happen on the wire and the checks above meet them there.
@@ -43,18 +47,22 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
+import os
 import struct
 from array import array
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, Protocol, get_args
 
 import aiohttp
 
 from fleetward.fleet.errors import FleetwardError
 
-__all__ = ["KV_ERROR_KINDS", "KV_ERROR_TYPE", "KvFrame", "KvLink", "KvOffer", "KvReceived", "KvSendHook",
-           "KvSenderDied", "KvTransferError", "PassThrough", "digest", "frames_of", "pull", "send"]
+__all__ = ["KV_ERROR_KINDS", "KV_ERROR_TYPE", "MANIFEST", "KvFrame", "KvLink", "KvOffer", "KvReceived",
+           "KvSendHook", "KvSenderDied", "KvTransferError", "PassThrough", "check_folder", "digest", "frames_of",
+           "pull", "send", "write_manifest"]
 
 KvErrorKind = Literal["unreachable", "expired", "timeout", "incomplete", "protocol", "checksum", "duplicate", "gap",
                       "truncated", "digest"]
@@ -267,3 +275,49 @@ async def _read(content: aiohttp.StreamReader, offer: KvOffer, token_ids: Sequen
         if digest(token_ids[:offer.tokens], blocks) != offer.digest:
             raise KvTransferError("digest", tid, "the blocks are not the KV computed for this prompt")
     return KvReceived(b"".join(blocks), len(blocks), verify)
+
+
+# -- KV as files (vLLM's ExampleConnector: fleetward.fleet.kvconnector) ------------------------------------
+
+MANIFEST = "fleetward-manifest.json"
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(folder: Path, tokens: int) -> None:
+    """The manifest of a KV folder as it is now: the folder it is for, the tokens its KV covers, a digest of
+    every layer file. Written atomically: a reader sees all of it or none."""
+    files = {p.name: _file_digest(p) for p in sorted(folder.glob("*.safetensors"))}
+    tmp = folder / f".{MANIFEST}.{os.getpid()}"
+    tmp.write_text(json.dumps({"folder": folder.name, "tokens": tokens, "files": files}))
+    tmp.replace(folder / MANIFEST)
+
+
+def check_folder(folder: Path, tokens: int) -> tuple[KvErrorKind, str] | None:
+    """Why the KV in ``folder`` must not be loaded for ``tokens`` prompt tokens: ``(kind, detail)``, or None."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "incomplete", "no manifest: the producer did not finish writing it"
+    except (OSError, ValueError) as exc:
+        return "incomplete", f"unreadable manifest: {exc}"
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return "incomplete", "malformed manifest"
+    if manifest.get("folder") != folder.name or manifest.get("tokens") != tokens:
+        return "digest", (f"the manifest is of {manifest.get('folder')!r} ({manifest.get('tokens')} tokens), not "
+                          f"of this prompt ({folder.name}, {tokens} tokens): stale KV")
+    present = {p.name for p in folder.glob("*.safetensors")}
+    if missing := sorted(set(manifest["files"]) - present):
+        return "truncated", f"{len(missing)} layer file(s) missing, e.g. {missing[0]}"
+    if extra := sorted(present - set(manifest["files"])):
+        return "digest", f"{len(extra)} layer file(s) not in the manifest, e.g. {extra[0]}"
+    for name, want in manifest["files"].items():
+        if _file_digest(folder / name) != want:
+            return "checksum", f"{name} is not what the producer wrote"
+    return None

@@ -93,6 +93,19 @@ def test_bench_checkpoints_compares_on_and_off(tmp_path: Path, etcd_endpoint: st
             assert {"tokens_per_s", "router_txns_per_s", "etcd_txns_per_s", "etcd_grpc_bytes_per_s"} <= set(s[case])
 
 
+def test_bench_pd_compares_prefill_decode_with_aggregated_and_prices_the_kv_policies(
+        tmp_path: Path, etcd_endpoint: str, broker_endpoint: str) -> None:
+    data = bench("pd", tmp_path, etcd_endpoint, broker_endpoint)
+    assert {r["case"] for r in data["runs"]} == {"aggregated", "pd"}
+    for mix in data["config"]["mixes"]:
+        s = data["summary"][f"{mix[0]}/{mix[1]}"]
+        assert all(is_number(s[k]) for k in ("x_ttft_p99_ms", "x_itl_p99_ms", "x_tokens_per_s"))
+        assert s["aggregated"]["failed"] == s["pd"]["failed"] == 0
+    policies = data["policy_summary"]
+    assert set(policies) == {"no fault", "retry", "recompute", "aggregated"}
+    assert all(p["failed"] == 0 and p["ok"] > 0 for p in policies.values()), "no policy loses a request"
+
+
 def test_bench_detect_reports_latency_false_positives_and_controller_cpu(tmp_path: Path, etcd_endpoint: str,
                                                                          broker_endpoint: str) -> None:
     data = bench("detect", tmp_path, etcd_endpoint, broker_endpoint)

@@ -1,4 +1,4 @@
-"""Benchmarks (``fleetward bench router|migration|restart|checkpoints|detect``).
+"""Benchmarks (``fleetward bench router|migration|restart|checkpoints|detect|pd``).
 
 Each benchmark starts what it measures (etcd, an MQTT broker, simulated workers, routers, client
 processes), measures its baseline in the same run, interleaved with the candidate, prints ratios, writes
@@ -32,6 +32,16 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def _names(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _mixes(text: str) -> tuple[tuple[int, int], ...]:
+    try:
+        mixes = tuple((int(a), int(b)) for a, _, b in (m.strip().partition("/") for m in text.split(",") if m.strip()))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected IN/OUT token pairs like 128/128,2048/64, got {text!r}") from None
+    if not mixes or any(a < 2 or b < 1 for a, b in mixes):
+        raise argparse.ArgumentTypeError(f"expected input >= 2 and output >= 1 tokens, got {text!r}")
+    return mixes
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -102,6 +112,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="measured seconds per size (default 60)")
     d.add_argument("--routers", type=int, default=2, help="routers the controller polls (default 2)")
     d.add_argument("--profile", action="store_true", help="profile the controller with py-spy after the CPU part")
+    pd = sub.add_parser("pd", help="prefill/decode vs aggregated serving (TTFT, ITL) at a few length mixes, and "
+                        "the cost of each KV recovery policy")
+    common(pd)
+    pd.add_argument("--mixes", type=_mixes, default=((128, 128), (2048, 64), (256, 256)),
+                    help="input/output token mixes (default 128/128,2048/64,256/256; the policies run on the one "
+                    "with the longest prompts)")
+    pd.add_argument("--streams", type=int, default=16, help="concurrent closed-loop streams (default 16)")
+    pd.add_argument("--rounds", type=int, default=2, help="interleaved rounds per mix (default 2)")
+    pd.add_argument("--duration", type=float, default=8.0, help="measured seconds per run (default 8)")
+    pd.add_argument("--warmup", type=float, default=2.0, help="seconds before measuring (default 2)")
+    pd.add_argument("--no-policies", dest="policies", action="store_false", help="skip the recovery policies part")
     return p
 
 
@@ -150,6 +171,15 @@ def main(argv: Sequence[str]) -> int:
                            profile=args.profile, profile_s=3.0 if q else 20.0, plots=args.plots, etcd=args.etcd,
                            mqtt=args.mqtt)
         res = asyncio.run(run_detect_bench(dcfg))
+    elif args.bench == "pd":
+        from fleetward.chaos.bench._pd import PdBench, run_pd_bench
+
+        q = args.quick
+        pcfg = PdBench(out=out, mixes=((64, 16), (512, 8)) if q else args.mixes, streams=4 if q else args.streams,
+                       rounds=1 if q else args.rounds, warmup_s=0.5 if q else args.warmup,
+                       duration_s=1.5 if q else args.duration, policies=args.policies, plots=args.plots,
+                       etcd=args.etcd, mqtt=args.mqtt)
+        res = asyncio.run(run_pd_bench(pcfg))
     else:
         from fleetward.chaos.bench._checkpoints import CheckpointBench, run_checkpoint_bench
 

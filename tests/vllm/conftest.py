@@ -69,6 +69,12 @@ def vllm_server(backend: VllmBackend, worker: str, root: Path) -> AttachConfig:
                         process=ProcessRef(pidfile=root / f"{worker}.pid"), restart_command=tuple(command))
 
 
+@pytest.fixture(scope="session")
+def start_vllm_server() -> Any:
+    """:func:`vllm_server`, for modules that start servers of their own (they must stop them)."""
+    return vllm_server
+
+
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def _vllm_session(tiny_model: Path, etcd_endpoint: str, broker_endpoint: str,
                         tmp_path_factory: pytest.TempPathFactory, session_processes: Any) -> AsyncIterator[TestFleet]:
