@@ -89,8 +89,9 @@ class SimConfig(Frozen):
     kv_bandwidth_gbps: float = Field(10.0, gt=0, description="prefill/decode: the KV link's bandwidth")
     kv_lease_s: float = Field(30.0, gt=0, description="prefill/decode: how long a prefill worker keeps a prompt's "
                               "KV for the decode worker to pull, before it frees the blocks")
-    kv_timeout_s: float = Field(10.0, gt=0, description="prefill/decode: how long a decode worker waits for a KV "
-                                "transfer to complete")
+    kv_timeout_s: float = Field(1.0, gt=0, description="prefill/decode: how long a decode worker waits for a KV "
+                                "transfer to complete; keep it below the router's stall allowance "
+                                "(routing.stall_floor_s), or a stalled transfer looks like a hung decode worker")
 
     def step_seconds(self, batch: int, prefill_tokens: int = 0) -> float:
         """One engine step with ``batch`` sequences and ``prefill_tokens`` prompt tokens admitted: the

@@ -911,6 +911,9 @@ class SimWorker:
             except KvSenderDied as exc:
                 log.warning("kv transfer cut by a fault: %s", exc)
                 raise
+            # Sent: the blocks are freed, as a prefill worker frees them once the decode side has read them
+            # (a second pull of this transfer finds it expired, and the router prefills again).
+            self._kv_store.pop(tid, None)
 
         return StreamingResponse(body(), media_type="application/octet-stream")
 

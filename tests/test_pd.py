@@ -93,9 +93,10 @@ async def test_up_with_a_prefill_pool_prefills_on_it_and_streams_from_the_decode
     async with fleetward_up("--workers", "3", "--prefill-workers", "1", run_dir=tmp_path, cluster="pdup") as up:
         def ready() -> dict[str, Any] | None:
             data = up.status()
-            return data if data and [w["health"] for w in data["workers"]] == ["ready"] * 3 else None
+            ok = data and [w["health"] for w in data["workers"]] == ["ready"] * 3 and data["routers"]
+            return data if ok else None
 
-        data = await wait_until(ready, timeout=60, interval=0.5, message="3 ready workers")
+        data = await wait_until(ready, timeout=60, interval=0.5, message="3 ready workers and a router")
         roles = {w["id"]: w["role"] for w in data["workers"]}
         assert sorted(roles.values()) == ["decode", "decode", "prefill"]
         router = data["routers"][0]["url"]
