@@ -180,6 +180,9 @@ class SupervisorConfig(Frozen):
     metrics_frozen_after_s: float = Field(10.0, gt=0, description="token counters standing still this long while "
                                           "requests run: suspect")
     engine_check_interval_s: float = Field(0.25, gt=0, description="agent: engine process state sampling")
+    exit_check_interval_s: float = Field(0.02, gt=0, description="agent: how often a worker's processes are checked "
+                                         "for an exit under way (a killed process is named before it has finished "
+                                         "exiting, which takes a large one seconds)")
     engine_no_progress_s: float = Field(5.0, gt=0, description="agent: CPU-idle time of an engine with work that "
                                         "counts as frozen")
     gpu_poll_interval_s: float = Field(1.0, gt=0, description="agent: how often GPU health (NVML) is read")

@@ -117,6 +117,7 @@ class NodeAgent:
         self._running: dict[str, int] = {}
         self._restarting: set[str] = set()  # workers an action is restarting: their exits are expected
         self._tree_fds: dict[str, dict[int, int]] = {}  # worker -> pid -> pidfd of its engine processes
+        self._dying: dict[str, WorkerHandle] = {}  # workers named dying before their exit completed
         self._locks: dict[str, asyncio.Lock] = {}  # one restart/stop of a worker at a time
         self._http = httpx.AsyncClient(timeout=2.0)
         self._raised: dict[str, set[str]] = {}  # worker -> detectors whose last signal here was not ok
@@ -138,6 +139,7 @@ class NodeAgent:
             asyncio.create_task(self._renew_lost_lease(), name="agent-lease"),
             asyncio.create_task(self._follow_actions(), name="agent-actions"),
             asyncio.create_task(self._monitor_engines(), name="agent-engines"),
+            asyncio.create_task(self._watch_dying(), name="agent-exits"),
             asyncio.create_task(self.adopter.follow(), name="agent-attach"),
         ]
         if self.gpu is not None:
@@ -456,6 +458,37 @@ class NodeAgent:
             loop.remove_reader(fd)
             os.close(fd)
 
+    async def _watch_dying(self) -> None:
+        """A process exit seen as it starts, not as it ends.
+
+        A SIGKILLed process is marked exiting at once (``PF_EXITING`` in ``/proc/<pid>/stat``; its threads
+        then exit one by one, and it turns zombie), but its exit completes, and a pidfd wakes, only when every
+        thread has gone and its memory is freed: for a large multi-threaded process on a busy host, seconds
+        later. So the worker's own process and the engine processes of its tree are read every
+        ``exit_check_interval_s``, and the first sign of an exit is a fatal ``process`` signal at once. The
+        exit watchers still do the rest (deregistration, ``worker.down``, leftovers) when the exit completes.
+        """
+        while True:
+            await self.clock.sleep(self.config.exit_check_interval_s)
+            for wid, handle in list(self.handles.items()):
+                pid = handle.process.pid
+                if pid is None or wid in self._restarting or self._dying.get(wid) is handle:
+                    continue
+                for p in (pid, *self._tree_fds.get(wid, {})):
+                    seen = exiting(p)
+                    if seen is None:
+                        continue
+                    if self._closing or wid in self._restarting or self.handles.get(wid) is not handle:
+                        break
+                    self._dying[wid] = handle
+                    state, code = seen
+                    what = "process" if p == pid else f"engine process {p}"
+                    reason = f"{what} exited" + (f" with code {code}" if code is not None else "") + \
+                        ("" if state == "zombie" else f" ({state}: seen as its exit began)")
+                    log.warning("worker %s: %s", wid, reason)
+                    await self.signal(wid, "process", Severity.FATAL, reason, pid=p, exit_code=code)
+                    break
+
     async def _monitor_engines(self) -> None:
         ticks = 0
         while True:
@@ -674,6 +707,31 @@ class NodeAgent:
             return handle
         finally:
             self._restarting.discard(worker_id)
+
+
+_PF_EXITING = 0x4  # include/linux/sched.h: getting shut down
+
+
+def exiting(pid: int) -> tuple[str, int | None] | None:
+    """Whether ``pid``'s exit has begun, from ``/proc/<pid>/stat``: ``(state, exit code)`` (state ``exiting``,
+    ``zombie`` or ``gone``; the code as ``subprocess`` gives it, -N for signal N, when the kernel shows it),
+    or None while it lives."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return "gone", None
+    except OSError:
+        return None
+    rest = stat[stat.rindex(b")") + 2:].split()
+    state, flags = rest[0], int(rest[6])
+    if state not in (b"Z", b"X", b"x") and not flags & _PF_EXITING:
+        return None
+    code: int | None = None
+    if len(rest) > 49:  # field 52, exit_code (Linux 3.5+), as waitpid reports it
+        raw = int(rest[49])
+        code = -(raw & 0x7F) if raw & 0x7F else raw >> 8
+    return ("zombie" if state == b"Z" else "exiting"), code
 
 
 def _is_engine(p: psutil.Process) -> bool:

@@ -75,8 +75,10 @@ async def test_a_worker_exit_is_reported_at_once_and_a_clean_stop_revokes_the_le
             seen.append(f"{ev.kind} {ev.key[len(keys.root):]}")
             if ev.kind == "delete" and ev.key == keys.worker(victim):
                 break
-        # Well before any lease could expire (TTL 30 s): the signal first, then the deregistration.
-        assert seen == [f"put signals/{victim}/process", f"delete workers/{victim}"]
+        # Well before any lease could expire (TTL 30 s): the signal first, then the deregistration. The signal
+        # may come twice: as the exit starts (seen in /proc), then with its exit code.
+        assert seen[-1] == f"delete workers/{victim}" and 2 <= len(seen) <= 3, seen
+        assert set(seen[:-1]) == {f"put signals/{victim}/process"}, seen
         signal = Signal.from_json((await store.get(keys.signal(victim, "process"))).value)
         assert (signal.severity, signal.reason) == (Severity.FATAL, "process exited with code -9")
         await wait_until(lambda: any(e.kind == "worker.down" and e.worker == victim for e in events), timeout=10)
@@ -148,3 +150,25 @@ async def test_a_worker_whose_port_was_taken_before_it_bound_starts_elsewhere(
             assert "n1-w0" not in agent.failed
         finally:
             await agent.aclose()
+
+
+def test_exiting_names_a_process_whose_exit_started_and_not_a_live_one() -> None:
+    """What the agent reads every ``exit_check_interval_s``: a SIGKILLed child is exiting (a zombie here, since
+    nobody reaps it yet) before anyone waits for it, then gone."""
+    import subprocess
+    import time
+
+    from fleetward.supervisor.agent import exiting
+
+    child = subprocess.Popen(["sleep", "600"])
+    try:
+        assert exiting(child.pid) is None
+        child.kill()
+        deadline = time.monotonic() + 10
+        while exiting(child.pid) is None:
+            assert time.monotonic() < deadline, "a SIGKILLed process never showed its exit"
+        assert exiting(child.pid) in (("zombie", -9), ("exiting", -9))
+    finally:
+        child.kill()
+        child.wait()
+    assert exiting(child.pid) == ("gone", None)
