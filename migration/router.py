@@ -415,11 +415,19 @@ class Router:
         return {**body, "kv_transfer_params": {**kv, "verify": self.config.kv_verify,
                                                "kv_load_failure_policy": policy}}, worker
 
-    def _kv_failed(self, j: Journal, exc: UpstreamError, prefilled_on: str, worker: str, retries: int) -> bool:
+    @staticmethod
+    def _kv_refusal(exc: UpstreamError) -> str | None:
+        """The kind of KV failure when a decode worker refused the KV it was given (a 502 of error type
+        ``KVTransferError``, the kind in ``param``), else None."""
+        err = exc.body.get("error") if exc.status == 502 and isinstance(exc.body, dict) else None
+        if not isinstance(err, dict) or err.get("type") != KV_ERROR_TYPE:
+            return None
+        return str(err.get("param"))
+
+    def _kv_failed(self, j: Journal, exc: UpstreamError, kind: str, prefilled_on: str, worker: str,
+                   retries: int) -> bool:
         """A decode worker refused the KV from ``prefilled_on``: whether to prefill again (else the next try
         goes without prefill); raises :class:`RouterError` under ``kv_failure_policy: fail``."""
-        err = exc.body.get("error") if isinstance(exc.body, dict) else None
-        kind = str(err.get("param")) if isinstance(err, dict) else "unknown"
         self.metrics.kv_failures.labels(kind).inc()
         policy = self.config.kv_failure_policy
         log.warning("request %s: the KV transfer %s -> %s failed (%s: %s); kv_failure_policy %s", j.id,
@@ -581,11 +589,10 @@ class Router:
                             stream.finished = stream.finished or chunk.finish_reason is not None
                             break
             except UpstreamError as exc:
-                if prefilled_on is not None and exc.status == 502 and isinstance(exc.body, dict) \
-                        and isinstance(err := exc.body.get("error"), dict) and err.get("type") == KV_ERROR_TYPE:
+                if prefilled_on is not None and (kv_kind := self._kv_refusal(exc)) is not None:
                     # The decode worker is fine; the KV it was given is not. Try again, not as a migration.
                     kv_excluded.add(prefilled_on)
-                    use_prefill = self._kv_failed(j, exc, prefilled_on, worker, kv_retries)
+                    use_prefill = self._kv_failed(j, exc, kv_kind, prefilled_on, worker, kv_retries)
                     kv_retries += use_prefill
                     j.attempts -= 1
                     kv_retry = True

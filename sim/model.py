@@ -102,21 +102,26 @@ class SimModel:
     def kv_blocks(self, prefix: Sequence[int], bytes_per_token: int, block_tokens: int) -> list[bytes]:
         """The KV of ``prefix`` in blocks of ``block_tokens``: per token, ``bytes_per_token`` bytes made from
         the state after it (so the KV of a position depends on everything before it, as attention's does)."""
+        return self._kv(prefix, bytes_per_token, block_tokens)[0]
+
+    def _kv(self, prefix: Sequence[int], bytes_per_token: int, block_tokens: int) -> tuple[list[bytes], int]:
+        """:meth:`kv_blocks`, and the state after ``prefix``."""
         reps = max(1, bytes_per_token // 8)
         s = self.seed & _MASK
         per_token: list[bytes] = []
         for i, t in enumerate(prefix):
             s = _mix(s, t)
             per_token.append(((s ^ (i * _GOLDEN)) & _MASK).to_bytes(8, "little") * reps)
-        return [b"".join(per_token[i:i + block_tokens]) for i in range(0, len(per_token), block_tokens)]
+        return [b"".join(per_token[i:i + block_tokens]) for i in range(0, len(per_token), block_tokens)], s
 
     def state_from_kv(self, prompt: Sequence[int], covered: int, payload: bytes, bytes_per_token: int,
                       block_tokens: int) -> int:
         """The state a decode worker generates from, given KV ``payload`` for the first ``covered`` prompt
         tokens: the prompt's own state when the KV is the prompt's, else a different one. A decode reads
         every block (attention does), so any wrong byte anywhere gives other tokens, from the first one."""
-        state = self.state(prompt)
-        if payload == b"".join(self.kv_blocks(prompt[:covered], bytes_per_token, block_tokens)):
+        blocks, covered_state = self._kv(prompt[:covered], bytes_per_token, block_tokens)
+        state = self.state(prompt[covered:], start=covered_state)  # the prompt's state, folded once
+        if payload == b"".join(blocks):
             return state
         return _mix(state, int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little"))
 

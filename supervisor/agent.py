@@ -472,14 +472,14 @@ class NodeAgent:
             await self.clock.sleep(self.config.exit_check_interval_s)
             for wid, handle in list(self.handles.items()):
                 pid = handle.process.pid
-                if pid is None or wid in self._restarting or self._dying.get(wid) is handle:
+                # Checked here, after the awaits of the workers before it: stopped on purpose, or replaced?
+                if pid is None or self._closing or wid in self._restarting or self.handles.get(wid) is not handle \
+                        or self._dying.get(wid) is handle:
                     continue
                 for p in (pid, *self._tree_fds.get(wid, {})):
                     seen = exiting(p)
                     if seen is None:
                         continue
-                    if self._closing or wid in self._restarting or self.handles.get(wid) is not handle:
-                        break
                     self._dying[wid] = handle
                     state, code = seen
                     what = "process" if p == pid else f"engine process {p}"
