@@ -212,6 +212,7 @@ class HangWorker(_WorkerFault):
         self._switched: list[str] = []
         self._urls: dict[str, str] = {}
         self._seen = False
+        self._healthy_while_stopped: set[str] = set()
 
     async def inject(self, ctx: FaultContext) -> None:
         fleet = self._resolve(ctx)
@@ -234,10 +235,19 @@ class HangWorker(_WorkerFault):
         # Look once right away: a supervisor may restart a stopped worker soon after, and what was seen
         # stopped counts for verify.
         if self._stopped:
-            self._seen = await eventually(lambda: all(_stopped(p) for ps in self._stopped.values() for p in ps), 1.0,
-                                          0.01)
+            self._seen = await eventually(self._all_stopped, 1.0, 0.01)
+            if self._seen and self.params.mode == "silent":
+                # And /health at once, for the same reason: a supervisor that sees the stop (in a fraction of
+                # a second) restarts the worker, and a restarting server answers nothing. A 200 counts when
+                # the engine is still stopped after it.
+                for w in self._stopped:
+                    if await self._health(self._urls[w]) == 200 and self._all_stopped():
+                        self._healthy_while_stopped.add(w)
         self.detail["stopped_pids"] = {w: [p.pid for p in ps] for w, ps in self._stopped.items()}
         self.detail["switched"] = list(self._switched)
+
+    def _all_stopped(self) -> bool:
+        return all(_stopped(p) for ps in self._stopped.values() for p in ps)
 
     async def _health(self, url: str) -> int | None:
         import httpx
@@ -252,7 +262,8 @@ class HangWorker(_WorkerFault):
         """Silent: the engine is stopped (the sim reports ``hung``; vLLM's engine processes are in state T)
         while ``/health`` still answers 200. Freeze: every process of the tree is in state T (so nothing
         answers). Only what the injection touched is looked at: a supervisor that restarts the worker
-        meanwhile does not make an observed hang unobserved, and a restart before the first look fails."""
+        meanwhile does not make an observed hang unobserved (a 200 seen at injection while the engine was stopped
+        counts), and a restart before the first look fails."""
         fleet = fleet_of(ctx)
         urls = {w: self._urls[w] for w in self.targets if w in self._urls}
 
@@ -260,11 +271,11 @@ class HangWorker(_WorkerFault):
             for w in self._switched:
                 if not (await fleet.state(w)).get("hung"):
                     return False
-            if not self._seen and not all(_stopped(p) for ps in self._stopped.values() for p in ps):
+            if not self._seen and not self._all_stopped():
                 return False
             if self.params.mode == "silent":
-                for url in urls.values():
-                    if await self._health(url) != 200:
+                for w, url in urls.items():
+                    if w not in self._healthy_while_stopped and await self._health(url) != 200:
                         return False  # a silent hang keeps answering /health
             return True
 
