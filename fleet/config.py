@@ -126,6 +126,9 @@ class RouterConfig(Frozen):
     request_timeout_s: float = Field(600.0, gt=0, description="a request's deadline, migrations included")
     checkpoints: bool = Field(True, description="checkpoint journals to etcd (off only to measure their cost)")
     checkpoint_interval_ms: float = Field(75.0, gt=0, description="one etcd transaction per interval")
+    checkpoint_incremental: bool = Field(True, description="after a request's first checkpoint, write only the "
+                                         "tokens since the last flush (false: the whole journal every flush, as "
+                                         "before; kept to measure the difference)")
     checkpoint_ttl_s: int = Field(30, ge=2, description="how long a dead router's checkpoints stay resumable")
     detached_grace_s: float = Field(30.0, ge=0, description="how long a disconnected client may resume")
     stall_floor_s: float = Field(1.0, gt=0, description="least silence, with work in flight, that counts as a stall")
@@ -184,7 +187,14 @@ class SupervisorConfig(Frozen):
                                          "for an exit under way (a killed process is named before it has finished "
                                          "exiting, which takes a large one seconds)")
     engine_no_progress_s: float = Field(5.0, gt=0, description="agent: CPU-idle time of an engine with work that "
-                                        "counts as frozen")
+                                        "counts as suspect")
+    engine_stall_s: float = Field(1.0, gt=0, description="agent: how long an engine's processes may go unscheduled "
+                                  "(no CPU time, no context switch) while work waits on them before it counts as "
+                                  "hung (fatal: frozen by the cgroup freezer, stuck in the kernel)")
+    engine_probe_interval_s: float = Field(2.0, gt=0, description="agent: an engine that shows no progress gets a "
+                                           "one-token request at most this often, so that an idle one is checked "
+                                           "too (a frozen idle engine is named within about this plus "
+                                           "engine_stall_s)")
     gpu_poll_interval_s: float = Field(1.0, gt=0, description="agent: how often GPU health (NVML) is read")
     recover_canaries: int = Field(2, ge=1, description="good canaries in a row before a suspect worker is ready again")
     suspect_timeout_s: float = Field(30.0, gt=0, description="suspicion nothing resolves becomes unhealthy "

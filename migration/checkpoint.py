@@ -1,14 +1,27 @@
-"""Coalesced checkpoints of every in-flight journal to etcd (``requests/<id>``).
+"""Coalesced, incremental checkpoints of every in-flight journal to etcd (``requests/<id>``).
 
 Every ``interval`` the checkpointer writes all journals that changed since the last flush in one
 transaction (split only when a transaction would exceed etcd's ``--max-txn-ops``, 128 by default), so the
 etcd write rate follows the flush interval, not the token rate. A request that finishes before its
 first flush never touches etcd.
 
-Ownership: each key is written with a compare on the mod revision this router last wrote, so when
-another router replica claims a request (a client resumed there with ``Last-Event-ID``) this router's
-next write of it fails and ``on_lost(id)`` tells the router to stop that stream. Keys are bound to a
-lease (``ttl``) that the router keeps alive: what a dead router leaves behind expires on its own.
+Incremental: a request's first write is its whole checkpoint, the *base* (``requests/<id>``: body, prompt
+ids, every token so far). Each later flush writes only what changed since, a *delta*
+(``requests/<id>/<n>``: the tokens, text and offsets since the last write, and the few small fields
+whole), so the bytes written per second follow the token rate, not stream length times flush rate. The
+deltas are folded into a new base (*compaction*, deltas deleted in the same transaction) when they have
+grown as large as the base (so a stream's bases cost at most twice its deltas) or number
+``max_deltas``, when another router claims the request (:meth:`Checkpointer.claim`), and they go with the
+base when the request ends. :func:`read_checkpoint` reads a base and its deltas as one journal.
+
+Ownership: each write (base or delta) is made with a compare on the mod revision of the base this
+router last wrote, so when another router replica claims a request (a client resumed there with
+``Last-Event-ID``) this router's next write of it fails and ``on_lost(id)`` tells the router to stop that
+stream. Keys are bound to a lease (``ttl``) that the router keeps alive: what a dead router leaves behind
+expires on its own.
+
+A flush never holds the event loop for long: it encodes journals in slices of ``slice_s`` (0.5 ms) and
+lets tokens through in between.
 """
 
 from __future__ import annotations
@@ -16,8 +29,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Literal
 
 import orjson
 
@@ -27,14 +42,61 @@ from fleetward.fleet.etcd import Compare, Delete, LeaseKeeper, Put, StateStore
 from fleetward.fleet.keys import Keys
 from fleetward.migration.journal import Journal
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "read_checkpoint"]
 
 log = logging.getLogger(__name__)
 
 
+def _deltas_of(key: str) -> str:
+    return key + "/"
+
+
+async def read_checkpoint(store: StateStore, keys: Keys, request_id: str) -> tuple[Journal, int] | None:
+    """The journal a request's checkpoint holds (its base with every delta folded in), and the base's mod
+    revision; None when there is none. One read, so base and deltas are of one revision."""
+    key = keys.request(request_id)
+    snap = await store.get_prefix(key)
+    base = next((kv for kv in snap.items if kv.key == key), None)
+    if base is None:
+        return None
+    journal = Journal.from_checkpoint(orjson.loads(base.value))
+    for kv in sorted((kv for kv in snap.items if kv.key.startswith(_deltas_of(key))), key=lambda kv: kv.key):
+        if not journal.apply_delta(orjson.loads(kv.value)):
+            log.warning("checkpoint of %s: delta %s does not follow what came before; the tokens after it are "
+                        "regenerated", request_id, kv.key)
+            break
+    return journal, base.mod_revision
+
+
+@dataclass(slots=True)
+class _Written:
+    """What this router holds in etcd for one request."""
+
+    mod: int = 0  # mod revision of our last base write (0: none)
+    n: int = 0  # tokens and text characters the base and deltas hold, as acknowledged
+    c: int = 0
+    base_bytes: int = 0
+    deltas: int = 0  # deltas attempted since the base (one that timed out may still have been written)
+    delta_bytes: int = 0
+    seq: int = 0  # the next delta's number: never reused, so a write that failed cannot shadow a later one
+
+
+@dataclass(slots=True)
+class _Item:
+    rid: str
+    compare: Compare
+    ops: list[Put | Delete]
+    journal: Journal | None
+    what: Literal["base", "delta", "delete"]
+    n: int = 0
+    c: int = 0
+    size: int = 0
+
+
 class Checkpointer:
     def __init__(self, store: StateStore, keys: Keys, router_id: str, *, interval_s: float = 0.075,
-                 ttl_s: int = 30, max_ops: int = 128, clock: Clock = SYSTEM_CLOCK,
+                 ttl_s: int = 30, max_ops: int = 128, incremental: bool = True, max_deltas: int = 512,
+                 slice_s: float = 0.0005, clock: Clock = SYSTEM_CLOCK,
                  on_lost: Callable[[str], None] | None = None) -> None:
         self.store = store
         self.keys = keys
@@ -42,19 +104,24 @@ class Checkpointer:
         self.interval_s = interval_s
         self.ttl_s = ttl_s
         self.max_ops = max_ops
+        self.incremental = incremental
+        self.max_deltas = max_deltas
+        self.slice_s = slice_s
         self.clock = clock
         self.on_lost = on_lost or (lambda _rid: None)
         self.live: dict[str, Journal] = {}
-        self._mod: dict[str, int] = {}  # request id -> mod revision of our last write (0: never written)
+        self._written: dict[str, _Written] = {}
         self._deleting: set[str] = set()
         self.lease: LeaseKeeper | None = None
         self.flushes = 0
         self.txns = 0
         self.keys_written = 0
         self.bytes_written = 0
+        self.compactions = 0
         self.enabled = True
         self.last_ok = clock.monotonic()  # when a flush last ended without error (checkpoint lag counts from it)
         self.on_flush: Callable[[float], None] | None = None  # each flush's duration, for the histogram
+        self.on_slice: Callable[[float], None] | None = None  # each stretch a flush held the loop, likewise
 
     async def start(self) -> None:
         self.lease = await LeaseKeeper(self.store, self.ttl_s, clock=self.clock).start()
@@ -62,23 +129,24 @@ class Checkpointer:
     async def renew(self) -> None:
         """After the lease expired (its keys are gone): a new lease, and every live journal written again."""
         self.lease = await LeaseKeeper(self.store, self.ttl_s, clock=self.clock).start()
-        self._mod = {rid: 0 for rid in self.live}
+        self._written = {rid: _Written() for rid in self.live}
         self._deleting.clear()
         for j in self.live.values():
             j.dirty = True
 
     def track(self, journal: Journal, *, mod_revision: int = 0) -> None:
         self.live[journal.id] = journal
-        self._mod.setdefault(journal.id, mod_revision)
+        self._written.setdefault(journal.id, _Written(mod=mod_revision))
         journal.dirty = True
 
     def done(self, journal: Journal) -> None:
         """The request ended (finished, failed or abandoned): its checkpoint goes at the next flush."""
         self.live.pop(journal.id, None)
-        if self._mod.get(journal.id):
+        w = self._written.get(journal.id)
+        if w is not None and w.mod:
             self._deleting.add(journal.id)
         else:
-            self._mod.pop(journal.id, None)
+            self._written.pop(journal.id, None)
 
     async def run(self) -> None:
         while True:
@@ -98,84 +166,121 @@ class Checkpointer:
         """Seconds since a flush last succeeded: what a router that dies now could lose to a resume."""
         return self.clock.monotonic() - self.last_ok if self.enabled else 0.0
 
+    def _item(self, rid: str, j: Journal, lease: int) -> _Item:
+        """The write that brings ``rid``'s checkpoint up to ``j``: a delta, or a new base (compaction)."""
+        w = self._written.setdefault(rid, _Written())
+        key = self.keys.request(rid)
+        compare = Compare(key, "mod", "==", w.mod)
+        n, c = len(j.emitted), len(j.text)
+        if self.incremental and w.mod and w.deltas < self.max_deltas and w.delta_bytes < w.base_bytes:
+            value = j.delta_bytes(w.n, w.c)
+            w.seq += 1
+            w.deltas += 1
+            w.delta_bytes += len(value)
+            return _Item(rid, compare, [Put(f"{_deltas_of(key)}{w.seq:010d}", value, lease)], j, "delta", n, c,
+                         len(value))
+        value = j.checkpoint_bytes(self.router_id)
+        ops: list[Put | Delete] = [Put(key, value, lease)]
+        if w.deltas:
+            ops.append(Delete(_deltas_of(key), prefix=True))
+            self.compactions += 1
+        return _Item(rid, compare, ops, j, "base", n, c, len(value))
+
     async def flush(self) -> None:
         if not self.enabled or self.lease is None:
             return
         lease = self.lease.id
-        ops: list[tuple[str, Compare, Put | Delete, Journal | None]] = []
+        items: list[_Item] = []
         for rid in list(self._deleting):
             key = self.keys.request(rid)
-            ops.append((rid, Compare(key, "mod", "==", self._mod.get(rid, 0)), Delete(key), None))
-        encoded = 0
+            w = self._written.get(rid) or _Written()
+            items.append(_Item(rid, Compare(key, "mod", "==", w.mod),
+                               [Delete(key), Delete(_deltas_of(key), prefix=True)], None, "delete"))
+        began = time.perf_counter()
         for rid, j in list(self.live.items()):
             if not j.dirty:
                 continue
             j.dirty = False
-            key = self.keys.request(rid)
-            value = j.checkpoint_bytes(self.router_id)
-            self.bytes_written += len(value)
-            ops.append((rid, Compare(key, "mod", "==", self._mod.get(rid, 0)), Put(key, value, lease), j))
-            encoded += len(value)
-            if encoded > 256_000:  # let tokens through between slices of a big flush (the p99 of ITL)
-                encoded = 0
+            item = self._item(rid, j, lease)
+            self.bytes_written += item.size
+            items.append(item)
+            if time.perf_counter() - began > self.slice_s:  # let tokens through between slices (the p99 of ITL)
+                self._sliced(began)
                 await asyncio.sleep(0)
-        if not ops:
+                began = time.perf_counter()
+        self._sliced(began)
+        if not items:
             return
         self.flushes += 1
-        for i in range(0, len(ops), self.max_ops):
-            await self._write(ops[i : i + self.max_ops])
+        batch: list[_Item] = []
+        ops = 0
+        for item in items:
+            if batch and ops + len(item.ops) > self.max_ops:
+                await self._write(batch)
+                batch, ops = [], 0
+            batch.append(item)
+            ops += len(item.ops)
+        await self._write(batch)
 
-    async def _write(self, batch: list[tuple[str, Compare, Put | Delete, Journal | None]]) -> None:
+    def _sliced(self, began: float) -> None:
+        if self.on_slice is not None:
+            self.on_slice(time.perf_counter() - began)
+
+    async def _write(self, batch: list[_Item]) -> None:
         self.txns += 1
         try:
-            result = await self.store.txn([c for _, c, _, _ in batch], [op for _, _, op, _ in batch])
+            result = await self.store.txn([i.compare for i in batch], [op for i in batch for op in i.ops])
         except BaseException:
-            for _, _, _, j in batch:
-                if j is not None:
-                    j.dirty = True
+            for i in batch:
+                if i.journal is not None:
+                    i.journal.dirty = True
             raise
         if result.succeeded:
             self._committed(batch, result.revision)
             return
         # Someone else wrote one of these keys: find which, one key at a time (rare).
         for item in batch:
-            rid, compare, op, j = item
             self.txns += 1
-            single = await self.store.txn([compare], [op])
+            single = await self.store.txn([item.compare], item.ops)
             if single.succeeded:
                 self._committed([item], single.revision)
             else:
-                log.info("request %s was claimed by another router; letting go of it", rid)
-                self.live.pop(rid, None)
-                self._deleting.discard(rid)
-                self._mod.pop(rid, None)
-                self.on_lost(rid)
+                log.info("request %s was claimed by another router; letting go of it", item.rid)
+                self.live.pop(item.rid, None)
+                self._deleting.discard(item.rid)
+                self._written.pop(item.rid, None)
+                self.on_lost(item.rid)
 
-    def _committed(self, batch: list[tuple[str, Compare, Put | Delete, Journal | None]], revision: int) -> None:
-        for rid, _, op, _ in batch:
-            if isinstance(op, Delete):
+    def _committed(self, batch: list[_Item], revision: int) -> None:
+        for item in batch:
+            rid = item.rid
+            if item.what == "delete":
                 self._deleting.discard(rid)
-                self._mod.pop(rid, None)
-            else:
-                self._mod[rid] = revision
-                self.keys_written += 1
-                if rid not in self.live:  # it finished while this write was on its way: delete it next
-                    self._deleting.add(rid)
+                self._written.pop(rid, None)
+                continue
+            w = self._written.setdefault(rid, _Written())
+            w.n, w.c = item.n, item.c
+            if item.what == "base":
+                w.mod, w.base_bytes, w.deltas, w.delta_bytes = revision, item.size, 0, 0
+            self.keys_written += 1
+            if rid not in self.live:  # it finished while this write was on its way: delete it next
+                self._deleting.add(rid)
 
     async def claim(self, request_id: str) -> Journal | None:
-        """Take over a request another router checkpointed (a client resuming here); None if gone."""
-        key = self.keys.request(request_id)
-        kv = await self.store.get(key)
-        if kv is None or self.lease is None:
+        """Take over a request another router checkpointed (a client resuming here); None if gone. Its
+        deltas are compacted into one base, written as this router's: the old owner's next write fails."""
+        found = await read_checkpoint(self.store, self.keys, request_id)
+        if found is None or self.lease is None:
             return None
-        data: dict[str, Any] = orjson.loads(kv.value)
-        journal = Journal.from_checkpoint(data)
-        data["router"] = self.router_id
-        result = await self.store.txn([Compare(key, "mod", "==", kv.mod_revision)],
-                                      [Put(key, orjson.dumps(data), self.lease.id)])
+        journal, mod = found
+        key = self.keys.request(request_id)
+        value = journal.checkpoint_bytes(self.router_id)
+        result = await self.store.txn([Compare(key, "mod", "==", mod)],
+                                      [Put(key, value, self.lease.id), Delete(_deltas_of(key), prefix=True)])
         if not result.succeeded:
             return None
-        self._mod[request_id] = result.revision
+        self._written[request_id] = _Written(mod=result.revision, n=len(journal.emitted), c=len(journal.text),
+                                             base_bytes=len(value))
         self.live[request_id] = journal
         journal.dirty = False
         return journal

@@ -397,6 +397,34 @@ class Journal:
             "migrations": self.migrations, "finish_reason": self.finish_reason})
         return self._static[1] + dynamic[1:]
 
+    def delta_bytes(self, n: int, c: int) -> bytes:
+        """What changed since a checkpoint that held ``n`` tokens and ``c`` characters of text: the tokens,
+        text and text offsets after them, and the small fields whole. Tokens, text and offsets only grow,
+        so a delta applied to that checkpoint (:meth:`apply_delta`) gives :meth:`checkpoint` again."""
+        return orjson.dumps({
+            "n": n, "c": c, "emitted": self.emitted[n:], "text": self.text[c:], "text_ends": self.text_ends[n:],
+            "stop_held": self.stop.held, "logprob_chars": self.logprob_chars, "worker": self.worker,
+            "attempts": self.attempts, "migrations": self.migrations, "finish_reason": self.finish_reason})
+
+    def apply_delta(self, d: dict[str, Any]) -> bool:
+        """Fold in a delta (:meth:`delta_bytes`). One that overlaps what the journal holds (a write retried
+        after a timeout that had in fact committed) adds only what is new; one that starts past it (a gap:
+        never written by :class:`~fleetward.migration.checkpoint.Checkpointer`) is refused: False."""
+        n, c = int(d["n"]), int(d["c"])
+        if n > len(self.emitted) or c > len(self.text):
+            return False
+        skip = len(self.emitted) - n
+        self.emitted += d["emitted"][skip:]
+        self.text_ends += d["text_ends"][skip:]
+        self.text += d["text"][len(self.text) - c:]
+        self.stop.held = d.get("stop_held") or ""
+        self.logprob_chars = int(d.get("logprob_chars") or 0)
+        self.worker = d.get("worker")
+        self.attempts = int(d.get("attempts", 0))
+        self.migrations = int(d.get("migrations", 0))
+        self.finish_reason = d.get("finish_reason")
+        return True
+
     def checkpoint(self, router: str) -> dict[str, Any]:
         return {
             "v": 1, "id": self.id, "kind": self.kind.value, "router": router, "body": self.body,

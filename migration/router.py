@@ -144,6 +144,14 @@ class _Metrics:
                                           "transaction per batch).",
                                           buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
                                           registry=r)
+        self.checkpoint_slice = Histogram("fleetward_router_checkpoint_slice_seconds",
+                                          "How long a checkpoint flush held the event loop at a stretch (it "
+                                          "encodes in slices and lets tokens through in between).",
+                                          buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025),
+                                          registry=r)
+        self.checkpoint_bytes = Counter("fleetward_router_checkpoint_bytes",
+                                        "Bytes of checkpoint values written to etcd (whole bases and deltas).",
+                                        registry=r)
         self.checkpoint_lag = Gauge("fleetward_router_checkpoint_lag_seconds",
                                     "Seconds since a checkpoint flush last succeeded (0 with checkpoints off).",
                                     registry=r)
@@ -179,7 +187,8 @@ class Router:
                                       itl_multiplier=config.itl_multiplier,
                                       prefill_s_per_token=config.prefill_s_per_token)
         self.checkpointer = Checkpointer(store, keys, self.id, interval_s=config.checkpoint_interval_ms / 1000,
-                                         ttl_s=config.checkpoint_ttl_s, clock=clock, on_lost=self._on_lost)
+                                         ttl_s=config.checkpoint_ttl_s, incremental=config.checkpoint_incremental,
+                                         clock=clock, on_lost=self._on_lost)
         self.checkpointer.enabled = config.checkpoints
         self.active: dict[str, Active] = {}
         self.texts = TextSources(config.tokenizers)
@@ -187,11 +196,12 @@ class Router:
         link_gauges(self.metrics.registry, store=store, bus=bus)
         self.metrics.checkpoint_lag.set_function(lambda: self.checkpointer.lag_s)
         self.checkpointer.on_flush = self.metrics.checkpoint_flush.observe
+        self.checkpointer.on_slice = self.metrics.checkpoint_slice.observe
         self._tasks: list[asyncio.Task[Any]] = []
         self._lease: LeaseKeeper | None = None
         self._accepting = False
         self.orphans: set[str] = set()
-        self._seen_flushes = self._seen_txns = 0
+        self._seen_flushes = self._seen_txns = self._seen_bytes = 0
         self._seen_models: set[str] = set()  # a model whose workers all died is unavailable (503), not unknown
 
     # -- life -------------------------------------------------------------------------------------------
@@ -208,7 +218,8 @@ class Router:
         snap = await self.store.get_prefix(self.keys.requests, keys_only=True)
         live_leases = {r.get("checkpoint_lease") for r in self.view.fleet.routers.values()} - {None}
         cut = len(self.keys.requests)
-        self.orphans.update(kv.key[cut:] for kv in snap.items if kv.lease not in live_leases)
+        self.orphans.update(kv.key[cut:] for kv in snap.items
+                            if kv.lease not in live_leases and "/" not in kv.key[cut:])  # bases, not deltas
         if self.orphans:
             log.info("%d request checkpoint(s) of dead routers are resumable until their lease expires",
                      len(self.orphans))
@@ -333,7 +344,8 @@ class Router:
         cp = self.checkpointer
         self.metrics.checkpoint_flushes.inc(cp.flushes - self._seen_flushes)
         self.metrics.checkpoint_txns.inc(cp.txns - self._seen_txns)
-        self._seen_flushes, self._seen_txns = cp.flushes, cp.txns
+        self.metrics.checkpoint_bytes.inc(cp.bytes_written - self._seen_bytes)
+        self._seen_flushes, self._seen_txns, self._seen_bytes = cp.flushes, cp.txns, cp.bytes_written
 
     def _release(self, rid: str) -> None:
         a = self.active.pop(rid, None)

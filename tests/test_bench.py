@@ -83,14 +83,17 @@ def test_bench_restart_measures_empty_and_full_clusters(tmp_path: Path, etcd_end
     assert is_number(data["summary"]["process/full"]["median_s"])
 
 
-def test_bench_checkpoints_compares_on_and_off(tmp_path: Path, etcd_endpoint: str, broker_endpoint: str) -> None:
+def test_bench_checkpoints_compares_incremental_whole_and_off(tmp_path: Path, etcd_endpoint: str,
+                                                              broker_endpoint: str) -> None:
     data = bench("checkpoints", tmp_path, etcd_endpoint, broker_endpoint)
-    assert {r["case"] for r in data["runs"]} == {"on", "off"}
+    assert {r["case"] for r in data["runs"]} == {"on", "whole", "off"}
     for c in data["config"]["streams"]:
         s = data["summary"][str(c)]
-        assert is_number(s["throughput_ratio_on_vs_off"])
-        for case in ("on", "off"):
-            assert {"tokens_per_s", "router_txns_per_s", "etcd_txns_per_s", "etcd_grpc_bytes_per_s"} <= set(s[case])
+        assert is_number(s["throughput_ratio_on_vs_off"]) and is_number(s["throughput_ratio_whole_vs_off"])
+        for case in ("on", "whole", "off"):
+            assert {"tokens_per_s", "router_txns_per_s", "router_bytes_per_s", "etcd_txns_per_s",
+                    "etcd_grpc_bytes_per_s"} <= set(s[case])
+        assert s["on"]["router_bytes_per_s"] > 0 and s["off"]["router_bytes_per_s"] == 0
 
 
 def test_bench_pd_compares_prefill_decode_with_aggregated_and_prices_the_kv_policies(

@@ -19,6 +19,7 @@ from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.config import RouterConfig, SimConfig, SupervisorConfig
 from fleetward.fleet.worker import HealthRecord, HealthState
+from fleetward.migration.checkpoint import read_checkpoint
 from fleetward.sim.model import SimModel
 from fleetward.sim.tokenizer import encode, render_chat
 
@@ -365,8 +366,8 @@ async def test_a_client_resumes_on_another_router_with_last_event_id(healthy: Te
     last_id = ""
 
     async def checkpointed(rid: str, n: int) -> bool:
-        kv = await healthy.store.get(healthy.keys.request(rid))
-        return kv is not None and len(orjson.loads(kv.value)["emitted"]) >= n
+        found = await read_checkpoint(healthy.store, healthy.keys, rid)  # its base and deltas
+        return found is not None and len(found[0].emitted) >= n
 
     try:
         with pytest.raises(httpx.HTTPError):  # the router dies under the client

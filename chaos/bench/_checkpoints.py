@@ -1,11 +1,14 @@
 """``fleetward bench checkpoints``: what checkpointing every stream to etcd costs.
 
-Two fleetward routers on the same two simulated workers, one with checkpoints (the default) and one
-started with ``--no-checkpoints`` (``RouterConfig.checkpoints=False``); the same closed-loop streaming
-load goes to one, then the other, in rotating order, ``rounds`` times per concurrency. Reported: tokens/s
-with checkpoints ÷ without (same round), the router's etcd transactions per second
-(``fleetward_router_checkpoint_txns_total``), and what etcd itself saw per second (its ``/metrics``:
-bytes received from clients, puts, transactions, WAL fsyncs), next to CPU per component.
+Three fleetward routers on the same two simulated workers: ``on`` with checkpoints as configured by
+default (incremental: a base, then the tokens since the last flush), ``whole`` writing every live journal
+whole at each flush (``checkpoint_incremental: false``, what checkpoints did before), and ``off``
+(``--no-checkpoints``); the same closed-loop streaming load goes to each in rotating order, ``rounds``
+times per concurrency. Reported: tokens/s with checkpoints ÷ without (same round), the bytes of checkpoint
+values the router wrote per second (``fleetward_router_checkpoint_bytes_total``), its flushes and etcd
+transactions per second, how long a flush held the event loop at a stretch (p99 of
+``fleetward_router_checkpoint_slice_seconds``, a bucket bound), and what etcd itself saw per second (its
+``/metrics``: bytes received from clients, puts, transactions, WAL fsyncs), next to CPU per component.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from fleetward.chaos.bench._common import (
     client_load,
     console,
     fmt,
+    histogram_quantiles,
     progress,
     ratio,
     require_extras,
@@ -38,7 +42,7 @@ from fleetward.fleet.config import RouterConfig
 
 __all__ = ["CheckpointBench", "run_checkpoint_bench"]
 
-CASES = ("on", "off")
+CASES = ("on", "whole", "off")
 # etcd's own counters (summed over label sets): what reached it, whatever the client thinks it sent.
 _ETCD = {
     "etcd_grpc_bytes": "etcd_network_client_grpc_received_bytes_total",
@@ -79,6 +83,7 @@ async def run_checkpoint_bench(cfg: CheckpointBench) -> Results:
                              run_dir=run_dir, workers=2, backend=SimBackend(SIM), routing=RouterConfig()) as fleet:
             await fleet.wait_workers_routable(2)
             routers = {"on": await fleet.start_router("bench-cp-on"),
+                       "whole": await fleet.start_router("bench-cp-whole", checkpoint_incremental=False),
                        "off": await fleet.start_router("bench-cp-off", checkpoints=False)}
             body = {"model": SIM.model_name, "max_tokens": cfg.max_tokens, "ignore_eos": True,
                     "return_token_ids": True, "temperature": 0}
@@ -86,7 +91,7 @@ async def run_checkpoint_bench(cfg: CheckpointBench) -> Results:
             if infra.etcd_pid:
                 base_pids["etcd"] = [infra.etcd_pid]
             with progress() as bar:
-                task = bar.add_task("checkpoint bench", total=len(cfg.streams) * cfg.rounds * 2)
+                task = bar.add_task("checkpoint bench", total=len(cfg.streams) * cfg.rounds * len(CASES))
                 for c in cfg.streams:
                     for rnd in range(cfg.rounds):
                         for case in CASES if rnd % 2 == 0 else tuple(reversed(CASES)):
@@ -109,6 +114,15 @@ async def run_checkpoint_bench(cfg: CheckpointBench) -> Results:
                                 "cpu_cores": r["cpu_cores"], "run_s": elapsed,
                                 "router_txns_per_s": (_sum(r1, "fleetward_router_checkpoint_txns_total")
                                                       - _sum(r0, "fleetward_router_checkpoint_txns_total")) / elapsed,
+                                "router_bytes_per_s": (_sum(r1, "fleetward_router_checkpoint_bytes_total")
+                                                       - _sum(r0, "fleetward_router_checkpoint_bytes_total")) / elapsed,
+                                "router_flushes_per_s": (_sum(r1, "fleetward_router_checkpoint_flushes_total")
+                                                         - _sum(r0, "fleetward_router_checkpoint_flushes_total"))
+                                / elapsed,
+                                "slice_p99_le_s": histogram_quantiles(
+                                    r0, r1, "fleetward_router_checkpoint_slice_seconds")["p99_le_s"],
+                                "flush_p99_le_s": histogram_quantiles(
+                                    r0, r1, "fleetward_router_checkpoint_flush_seconds")["p99_le_s"],
                             }
                             for key, name in _ETCD.items():
                                 run[f"{key}_per_s"] = (_sum(e1, name) - _sum(e0, name)) / elapsed
@@ -134,33 +148,38 @@ def _summarize(res: Results, cfg: CheckpointBench) -> None:
         per: dict[str, Any] = {}
         for case in CASES:
             mine = [r for r in runs if r["streams"] == c and r["case"] == case]
-            keys = ["tokens_per_s", "router_txns_per_s", *[f"{k}_per_s" for k in _ETCD]]
+            keys = ["tokens_per_s", "router_txns_per_s", "router_bytes_per_s", "router_flushes_per_s",
+                    "slice_p99_le_s", "flush_p99_le_s", *[f"{k}_per_s" for k in _ETCD]]
             per[case] = {k: _med([r[k] for r in mine]) for k in keys}
             per[case]["itl_p99_ms"] = _med([r["itl"]["p99_ms"] for r in mine])
             for comp in ("router", "etcd", "workers", "client"):
                 per[case][f"cpu_{comp}"] = _med([r["cpu_cores"].get(comp) for r in mine])
-        ratios = []
-        for rnd in range(cfg.rounds):
-            on = next((r for r in runs if r["streams"] == c and r["round"] == rnd and r["case"] == "on"), None)
-            off = next((r for r in runs if r["streams"] == c and r["round"] == rnd and r["case"] == "off"), None)
-            if on and off:
-                ratios.append(ratio(on["tokens_per_s"], off["tokens_per_s"]))
-        per["throughput_ratio_on_vs_off"] = _med(ratios)
+        for case in ("on", "whole"):
+            ratios = []
+            for rnd in range(cfg.rounds):
+                one = next((r for r in runs if r["streams"] == c and r["round"] == rnd and r["case"] == case), None)
+                off = next((r for r in runs if r["streams"] == c and r["round"] == rnd and r["case"] == "off"), None)
+                if one and off:
+                    ratios.append(ratio(one["tokens_per_s"], off["tokens_per_s"]))
+            per[f"throughput_ratio_{case}_vs_off"] = _med(ratios)
         per["throughput_loss_pct"] = None if per["throughput_ratio_on_vs_off"] is None else \
             100 * (1 - per["throughput_ratio_on_vs_off"])
         summary[str(c)] = per
         for case in CASES:
             s = per[case]
             rows.append([str(c), case, fmt(s["tokens_per_s"], ".0f"),
-                         fmt(per["throughput_ratio_on_vs_off"], ".3f") if case == "on" else "1",
-                         fmt(s["router_txns_per_s"], ".1f"), fmt(s["etcd_txns_per_s"], ".1f"),
-                         fmt((s["etcd_grpc_bytes_per_s"] or 0) / 1e6, ".2f"), fmt(s["etcd_puts_per_s"], ".0f"),
-                         fmt(s["etcd_fsyncs_per_s"], ".1f"), fmt(s["itl_p99_ms"], ".1f"), fmt(s["cpu_router"], ".2f"),
-                         fmt(s["cpu_etcd"], ".2f")])
+                         fmt(per.get(f"throughput_ratio_{case}_vs_off"), ".3f") if case != "off" else "1",
+                         fmt((s["router_bytes_per_s"] or 0) / 1e6, ".3f"), fmt(s["router_flushes_per_s"], ".1f"),
+                         fmt(s["router_txns_per_s"], ".1f"), fmt((s["etcd_grpc_bytes_per_s"] or 0) / 1e6, ".2f"),
+                         fmt(s["etcd_puts_per_s"], ".0f"), fmt(s["etcd_fsyncs_per_s"], ".1f"),
+                         fmt(None if s["slice_p99_le_s"] is None else s["slice_p99_le_s"] * 1000, ".2f"),
+                         fmt(None if s["flush_p99_le_s"] is None else s["flush_p99_le_s"] * 1000, ".1f"),
+                         fmt(s["itl_p99_ms"], ".1f"), fmt(s["cpu_router"], ".2f"), fmt(s["cpu_etcd"], ".2f")])
     res.data["summary"] = summary
-    table(f"bench checkpoints: medians of {cfg.rounds} interleaved round(s); ratio = on ÷ off in the same round",
-          ["streams", "checkpoints", "tok/s", "x tok/s", "router txn/s", "etcd txn/s", "etcd MB/s in", "etcd put/s",
-           "fsync/s", "p99 ITL ms", "cpu router", "cpu etcd"], rows)
+    table(f"bench checkpoints: medians of {cfg.rounds} interleaved round(s); ratio = tok/s ÷ off's in the same round; "
+          "slice and flush p99 are histogram bucket bounds",
+          ["streams", "checkpoints", "tok/s", "x tok/s", "written MB/s", "flush/s", "router txn/s", "etcd MB/s in",
+           "etcd put/s", "fsync/s", "slice p99 ms", "flush p99 ms", "p99 ITL ms", "cpu router", "cpu etcd"], rows)
 
 
 def _plot(res: Results, cfg: CheckpointBench) -> None:
@@ -178,3 +197,9 @@ def _plot(res: Results, cfg: CheckpointBench) -> None:
                                                         (s[str(c)][case]["etcd_txns_per_s"],
                                                          (s[str(c)][case]["etcd_grpc_bytes_per_s"] or 0) / 1e6)]
                                 for case in CASES}, ylabel="per second", fmt="{:.1f}")
+    written = ("on", "whole")
+    _plots.grouped_bars(res.plot_path("written"), title="Checkpoint bytes written per second: incremental vs whole",
+                        groups=groups,
+                        series={f"checkpoints {case}": [(s[str(c)][case]["router_bytes_per_s"] or 0) / 1e6
+                                                        for c in cfg.streams] for case in written},
+                        ylabel="MB/s into etcd (values)", fmt="{:.2f}")

@@ -1,0 +1,126 @@
+"""Incremental checkpoints (migration/checkpoint.py): a base, then deltas of what changed, compacted as they
+grow; read back as one journal; claimed by another router. Against the session's real etcd."""
+
+from __future__ import annotations
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fleetward.fleet.etcd import EtcdStore
+from fleetward.fleet.keys import Keys
+from fleetward.migration.checkpoint import Checkpointer, read_checkpoint
+from fleetward.migration.journal import Journal, Kind
+
+BODY = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 100_000, "stop": ["zz"]}
+
+chunks = st.lists(st.tuples(st.lists(st.integers(0, 50_000), min_size=1, max_size=4), st.text("az é", max_size=4)),
+                  min_size=1, max_size=40)
+
+
+def journal(rid: str = "cmpl-fwcheckpointtest", prompt_len: int = 3) -> Journal:
+    return Journal(id=rid, kind=Kind.COMPLETION, body={**BODY, "prompt": list(range(1, prompt_len + 1))})
+
+
+def state(j: Journal) -> dict:
+    return {k: v for k, v in j.checkpoint("r").items() if k != "created"}
+
+
+@settings(max_examples=200, deadline=None)
+@given(chunks, st.sets(st.integers(0, 40)), st.sets(st.integers(0, 40)))
+def test_a_base_and_its_deltas_read_back_as_the_journal(chunks: list, flush_at: set[int], retried: set[int]) -> None:
+    """Deltas taken at any points, some written twice (a write that timed out but committed), fold back into
+    exactly what the journal holds; text held for a stop string and stop matches included."""
+    j = journal()
+    base = orjson.loads(j.checkpoint_bytes("r"))
+    deltas: list[bytes] = []
+    n = c = 0
+    for i, (ids, text) in enumerate(chunks):
+        j.record(ids, text, None, None)
+        if i in flush_at or i == len(chunks) - 1 or j.is_done:
+            d = j.delta_bytes(n, c)
+            deltas += [d, d] if i in retried else [d]
+            n, c = len(j.emitted), len(j.text)
+        if j.is_done:
+            break
+    back = Journal.from_checkpoint(base)
+    for d in deltas:
+        assert back.apply_delta(orjson.loads(d))
+    assert state(back) == state(j)
+    assert back.text_after(len(back.emitted)) == ""
+
+
+def test_a_delta_past_what_the_journal_holds_is_refused() -> None:
+    j = journal()
+    j.record([7, 8], "ab", None, None)
+    gap = orjson.loads(j.delta_bytes(1, 1))
+    fresh = journal()
+    assert not fresh.apply_delta(gap) and fresh.emitted == []
+
+
+async def test_checkpoint_bytes_follow_the_tokens_not_the_stream_length_and_read_back_exact(
+        store: EtcdStore, keys: Keys) -> None:
+    cp = Checkpointer(store, keys, "r1")
+    full = Checkpointer(store, keys, "r-full", incremental=False)
+    await cp.start()
+    await full.start()
+    try:
+        j, other = journal("cmpl-fwincremental"), journal("cmpl-fwwholeeachtime")
+        cp.track(j)
+        full.track(other)
+        per_flush: list[int] = []
+        per_full_flush: list[int] = []
+        for k in range(200):
+            for jj in (j, other):
+                jj.record([100 + k, 200 + k, 300 + k, 400 + k], f"t{k} ", None, None)
+            before, before_full = cp.bytes_written, full.bytes_written
+            await cp.flush()
+            await full.flush()
+            per_flush.append(cp.bytes_written - before)
+            per_full_flush.append(full.bytes_written - before_full)
+            if k % 50 == 49:
+                found = await read_checkpoint(store, keys, j.id)
+                assert found is not None and state(found[0]) == state(j)
+        early, late = sum(per_flush[10:20]), sum(per_flush[190:200])
+        assert late < 2 * early, f"bytes per flush grew with the stream: {early} -> {late}"
+        assert sum(per_full_flush[190:200]) > 5 * sum(per_full_flush[10:20]), "the whole journal each time"
+        assert cp.compactions > 0, "deltas are folded into a new base as they grow"
+        deltas = (await store.get_prefix(keys.request(j.id) + "/")).items
+        assert len(deltas) < 200, "compacted, not one key per flush forever"
+
+        cp.done(j)
+        await cp.flush()
+        assert not (await store.get_prefix(keys.request(j.id))).items, "base and deltas go when it ends"
+    finally:
+        await cp.aclose()
+        await full.aclose()
+
+
+async def test_a_claim_compacts_and_the_old_owner_lets_go(store: EtcdStore, keys: Keys) -> None:
+    lost: list[str] = []
+    old = Checkpointer(store, keys, "r-old", on_lost=lost.append)
+    new = Checkpointer(store, keys, "r-new")
+    await old.start()
+    await new.start()
+    try:
+        j = journal("cmpl-fwclaimedelsewhere", prompt_len=500)  # a base larger than the deltas: no compaction
+        old.track(j)
+        for k in range(5):
+            j.record([k, k + 1], "xy", None, None)
+            await old.flush()
+        assert (await store.get_prefix(keys.request(j.id) + "/")).items, "deltas were written"
+        claimed = await new.claim(j.id)
+        assert claimed is not None and state(claimed) == state(j)
+        assert not (await store.get_prefix(keys.request(j.id) + "/")).items, "compacted into the claim's base"
+        kv = await store.get(keys.request(j.id))
+        assert kv is not None and orjson.loads(kv.value)["router"] == "r-new"
+        j.record([9], "z", None, None)
+        await old.flush()
+        assert lost == [j.id], "the old owner's next delta fails its compare"
+        claimed.record([9], "z", None, None)
+        await new.flush()
+        found = await read_checkpoint(store, keys, j.id)
+        assert found is not None and found[0].emitted == claimed.emitted
+    finally:
+        await old.aclose()
+        await new.aclose()
