@@ -109,12 +109,16 @@ class NodeAgent:
         self.handles: dict[str, WorkerHandle] = {}
         self.specs: dict[str, WorkerSpec] = {}
         self.failed: dict[str, str] = {}
-        self.engine = EngineFrozenDetector(clock=clock, no_progress_s=self.config.engine_no_progress_s)
+        self.engine = EngineFrozenDetector(clock=clock, no_progress_s=self.config.engine_no_progress_s,
+                                           stall_s=self.config.engine_stall_s,
+                                           probe_interval_s=self.config.engine_probe_interval_s)
         self._lease: LeaseKeeper | None = None
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
-        self._running: dict[str, int] = {}
+        self._running: dict[str, tuple[int, float]] = {}  # worker -> requests running per its metrics, read at
+        self._reads: dict[str, asyncio.Task[None]] = {}  # a worker's /metrics read under way
+        self._probes: dict[str, tuple[float, asyncio.Task[None]]] = {}  # a worker's probe: sent at, task
         self._restarting: set[str] = set()  # workers an action is restarting: their exits are expected
         self._tree_fds: dict[str, dict[int, int]] = {}  # worker -> pid -> pidfd of its engine processes
         self._dying: dict[str, WorkerHandle] = {}  # workers named dying before their exit completed
@@ -223,7 +227,8 @@ class NodeAgent:
         """Stop every worker (ordered), revoke the lease (keys vanish now), publish ``worker.down``."""
         self._closing = True
         await self.adopter.aclose()
-        tasks = [*self._watchers.values(), *self._tasks]
+        tasks = [*self._watchers.values(), *self._tasks, *self._reads.values(),
+                 *(t for _, t in self._probes.values())]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -231,6 +236,8 @@ class NodeAgent:
                 await task
         self._tasks.clear()
         self._watchers.clear()
+        self._reads.clear()
+        self._probes.clear()
         for wid in list(self._tree_fds):
             self._forget_tree(wid)
         handles = list(self.handles.values())
@@ -416,6 +423,7 @@ class NodeAgent:
 
     def _engine_sample(self, handle: WorkerHandle) -> EngineSample:
         procs = []
+        switches = 0
         tree = handle.process.tree()
         engines = [p for p in tree[1:] if _is_engine(p)] or tree[:1]
         for p in engines:
@@ -423,9 +431,14 @@ class NodeAgent:
                 with p.oneshot():
                     cpu = p.cpu_times()
                     procs.append((p.pid, p.name(), p.status(), cpu.user + cpu.system))
+                    switches += sum(p.num_ctx_switches())
             except psutil.Error:
                 continue
-        return EngineSample(tuple(procs), self._running.get(handle.spec.id))
+        wid = handle.spec.id
+        running, read_at = self._running.get(wid, (None, None))
+        probe = self._probes.get(wid)
+        return EngineSample(tuple(procs), running, switches=switches, running_read_at=read_at,
+                            probe_sent_at=probe[0] if probe is not None and not probe[1].done() else None)
 
     def _watch_tree_member(self, wid: str, handle: WorkerHandle, pid: int, name: str) -> None:
         """A pidfd on a process of a worker's tree (e.g. vLLM's EngineCore): its exit is seen at once."""
@@ -490,16 +503,21 @@ class NodeAgent:
                     break
 
     async def _monitor_engines(self) -> None:
+        """Each worker's engine processes every ``engine_check_interval_s`` (state, CPU time, context switches).
+        An engine that shows no progress has its /metrics read (requests running?) and, at most every
+        ``engine_probe_interval_s``, gets a one-token probe, so that work is known to wait on it (see
+        :class:`~fleetward.supervisor.detectors.EngineFrozenDetector`). Reads and probes run beside the
+        sampling, which a frozen worker that answers nothing must not hold up."""
         ticks = 0
         while True:
             await self.clock.sleep(self.config.engine_check_interval_s)
             ticks += 1
-            if ticks % 8 == 0:
-                await self._read_running()
             for wid, handle in list(self.handles.items()):
                 if handle.process.pid is None or not handle.process.is_running or wid in self._restarting:
                     continue  # no process to look at (a server known by URL only), or it is being replaced
                 sample = await asyncio.to_thread(self._engine_sample, handle)
+                if self.handles.get(wid) is not handle or wid in self._restarting:
+                    continue
                 watched = self._tree_fds.get(wid, {})
                 for pid, name, _, _ in sample.processes:
                     if pid != handle.process.pid and pid not in watched:
@@ -508,16 +526,45 @@ class NodeAgent:
                     if sig.severity is not Severity.OK:
                         log.warning("worker %s: %s", wid, sig.reason)
                     await self.signal(wid, sig.detector, sig.severity, sig.reason, **sig.extra)
+                stalled = self.engine.probe_due(wid)
+                if ticks % 8 == 0 or stalled or not self.engine.ran_last(wid):
+                    self._start_read(wid, handle)
+                if stalled:
+                    self._start_probe(wid, handle)
 
-    async def _read_running(self) -> None:
-        async def one(wid: str, url: str) -> None:
+    def _start_read(self, wid: str, handle: WorkerHandle) -> None:
+        """Read the worker's requests running from its /metrics, unless a read is under way."""
+        if wid in self._reads and not self._reads[wid].done():
+            return
+
+        async def read() -> None:
             try:
-                r = await self._http.get(f"{url}/metrics", timeout=1.0)
-                self._running[wid] = int(parse_prometheus(r.text, (RUNNING,)).get(RUNNING, 0))
+                r = await self._http.get(f"{handle.bind_url}/metrics", timeout=1.0)
+                self._running[wid] = (int(parse_prometheus(r.text, (RUNNING,)).get(RUNNING, 0)),
+                                      self.clock.monotonic())
             except (httpx.HTTPError, ValueError):
                 self._running.pop(wid, None)
 
-        await asyncio.gather(*(one(w, h.bind_url) for w, h in list(self.handles.items())))
+        self._reads[wid] = asyncio.create_task(read(), name=f"agent-metrics-{wid}")
+
+    def _start_probe(self, wid: str, handle: WorkerHandle) -> None:
+        """A one-token request to the worker, unless one is under way: while it is unanswered, work waits."""
+        if wid in self._probes and not self._probes[wid][1].done():
+            return
+        body = {"model": handle.spec.model, "prompt": self.config.canary_prompt, "max_tokens": 1,
+                "temperature": 0}
+
+        async def probe() -> None:
+            try:
+                await self._http.post(f"{handle.bind_url}/v1/completions", json=body,
+                                      timeout=self.config.canary_timeout_s + self.config.engine_stall_s)
+            except httpx.HTTPError:
+                pass  # the answer does not matter: only how long the engine leaves it waiting
+            finally:
+                if self.handles.get(wid) is handle:
+                    self.engine.probe_done(wid)
+
+        self._probes[wid] = (self.clock.monotonic(), asyncio.create_task(probe(), name=f"agent-probe-{wid}"))
 
     async def _monitor_gpus(self) -> None:
         from fleetward.supervisor.gpu import Action, GpuEventKind, GpuPolicy

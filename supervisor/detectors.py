@@ -12,8 +12,13 @@ below.
 detector            runs in    says
 ==================  =========  ==================================================================================
 process             agent      fatal the moment a process of the worker's tree exits (pidfd, no polling)
-engine-frozen       agent      fatal when an engine process is stopped (SIGSTOP/T state); suspect when engine
-                               processes make no CPU progress while requests run
+engine-frozen       agent      fatal when an engine process is stopped (SIGSTOP/T state), or when the engine
+                               processes are not scheduled at all (no CPU time, no context switch) for
+                               ``stall_s`` while work waits on them (frozen by the cgroup freezer, stuck in
+                               the kernel); suspect when they use no CPU for ``no_progress_s`` while requests
+                               run. Work is requests running per the worker's metrics, or the agent's own
+                               probe: an engine that shows no progress gets a one-token request (at most
+                               every ``probe_interval_s``), so an idle one is checked too
 gpu                 agent      per the Xid/ECC policy table: restart, quarantine, or degraded (throttling)
 stream-progress     controller suspect when a router reports the worker silent past its adaptive allowance
                                while it has work in flight (the router's ProgressModel: long prompts get longer)
@@ -253,41 +258,82 @@ class MetricsDetector:
 
 @dataclass(frozen=True)
 class EngineSample:
-    """One look at a worker's engine processes: (pid, name, status, cpu seconds) each, and its load."""
+    """One look at a worker's engine processes: (pid, name, status, cpu seconds) each, and its load.
+
+    ``switches`` is their context switches, summed (a process that is scheduled at all switches); with the
+    CPU time it tells whether they ran since the last look. ``running_read_at`` is when ``running_requests``
+    was read (the agent's monotonic clock), ``probe_sent_at`` when the agent's own request to the engine was
+    sent, if it is still unanswered.
+    """
 
     processes: tuple[tuple[int, str, str, float], ...]
     running_requests: int | None = None  # from the worker's own metrics, when known
+    switches: int | None = None
+    running_read_at: float | None = None
+    probe_sent_at: float | None = None
 
 
 @dataclass
 class _EngineState:
     cpu: float = -1.0
     cpu_since: float = 0.0
+    ran: tuple[float, int] | None = None  # (cpu, switches) at the last look that showed the engine ran
+    ran_at: float = 0.0  # when that look was
+    work_since: float | None = None  # first evidence of waiting work since the engine last ran
+    ran_last: bool = True  # the last look showed the engine ran (or did not measure it)
+    fatal: str = ""  # "stopped" or "stall" while the last verdict is fatal
+    probe_done_at: float = float("-inf")
 
 
 class EngineFrozenDetector:
-    """A stopped engine process is a silent hang; CPU that stops moving while requests run is suspect."""
+    """A stopped engine process, or one not scheduled at all while work waits, is a silent hang; CPU that
+    stops moving while requests run is suspect.
+
+    "Not scheduled" is neither CPU time nor a context switch since the engine last ran: a live engine with
+    work runs within milliseconds, however loaded the host, so ``stall_s`` of it with work waiting the whole
+    time is not load. Work waits when the worker's metrics (read after the engine last ran) count requests
+    running, or when the agent's probe is unanswered: :meth:`probe_due` says when an engine that shows no
+    progress should get one, so an idle engine is checked too, at most every ``probe_interval_s``.
+    """
 
     name = "engine-frozen"
 
-    def __init__(self, *, clock: Clock = SYSTEM_CLOCK, no_progress_s: float = 5.0) -> None:
+    def __init__(self, *, clock: Clock = SYSTEM_CLOCK, no_progress_s: float = 5.0, stall_s: float = 1.0,
+                 probe_interval_s: float = 2.0) -> None:
         self.clock = clock
         self.no_progress_s = no_progress_s
+        self.stall_s = stall_s
+        self.probe_interval_s = probe_interval_s
         self._state: dict[str, _EngineState] = collections.defaultdict(_EngineState)
         self._verdicts = _Verdicts(self.name, clock)
 
     def observe(self, worker: str, sample: EngineSample) -> list[Signal]:
+        now = self.clock.monotonic()
+        st = self._state[worker]
         stopped = [(pid, name) for pid, name, status, _ in sample.processes if status in ("stopped", "tracing-stop")]
         if stopped:
             pid, name = stopped[0]
+            st.fatal = "stopped"
             return self._verdicts.say(worker, Severity.FATAL, f"engine process {pid} ({name}) is stopped "
                                       "(SIGSTOP): it answers nothing while /health may still say 200",
                                       hang=True, pid=pid)
-        now = self.clock.monotonic()
-        st = self._state[worker]
         cpu = sum(p[3] for p in sample.processes)
-        resumed = self._verdicts.last.get(worker) is Severity.FATAL
-        if cpu != st.cpu or not sample.running_requests or resumed:
+        ran = self._ran(st, cpu, sample, now)
+        if st.fatal == "stopped" or (st.fatal == "stall" and ran):
+            st.fatal = ""
+            st.cpu, st.cpu_since = cpu, now
+            return self._verdicts.say(worker, Severity.OK, "engine running")
+        if not ran and st.work_since is not None and now - st.work_since >= self.stall_s:
+            st.fatal = "stall"
+            waiting = (f"{sample.running_requests} request(s) running" if sample.running_requests
+                       else "a probe request unanswered")
+            return self._verdicts.say(worker, Severity.FATAL,
+                                      f"engine processes not scheduled for {now - st.ran_at:.2f}s (no CPU time, "
+                                      f"no context switch) with {waiting}: frozen (cgroup freezer) or stuck in "
+                                      "the kernel, while /health may still say 200", hang=True)
+        if st.fatal:
+            return []
+        if cpu != st.cpu or not sample.running_requests:
             st.cpu, st.cpu_since = cpu, now
             return self._verdicts.say(worker, Severity.OK, "engine running")
         if now - st.cpu_since >= self.no_progress_s:
@@ -295,6 +341,42 @@ class EngineFrozenDetector:
                                       f"engine used no CPU for {now - st.cpu_since:.1f}s while "
                                       f"{sample.running_requests} request(s) run")
         return []
+
+    def _ran(self, st: _EngineState, cpu: float, sample: EngineSample, now: float) -> bool:
+        """Whether the engine ran since the last look; updates when work was first seen waiting since."""
+        st.ran_last = True
+        if sample.switches is None or not sample.processes:
+            return True  # not measured: no stall verdict
+        mark = (cpu, sample.switches)
+        if mark != st.ran:
+            st.ran, st.ran_at, st.work_since = mark, now, None
+            return True
+        st.ran_last = False
+        seen = []
+        if sample.running_requests and sample.running_read_at is not None and sample.running_read_at >= st.ran_at:
+            seen.append(sample.running_read_at)
+        if sample.probe_sent_at is not None:
+            seen.append(max(sample.probe_sent_at, st.ran_at))
+        if seen:
+            st.work_since = min(seen) if st.work_since is None else min(st.work_since, *seen)
+        return False
+
+    def ran_last(self, worker: str) -> bool:
+        """Whether the last look at ``worker`` showed its engine ran (True when not measured)."""
+        st = self._state.get(worker)
+        return st is None or st.ran_last
+
+    def probe_due(self, worker: str) -> bool:
+        """Whether the engine showed no progress at the last look and its last probe ended long enough ago
+        (the caller knows whether one is outstanding)."""
+        st = self._state.get(worker)
+        if st is None or st.ran_last or st.fatal:
+            return False
+        return self.clock.monotonic() - st.probe_done_at >= self.probe_interval_s
+
+    def probe_done(self, worker: str) -> None:
+        """The agent's probe of ``worker`` was answered, or failed."""
+        self._state[worker].probe_done_at = self.clock.monotonic()
 
     def forget(self, worker: str) -> None:
         self._state.pop(worker, None)

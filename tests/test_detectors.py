@@ -124,6 +124,72 @@ def test_a_stopped_engine_is_fatal_and_cpu_without_progress_is_suspect() -> None
     assert d.observe("w", idle)[0].severity is Severity.OK
 
 
+def _engine(cpu: float, switches: int, **load: object) -> EngineSample:
+    return EngineSample(((10, "VLLM::EngineCore", "disk-sleep", cpu),), switches=switches, **load)  # type: ignore[arg-type]
+
+
+def test_an_engine_not_scheduled_while_requests_run_is_a_fatal_hang_after_the_stall_time() -> None:
+    clock = ManualClock()
+    d = EngineFrozenDetector(clock=clock, stall_s=1.0, no_progress_s=5.0)
+    assert d.observe("w", _engine(1.0, 100, running_requests=2, running_read_at=0.0)) == []
+    clock.advance(0.25)  # frozen from here on: no CPU time, no context switch
+    assert d.observe("w", _engine(1.0, 100, running_requests=2, running_read_at=0.25)) == []
+    assert not d.ran_last("w")
+    clock.advance(0.5)
+    assert d.observe("w", _engine(1.0, 100, running_requests=2, running_read_at=0.7)) == [], "0.5 s of waiting work"
+    clock.advance(0.5)  # work seen waiting since 0.25: 1.0 s without being scheduled
+    (sig,) = d.observe("w", _engine(1.0, 100, running_requests=2, running_read_at=1.2))
+    assert sig.severity is Severity.FATAL and sig.extra["hang"] is True and "not scheduled" in sig.reason
+    clock.advance(1.0)
+    assert d.observe("w", _engine(1.0, 100, running_requests=2, running_read_at=2.2)) == [], "said once"
+    clock.advance(0.25)
+    assert d.observe("w", _engine(1.0, 101, running_requests=2, running_read_at=2.4))[0].severity is Severity.OK
+
+
+def test_an_engine_that_keeps_running_or_has_no_work_is_never_a_stall() -> None:
+    clock = ManualClock()
+    d = EngineFrozenDetector(clock=clock, stall_s=1.0)
+    for i in range(40):  # busy: a context switch (or CPU time) between every two looks
+        assert d.observe("w", _engine(1.0 + (i % 2) * 0.01, 100 + i // 2, running_requests=4,
+                                      running_read_at=clock.monotonic())) == []
+        clock.advance(0.25)
+    for _ in range(40):  # idle, not scheduled at all, nothing running and no probe: nothing waits
+        assert d.observe("w", _engine(2.0, 500, running_requests=0, running_read_at=clock.monotonic())) == []
+        clock.advance(0.25)
+    # Requests counted before the engine last ran are no evidence that work waits now.
+    d.observe("w", _engine(3.0, 600, running_requests=3, running_read_at=clock.monotonic()))
+    clock.advance(3)  # (below no_progress_s, whose suspicion is another rule)
+    assert d.observe("w", _engine(3.0, 600, running_requests=3, running_read_at=clock.monotonic() - 3.1)) == []
+
+
+def test_an_idle_engine_that_shows_no_progress_is_probed_and_a_frozen_one_leaves_the_probe_waiting() -> None:
+    clock = ManualClock()
+    d = EngineFrozenDetector(clock=clock, stall_s=1.0, probe_interval_s=2.0)
+    d.observe("w", _engine(1.0, 100))
+    assert not d.probe_due("w"), "it ran since the last look"
+    clock.advance(0.25)
+    d.observe("w", _engine(1.0, 100))
+    assert d.probe_due("w")
+    sent = clock.monotonic()
+    clock.advance(0.25)  # a live engine takes the probe: it runs, the probe is answered
+    d.observe("w", _engine(1.01, 104, probe_sent_at=sent))
+    d.probe_done("w")
+    clock.advance(0.25)
+    d.observe("w", _engine(1.01, 104))
+    assert not d.probe_due("w"), "probes are spaced by probe_interval_s"
+    clock.advance(2.0)
+    d.observe("w", _engine(1.01, 104))
+    assert d.probe_due("w")
+    sent = clock.monotonic()  # now frozen: the probe waits
+    for _ in range(3):
+        clock.advance(0.25)
+        assert d.observe("w", _engine(1.01, 104, probe_sent_at=sent)) == []
+    clock.advance(0.25)
+    (sig,) = d.observe("w", _engine(1.01, 104, probe_sent_at=sent))
+    assert sig.severity is Severity.FATAL and "probe" in sig.reason
+    assert not d.probe_due("w"), "no probes once named"
+
+
 def test_golden_outputs_are_learned_by_quorum_and_catch_wrong_tokens() -> None:
     book = GoldenBook(quorum=2)
     assert book.check("m", [1, 2, 3]) is None
