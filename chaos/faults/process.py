@@ -10,7 +10,13 @@ fault                    what happens (sim: the simulated worker is one process;
                          sim: its one process, so this is ``process.kill_worker`` there
 ``process.hang``         ``mode: silent``: the engine stops, ``/health`` stays 200 (vLLM: SIGSTOP of
                          EngineCore and its children; sim: the ``hang`` switch). ``mode: freeze``: SIGSTOP
-                         of the whole tree, ``/health`` stops answering too (both backends)
+                         of the whole tree, ``/health`` stops answering too (both backends).
+                         ``mode: cgroup_freeze``: the engine processes are moved into a freezer cgroup
+                         ``fleetward/<name>`` and frozen, a stop without a signal: nothing is in state T
+                         (they sleep in the kernel, ``D``) and nothing can be caught, as with a hung kernel
+                         or a collective that never returns. vLLM: EngineCore and its children, ``/health``
+                         stays 200; sim: its one process, so ``/health`` stops answering too. Root, cgroup
+                         v1 ``freezer`` (or v2 ``cgroup.freeze``); a SIGKILL takes effect only once thawed
 ``process.crash_loop``   from its next start on, the worker exits (``exit_code``) ``failures`` times,
                          ``delay_s`` after each start, before a start succeeds; the worker is killed so
                          that it must start again
@@ -58,8 +64,8 @@ from fleetward.chaos.faults._base import (
 from fleetward.fleet.handle import Fleet
 from fleetward.fleet.procs import ManagedProcess, kill_tree
 
-__all__ = ["CrashLoop", "HangWorker", "KillEngine", "KillWorker", "MemoryGroup", "OomKill", "SlowStart",
-           "launcher_prefix"]
+__all__ = ["CrashLoop", "FreezerGroup", "HangWorker", "KillEngine", "KillWorker", "MemoryGroup", "OomKill",
+           "SlowStart", "launcher_prefix"]
 
 
 def launcher_prefix(*, state: Path | None = None, fail: int = 0, exit_code: int = 1, delay: float = 0.0,
@@ -196,11 +202,13 @@ class KillEngine(_WorkerFault):
 
 
 class HangParams(FaultParams):
-    mode: Literal["silent", "freeze"] = Field(
-        "silent", description="silent: the engine stops, /health stays 200; freeze: the whole tree stops")
+    mode: Literal["silent", "freeze", "cgroup_freeze"] = Field(
+        "silent", description="silent: the engine stops, /health stays 200; freeze: the whole tree stops; "
+        "cgroup_freeze: the engine processes are frozen by the cgroup freezer (no signal, no T state; root)")
 
 
-@catalogued("hang a worker: the engine stops (silent: /health still 200) or the whole tree is SIGSTOPped")
+@catalogued("hang a worker: the engine stops (silent: /health still 200), the whole tree is SIGSTOPped, or the "
+            "engine is frozen by the cgroup freezer (no signal)")
 class HangWorker(_WorkerFault):
     name = "process.hang"
     Params = HangParams
@@ -209,44 +217,64 @@ class HangWorker(_WorkerFault):
     def __init__(self, params: Any, target: Any) -> None:
         super().__init__(params, target)
         self._stopped: dict[str, list[psutil.Process]] = {}
+        self._groups: dict[str, FreezerGroup] = {}  # cgroup_freeze: each worker's freezer cgroup
         self._switched: list[str] = []
         self._urls: dict[str, str] = {}
+        self._answering: set[str] = set()  # workers whose API server is not stopped: /health must say 200
         self._seen = False
         self._healthy_while_stopped: set[str] = set()
 
     async def inject(self, ctx: FaultContext) -> None:
         fleet = self._resolve(ctx)
+        mode = self.params.mode
+        if mode == "cgroup_freeze":
+            reason = FreezerGroup.unavailable_reason()
+            if reason:
+                raise FaultUnavailable(f"process.hang mode cgroup_freeze: {reason}")
         for w in self.targets:
             tree = running_tree(fleet, w)
             self._urls[w] = fleet.bind_url(w)
-            if self.params.mode == "silent" and fleet.backend.fault_switches:
+            if mode == "silent" and fleet.backend.fault_switches:
                 self._switched.append(w)
                 await fleet.fault(w, hang=True)
                 continue
-            if self.params.mode == "silent":
-                procs = []
+            if mode in ("silent", "cgroup_freeze"):
+                procs: list[psutil.Process] = []
                 for e in fleet.engine_processes(w):
                     with contextlib.suppress(psutil.Error):
-                        procs += [e, *e.children(recursive=True)]
+                        procs += [q for q in (e, *e.children(recursive=True)) if q not in procs]
             else:
                 procs = tree
             self._stopped[w] = procs
-            kill_tree(procs, signal.SIGSTOP)
+            if tree[0] not in procs:
+                self._answering.add(w)
+            if mode == "cgroup_freeze":
+                # Recorded before it acts, so that recovery thaws and removes whatever was done.
+                group = self._groups[w] = FreezerGroup(f"hang-{w}-{uuid.uuid4().hex[:6]}")
+                group.add([q.pid for q in procs])
+                group.freeze()
+            else:
+                kill_tree(procs, signal.SIGSTOP)
         # Look once right away: a supervisor may restart a stopped worker soon after, and what was seen
         # stopped counts for verify.
         if self._stopped:
             self._seen = await eventually(self._all_stopped, 1.0, 0.01)
-            if self._seen and self.params.mode == "silent":
+            if self._seen:
                 # And /health at once, for the same reason: a supervisor that sees the stop (in a fraction of
                 # a second) restarts the worker, and a restarting server answers nothing. A 200 counts when
                 # the engine is still stopped after it.
-                for w in self._stopped:
+                for w in self._answering:
                     if await self._health(self._urls[w]) == 200 and self._all_stopped():
                         self._healthy_while_stopped.add(w)
         self.detail["stopped_pids"] = {w: [p.pid for p in ps] for w, ps in self._stopped.items()}
         self.detail["switched"] = list(self._switched)
+        if self._groups:
+            self.detail["groups"] = {w: {"path": str(g.path)} for w, g in self._groups.items()}
 
     def _all_stopped(self) -> bool:
+        if self.params.mode == "cgroup_freeze":
+            return all(g.frozen() and {p.pid for p in self._stopped[w]} <= set(g.members())
+                       for w, g in self._groups.items())
         return all(_stopped(p) for ps in self._stopped.values() for p in ps)
 
     async def _health(self, url: str) -> int | None:
@@ -261,11 +289,12 @@ class HangWorker(_WorkerFault):
     async def verify(self, ctx: FaultContext) -> bool:
         """Silent: the engine is stopped (the sim reports ``hung``; vLLM's engine processes are in state T)
         while ``/health`` still answers 200. Freeze: every process of the tree is in state T (so nothing
-        answers). Only what the injection touched is looked at: a supervisor that restarts the worker
-        meanwhile does not make an observed hang unobserved (a 200 seen at injection while the engine was stopped
-        counts), and a restart before the first look fails."""
+        answers). Cgroup freeze: the freezer cgroup reads frozen with every engine process in it, and where the
+        API server is not one of them (vLLM), ``/health`` still answers 200. Only what the injection touched is
+        looked at: a supervisor that restarts the worker meanwhile does not make an observed hang unobserved (a
+        200 seen at injection while the engine was stopped counts), and a restart before the first look fails."""
         fleet = fleet_of(ctx)
-        urls = {w: self._urls[w] for w in self.targets if w in self._urls}
+        urls = {w: self._urls[w] for w in self.targets if w in self._answering or w in self._switched}
 
         async def hung() -> bool:
             for w in self._switched:
@@ -273,7 +302,7 @@ class HangWorker(_WorkerFault):
                     return False
             if not self._seen and not self._all_stopped():
                 return False
-            if self.params.mode == "silent":
+            if self.params.mode != "freeze":
                 for w, url in urls.items():
                     if w not in self._healthy_while_stopped and await self._health(url) != 200:
                         return False  # a silent hang keeps answering /health
@@ -283,8 +312,13 @@ class HangWorker(_WorkerFault):
 
     async def recover(self, ctx: FaultContext) -> None:
         fleet = fleet_of(ctx)
-        for ps in self._stopped.values():
-            kill_tree(ps, signal.SIGCONT)
+        for w, group in self._groups.items():
+            # Thawed first: a process the supervisor SIGKILLed meanwhile dies only now.
+            if not await eventually(group.remove, self.params.recover_timeout_s, 0.05):
+                self.detail.setdefault("errors", {})[w] = f"freezer cgroup {group.path} could not be removed"
+        if self.params.mode != "cgroup_freeze":
+            for ps in self._stopped.values():
+                kill_tree(ps, signal.SIGCONT)
         for w in self._switched:
             await quietly(f"clear hang on {w}", fleet.fault(w, hang=False))
 
@@ -408,10 +442,107 @@ class SlowStart(_WorkerFault):
                 launcher.wrap_launch(w, None)
 
 
+# -- freezer ------------------------------------------------------------------------------------------------
+
+_V1_FREEZER = Path("/sys/fs/cgroup/freezer")
+_V2 = Path("/sys/fs/cgroup")
+
+
+class FreezerGroup:
+    """A freezer cgroup ``fleetward/<name>``: the v1 ``freezer`` hierarchy, or cgroup v2's ``cgroup.freeze``.
+
+    Processes added are moved out of their own cgroup (remembered) and back by :meth:`remove`. Frozen
+    processes use no CPU and sleep in the kernel (state ``D`` on v1); no signal is involved, so nothing in them
+    can notice, and on v1 even a SIGKILL takes effect only once they are thawed.
+    """
+
+    def __init__(self, name: str) -> None:
+        reason = self.unavailable_reason()
+        if reason:
+            raise FaultUnavailable(reason)
+        if (_V1_FREEZER / "tasks").exists():
+            self.version, self.root = 1, _V1_FREEZER
+        else:
+            self.version, self.root = 2, _V2
+        self.path = self.root / "fleetward" / name
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._homes: dict[int, Path] = {}  # pid -> the cgroup it came from
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        if os.geteuid() != 0:
+            return "the cgroup freezer needs root"
+        if (_V1_FREEZER / "tasks").exists() and os.access(_V1_FREEZER, os.W_OK):
+            return None
+        if (_V2 / "cgroup.controllers").exists() and os.access(_V2, os.W_OK):
+            return None  # every non-root v2 cgroup has cgroup.freeze
+        return ("no cgroup freezer: neither a v1 freezer hierarchy at /sys/fs/cgroup/freezer nor a writable "
+                "cgroup v2 hierarchy at /sys/fs/cgroup")
+
+    def _home(self, pid: int) -> Path:
+        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+            _, controllers, rel = line.split(":", 2)
+            if (self.version == 1 and "freezer" in controllers.split(",")) or (self.version == 2 and not controllers):
+                return self.root / rel.lstrip("/")
+        return self.root
+
+    def add(self, pids: list[int]) -> None:
+        """Move each process (all its threads) into the group; one that already exited is skipped."""
+        for pid in pids:
+            try:
+                home = self._home(pid)
+                (self.path / "cgroup.procs").write_text(str(pid))
+            except (OSError, ValueError):
+                continue
+            self._homes.setdefault(pid, home)
+
+    def freeze(self) -> None:
+        if self.version == 1:
+            (self.path / "freezer.state").write_text("FROZEN")
+        else:
+            (self.path / "cgroup.freeze").write_text("1")
+
+    def thaw(self) -> None:
+        if self.version == 1:
+            (self.path / "freezer.state").write_text("THAWED")
+        else:
+            (self.path / "cgroup.freeze").write_text("0")
+
+    def frozen(self) -> bool:
+        """Every process of the group is frozen (v1 ``FREEZING`` is not yet: some are still running)."""
+        try:
+            if self.version == 1:
+                return (self.path / "freezer.state").read_text().strip() == "FROZEN"
+            return "frozen 1" in (self.path / "cgroup.events").read_text().splitlines()
+        except OSError:
+            return False
+
+    def members(self) -> list[int]:
+        try:
+            return [int(x) for x in (self.path / "cgroup.procs").read_text().split()]
+        except OSError:
+            return []
+
+    def remove(self) -> bool:
+        """Thaw, move every process back where it came from, delete the group. Idempotent; False while the
+        group cannot be deleted yet (a process killed while frozen is still exiting)."""
+        if not self.path.exists():
+            return True
+        with contextlib.suppress(OSError):
+            self.thaw()
+        for pid in self.members():
+            with contextlib.suppress(OSError):
+                (self._homes.get(pid, self.root) / "cgroup.procs").write_text(str(pid))
+        try:
+            self.path.rmdir()
+        except OSError:
+            return False
+        return True
+
+
 # -- memory -------------------------------------------------------------------------------------------------
 
 _V1_MEMORY = Path("/sys/fs/cgroup/memory")
-_V2 = Path("/sys/fs/cgroup")
 
 
 class MemoryGroup:

@@ -10,15 +10,16 @@ import orjson
 import pytest
 import pytest_asyncio
 
-from fleetward.chaos.fault import Target
+from fleetward.chaos.fault import CATALOGUE, Target
 from fleetward.chaos.faults import cycle
-from fleetward.chaos.faults.process import MemoryGroup
+from fleetward.chaos.faults.process import FreezerGroup, MemoryGroup
 from fleetward.chaos.harness import FleetContext, TestFleet
 from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.config import RouterConfig, SimConfig
 from fleetward.sim.model import SimModel
 from fleetward.sim.tokenizer import encode
+from fleetward.supervisor.signals import Severity, Signal
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -86,6 +87,36 @@ async def test_a_frozen_worker_stops_answering_and_resumes(fleet: TestFleet, ctx
     fault = await fault_cycle(ctx, "process.hang", "node-w2", mode="freeze")
     assert fault.detail["stopped_pids"]["node-w2"]
     await fleet_serves(fleet, "freeze")
+
+
+async def test_a_worker_frozen_by_the_cgroup_freezer_is_named_hung_by_its_agent_and_thaws(
+        fleet: TestFleet, ctx: FleetContext, wait_until: Any) -> None:
+    """No signal and no stopped process: the idle sim's one process sleeps in the kernel. Its agent sees the
+    engine unscheduled, probes it, and names the hang when the probe waits (engine-frozen, fatal)."""
+    reason = FreezerGroup.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    victim = "node-w2"
+    spec = CATALOGUE["process.hang"]
+    fault = spec.factory(spec.params(mode="cgroup_freeze"), Target(kind="worker", ids=(victim,)))
+    key = fleet.keys.signal(victim, "engine-frozen")
+    try:
+        await fault.inject(ctx)
+        assert await fault.verify(ctx), fault.describe()
+        assert fault.detail["stopped_pids"][victim] == [fleet.handle(victim).process.pid]
+
+        async def named_hung() -> Signal | None:
+            kv = await fleet.store.get(key)
+            sig = Signal.from_json(kv.value) if kv is not None else None
+            return sig if sig is not None and sig.severity is Severity.FATAL else None
+
+        sig = await wait_until(named_hung, timeout=30, message="the agent names the frozen engine")
+        assert sig.extra.get("hang") is True and "not scheduled" in sig.reason, sig
+    finally:
+        await fault.recover(ctx)
+    assert await fault.verify_recovered(ctx), fault.describe()
+    assert not leftover_groups(fault), "the freezer cgroup is gone"
+    await fleet_serves(fleet, "cgroup freeze")
 
 
 async def test_a_crash_loop_fails_every_start_until_recovered(fleet: TestFleet, ctx: FleetContext) -> None:
