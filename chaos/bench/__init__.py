@@ -102,6 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--vllm", action="store_true", help="also measure detection on real vLLM (the tiny model, CPU)")
     d.add_argument("--vllm-trials", dest="vllm_trials", type=int, default=2,
                    help="trials per fault type on vLLM (default 2; each costs a ~40 s restart)")
+    d.add_argument("--faults", type=_names, default=(),
+                   help="latency: only these fault cases, e.g. cgroup-freeze,cgroup-freeze-idle (default: all)")
     d.add_argument("--soak-s", dest="soak_s", type=float, default=600.0, help="soak length in seconds (default 600)")
     d.add_argument("--load", type=float, default=0.9, help="soak arrival rate as a share of capacity (default 0.9)")
     d.add_argument("--calib-s", dest="calib_s", type=float, default=30.0,
@@ -169,7 +171,7 @@ def main(argv: Sequence[str]) -> int:
                            cpu_workers=(5, 20) if q else args.workers, cpu_window_s=3.0 if q else args.cpu_window_s,
                            cpu_settle_s=1.0 if q else None, cpu_routers=1 if q else args.routers,
                            profile=args.profile, profile_s=3.0 if q else 20.0, plots=args.plots, etcd=args.etcd,
-                           mqtt=args.mqtt)
+                           mqtt=args.mqtt, faults=args.faults)
         res = asyncio.run(run_detect_bench(dcfg))
     elif args.bench == "pd":
         from fleetward.chaos.bench._pd import PdBench, run_pd_bench

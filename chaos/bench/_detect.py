@@ -51,6 +51,7 @@ class DetectBench:
     vllm: bool = False
     vllm_trials: int = 2
     vllm_streams: int = 4
+    faults: tuple[str, ...] = ()  # latency: only these fault cases (default: every case of each backend)
     soak_s: float = 600.0
     calib_s: float = 30.0
     calib_warmup_s: float = 10.0

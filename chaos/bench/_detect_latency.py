@@ -8,7 +8,11 @@ streams) fails:
 - ``crash``: SIGKILL of the worker's whole process tree;
 - ``engine-kill`` (vLLM): SIGKILL of ``VLLM::EngineCore`` only, the API server stays up;
 - ``hang``: the sim's ``hang`` switch (the engine stops, ``/health`` stays 200); on vLLM, SIGSTOP of
-  EngineCore (``engine-hang``).
+  EngineCore (``engine-hang``);
+- ``cgroup-freeze``: ``process.hang`` with ``mode: cgroup_freeze``, the engine processes frozen by the cgroup
+  freezer, a stop without a signal (vLLM: EngineCore and its Worker, ``/health`` stays 200; sim: its one
+  process); ``cgroup-freeze-idle``: the same on a worker with no work at all (no streams run in that trial).
+  The fault is recovered (thawed) once the verdict is in, so that the supervisor's restart can complete.
 
 The verdict is the first ``health.changed`` event with ``state: unhealthy`` for the victim. Clocks: the
 injection is stamped with this process's ``time.time()`` and ``time.monotonic()`` right before the
@@ -34,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import random
 import signal
 import statistics
@@ -56,6 +61,8 @@ from fleetward.chaos.bench._detect import (
     lead_controller,
     stats_ms,
 )
+from fleetward.chaos.fault import CATALOGUE, Target
+from fleetward.chaos.faults.process import FreezerGroup, HangWorker
 from fleetward.chaos.harness import TestFleet
 from fleetward.fleet.backends import Backend, SimBackend, VllmBackend
 from fleetward.fleet.config import RouterConfig, SupervisorConfig, VllmConfig
@@ -68,8 +75,9 @@ __all__ = ["plot", "run", "section", "summarize"]
 LATENCY_SUPERVISOR = SupervisorConfig(restart_budget=1000, backoff_initial_s=0.1, backoff_max_s=1.0)
 VLLM_SUPERVISOR = SupervisorConfig(restart_budget=1000, backoff_initial_s=0.1, backoff_max_s=1.0,
                                    canary_timeout_s=5.0)  # as tests/vllm: a CPU canary can wait behind a batch
-FAULTS = ("crash", "engine-kill", "hang", "engine-hang")
-HANGS = ("hang", "engine-hang")
+FAULTS = ("crash", "engine-kill", "hang", "engine-hang", "cgroup-freeze", "cgroup-freeze-idle")
+HANGS = ("hang", "engine-hang", "cgroup-freeze")
+FREEZES = ("cgroup-freeze", "cgroup-freeze-idle")
 VERDICT_TIMEOUT_S = 30.0
 
 
@@ -100,16 +108,20 @@ def _tiny_vllm() -> Backend:
 
 
 def _plans(cfg: DetectBench) -> list[_Plan]:
-    plans = [_Plan(lambda: SimBackend(SIM), workers=3, what="simulated", node="node", faults=("crash", "hang"),
+    freezes = FREEZES if FreezerGroup.unavailable_reason() is None else ()
+    plans = [_Plan(lambda: SimBackend(SIM), workers=3, what="simulated", node="node",
+                   faults=("crash", "hang", *freezes),
                    trials=cfg.sim_trials, streams=cfg.streams, max_tokens=cfg.max_tokens, prompt_len=cfg.prompt_len,
                    fault_after_s=cfg.fault_after_s, load_after_fault_s=6.0, supervisor=LATENCY_SUPERVISOR,
                    ready_timeout_s=90)]
     if cfg.vllm:
         plans.append(_Plan(_tiny_vllm, workers=2, what="vLLM", node="cpu",
-                           faults=("crash", "engine-kill", "engine-hang"), trials=cfg.vllm_trials,
+                           faults=("crash", "engine-kill", "engine-hang", *freezes), trials=cfg.vllm_trials,
                            streams=cfg.vllm_streams, max_tokens=1000, prompt_len=64, fault_after_s=4.0,
                            load_after_fault_s=12.0, supervisor=VLLM_SUPERVISOR, ready_timeout_s=300))
-    return plans
+    if cfg.faults:
+        plans = [dataclasses.replace(p, faults=tuple(f for f in p.faults if f in cfg.faults)) for p in plans]
+    return [p for p in plans if p.faults]
 
 
 def section() -> dict[str, Any]:
@@ -165,7 +177,14 @@ def _first_miss(samples: list[_Sample], injected: float, until: float) -> dict[s
             "rtt_ms": (best.t1 - best.t0) * 1000.0}
 
 
-async def _inject(fleet: TestFleet, worker: str, fault: str) -> None:
+async def _inject(fleet: TestFleet, worker: str, fault: str) -> HangWorker | None:
+    """Inject ``fault`` into ``worker``; a fault object that must be recovered once the verdict is in."""
+    if fault in FREEZES:
+        spec = CATALOGUE["process.hang"]
+        hang = spec.factory(spec.params(mode="cgroup_freeze"), Target(kind="worker", ids=(worker,)))
+        assert isinstance(hang, HangWorker)
+        await hang.inject(fleet.fault_context())
+        return hang
     if fault == "crash":
         fleet.kill(worker)
     elif fault == "hang":
@@ -179,6 +198,7 @@ async def _inject(fleet: TestFleet, worker: str, fault: str) -> None:
         fleet.signal_engine(worker, signal.SIGSTOP)
     else:
         raise ValueError(fault)
+    return None
 
 
 async def _trial(fleet: TestFleet, router_url: str, events: Events, plan: _Plan, fault: str,
@@ -186,15 +206,18 @@ async def _trial(fleet: TestFleet, router_url: str, events: Events, plan: _Plan,
     body = {"model": fleet.backend.model_name, "max_tokens": plan.max_tokens, "ignore_eos": True,
             "return_token_ids": True, "temperature": 0}
     lead = 1.0
+    idle = fault.endswith("-idle")  # no streams at all: only what the supervisor sends finds the fault
     spec = {"urls": [router_url], "body": body, "prompt_len": plan.prompt_len, "streams": plan.streams,
             "warmup_s": 0.0, "duration_s": plan.fault_after_s + plan.load_after_fault_s, "seed": seed,
             "sock_read_s": 120}
-    load = asyncio.create_task(client_load(spec, lead_s=lead))
+    load = None if idle else asyncio.create_task(client_load(spec, lead_s=lead))
     await asyncio.sleep(lead + plan.fault_after_s)
     async with httpx.AsyncClient(timeout=5, trust_env=False) as client:
         view = (await client.get(router_url + "/fleetward/v1/progress")).json()["workers"]
     in_flight = {w: int((view.get(w) or {}).get("in_flight", 0)) for w in fleet.worker_ids}
     victim = max(fleet.worker_ids, key=lambda w: (in_flight[w], w))
+    if idle:
+        victim = fleet.worker_ids[seed % len(fleet.worker_ids)]
     pid = worker_pid(fleet, victim)
     samples: list[_Sample] = []
     hang = fault in HANGS
@@ -202,15 +225,19 @@ async def _trial(fleet: TestFleet, router_url: str, events: Events, plan: _Plan,
     if poller is not None:
         await asyncio.sleep(0.1)
     t_mono, t_wall = time.monotonic(), time.time()
-    await _inject(fleet, victim, fault)
+    injected = await _inject(fleet, victim, fault)
     injected_in = time.monotonic() - t_mono
-    verdict = await events.wait(is_verdict(victim), t_mono, VERDICT_TIMEOUT_S)
+    try:
+        verdict = await events.wait(is_verdict(victim), t_mono, VERDICT_TIMEOUT_S)
+    finally:
+        if injected is not None:  # thawed: the supervisor's restart kills what was frozen
+            await injected.recover(fleet.fault_context())
     if poller is not None:
         await asyncio.sleep(0.05)
         poller.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await poller
-    result = await load
+    result = await load if load is not None else {"requests_ok": 0, "requests_failed": 0, "errors": {}}
     out: dict[str, Any] = {"backend": fleet.backend.name, "fault": fault, "victim": victim, "victim_pid": pid,
                            "victim_in_flight": in_flight[victim], "injected_wall": t_wall,
                            "inject_call_ms": injected_in * 1000.0, "verdict": None,
