@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
@@ -207,7 +208,10 @@ def prefix_end(prefix: bytes) -> bytes:
 _OPS = {"==": rpc.Compare.EQUAL, "!=": rpc.Compare.NOT_EQUAL, "<": rpc.Compare.LESS, ">": rpc.Compare.GREATER}
 
 
+@functools.lru_cache(maxsize=8192)
 def _compare_msg(c: Compare) -> Any:
+    """The message of a compare (cached: a writer that keeps ownership of its keys, like the checkpointer,
+    sends the same compares flush after flush; a message is copied into each request, never changed)."""
     msg = rpc.Compare(key=c.key.encode(), result=_OPS[c.op])
     if c.target == "value":
         msg.target = rpc.Compare.VALUE

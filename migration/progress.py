@@ -19,8 +19,8 @@ the supervisor's stream-progress detector reads.
 
 from __future__ import annotations
 
-import bisect
 import collections
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,27 +42,43 @@ class WorkerProgress:
 
 
 class _Window:
-    """A sliding window of the last ``size`` samples with cheap percentiles."""
+    """A sliding window of the last ``size`` samples with cheap percentiles.
 
-    def __init__(self, size: int) -> None:
-        self._fifo: collections.deque[float] = collections.deque()
-        self._sorted: list[float] = []
+    Samples are kept as log-spaced buckets (each ``ratio`` wide, from ``low`` up), so adding one is a
+    logarithm and two counter updates, not a sorted insert; a quantile is the upper bound of its bucket,
+    at most ``ratio`` above the exact value (the allowance it feeds is a multiple of it anyway).
+    """
+
+    def __init__(self, size: int, *, low: float = 1e-5, ratio: float = 1.05, buckets: int = 512) -> None:
+        self._fifo: collections.deque[int] = collections.deque()
+        self._counts = [0] * buckets
         self._size = size
+        self._low = low
+        self._ratio = ratio
+        self._scale = 1 / math.log(ratio)
+        self._last = buckets - 1
 
     def add(self, x: float) -> None:
-        self._fifo.append(x)
-        bisect.insort(self._sorted, x)
+        b = 0 if x <= self._low else min(self._last, 1 + int(math.log(x / self._low) * self._scale))
+        self._fifo.append(b)
+        self._counts[b] += 1
         if len(self._fifo) > self._size:
-            old = self._fifo.popleft()
-            del self._sorted[bisect.bisect_left(self._sorted, old)]
+            self._counts[self._fifo.popleft()] -= 1
 
     def quantile(self, q: float) -> float | None:
-        if not self._sorted:
+        n = len(self._fifo)
+        if not n:
             return None
-        return self._sorted[min(len(self._sorted) - 1, int(q * len(self._sorted)))]
+        want = min(n - 1, int(q * n)) + 1  # the rank of the sample asked for, counted from 1
+        seen = 0
+        for b, c in enumerate(self._counts):
+            seen += c
+            if seen >= want:
+                return self._low * self._ratio ** b
+        return None  # not reached: the counts add up to n
 
     def __len__(self) -> int:
-        return len(self._sorted)
+        return len(self._fifo)
 
 
 class ProgressModel:

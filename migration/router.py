@@ -466,6 +466,14 @@ class Router:
 
         Raises :class:`RouterError` when the request cannot be served (before the first yield: the HTTP
         status to answer; after: the reason for the in-band error).
+        """
+        async for batch in self.batches(j):
+            for item in batch:
+                yield item
+
+    async def batches(self, j: Journal) -> AsyncGenerator[list[Out | None], None]:
+        """:meth:`generate`, with everything that is ready at once in one list: what the upstream reader
+        produced while the client's side was busy. The client's side writes one list as one socket write.
 
         Upstream reading runs in its own task and never waits for the client: a slow client must not make
         a healthy worker look silent (backpressure would stop the reads), and what the worker produced is
@@ -484,11 +492,21 @@ class Router:
         try:
             while True:
                 item = await queue.get()
+                batch: list[Out | None] = []
+                while True:
+                    if item is StopAsyncIteration or isinstance(item, BaseException):
+                        break
+                    batch.append(item)  # type: ignore[arg-type]
+                    if queue.empty():
+                        item = None
+                        break
+                    item = queue.get_nowait()
+                if batch:
+                    yield batch
                 if item is StopAsyncIteration:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                yield item  # type: ignore[misc]
         finally:
             producer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -785,42 +803,47 @@ class Router:
             first_sent = True
         to_skip = max(0, skip - n)  # the client has tokens the checkpoint lacks: regenerate, don't resend
         encoder = wire.StreamEncoder(j)
-        gen = self.generate(j)
+        gen = self.batches(j)
         # What the client holds so far. Ids come from each chunk's own count (``Out.n``), never from the
         # journal, which the upstream reader may already have advanced past what this event carries.
         delivered = max(skip, n)
         first_at, first_n = 0.0, -1  # when and at which count this stream's first token went out
         try:
-            async for out in gen:
-                if out is None:
-                    if not first_sent and j.kind is Kind.CHAT:
-                        # vLLM opens a chat stream with the assistant role before any token.
-                        yield wire.event(wire.stream_chunk(j, tokens=[], text="", finish_reason=None,
-                                                           stop_reason=None, first=True), f"{j.id}:{delivered}")
-                        first_sent = True
-                    elif not first_sent:
-                        yield b": opened\n\n"
-                    continue
-                tokens, text = out.tokens, out.text
-                if to_skip:
-                    dropped = min(to_skip, len(tokens))
-                    to_skip -= dropped
-                    tokens = tokens[dropped:]
-                    if dropped:  # the client has these tokens' text too: only what the rest add is new
-                        ends = j.text_ends
-                        text = j.text[ends[out.n - len(tokens) - 1]:ends[out.n - 1]] if tokens else ""
-                    if not tokens and out.finish_reason is None:
+            async for batch in gen:
+                parts: list[bytes] = []  # the batch's events, written to the client at once
+                for out in batch:
+                    if out is None:
+                        if not first_sent and j.kind is Kind.CHAT:
+                            # vLLM opens a chat stream with the assistant role before any token.
+                            parts.append(wire.event(wire.stream_chunk(j, tokens=[], text="", finish_reason=None,
+                                                                      stop_reason=None, first=True),
+                                                    f"{j.id}:{delivered}"))
+                            first_sent = True
+                        elif not first_sent:
+                            parts.append(b": opened\n\n")
                         continue
-                if first_n < 0 and tokens:  # this stream's first tokens (chat or completion)
-                    first_at, first_n = self.clock.monotonic(), out.n
-                    if out.n == len(tokens):  # and the request's first: not a resume's
-                        self.metrics.ttft.observe(first_at - started)
-                extra = {"fleetward": {"worker": out.worker, "attempt": out.attempt}} if trace else None
-                yield encoder.event(out.n, tokens=tokens, text=text, finish_reason=out.finish_reason,
-                                    stop_reason=out.stop_reason, logprobs=out.logprobs, first=not first_sent,
-                                    extra=extra)
-                delivered = out.n
-                first_sent = True
+                    tokens, text = out.tokens, out.text
+                    if to_skip:
+                        dropped = min(to_skip, len(tokens))
+                        to_skip -= dropped
+                        tokens = tokens[dropped:]
+                        if dropped:  # the client has these tokens' text too: only what the rest add is new
+                            ends = j.text_ends
+                            text = j.text[ends[out.n - len(tokens) - 1]:ends[out.n - 1]] if tokens else ""
+                        if not tokens and out.finish_reason is None:
+                            continue
+                    if first_n < 0 and tokens:  # this stream's first tokens (chat or completion)
+                        first_at, first_n = self.clock.monotonic(), out.n
+                        if out.n == len(tokens):  # and the request's first: not a resume's
+                            self.metrics.ttft.observe(first_at - started)
+                    extra = {"fleetward": {"worker": out.worker, "attempt": out.attempt}} if trace else None
+                    parts.append(encoder.event(out.n, tokens=tokens, text=text, finish_reason=out.finish_reason,
+                                               stop_reason=out.stop_reason, logprobs=out.logprobs,
+                                               first=not first_sent, extra=extra))
+                    delivered = out.n
+                    first_sent = True
+                if parts:
+                    yield parts[0] if len(parts) == 1 else b"".join(parts)
         except RouterError as exc:
             if not first_sent:
                 raise
