@@ -4,6 +4,7 @@ library's vLLM experiment."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -12,8 +13,10 @@ import yaml
 from fleetward.chaos import faults
 from fleetward.chaos.experiment import validate_experiment
 from fleetward.chaos.fault import CATALOGUE, Target
+from fleetward.chaos.faults.process import FreezerGroup
 from fleetward.chaos.harness import TestFleet
 from fleetward.chaos.runner import Runner, RunOptions
+from fleetward.supervisor.signals import Severity, Signal
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 assert faults.process  # importing the package fills the catalogue
@@ -34,6 +37,35 @@ async def test_a_silent_hang_stops_the_engine_while_health_stays_200_and_sigcont
         assert await fault.verify(ctx), fault.describe()
         stopped = fault.detail["stopped_pids"][worker]
         assert api_server not in stopped, "the API server itself keeps running"
+    finally:
+        await fault.recover(ctx)
+    assert await fault.verify_recovered(ctx), fault.describe()
+
+
+async def test_an_engine_frozen_by_the_cgroup_freezer_keeps_health_200_and_its_agent_names_the_hang(
+        vllm_fleet: TestFleet, wait_until: Any) -> None:
+    reason = FreezerGroup.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    ctx = vllm_fleet.fault_context()
+    worker = vllm_fleet.worker_ids[0]
+    api_server = vllm_fleet.handle(worker).process.pid  # read before the supervisor restarts the worker
+    key = vllm_fleet.keys.signal(worker, "engine-frozen")
+    spec = CATALOGUE["process.hang"]
+    fault = spec.factory(spec.params(mode="cgroup_freeze", recover_timeout_s=240),
+                         Target(kind="worker", ids=(worker,)))
+
+    async def named_hung() -> Signal | None:
+        kv = await vllm_fleet.store.get(key)
+        sig = Signal.from_json(kv.value) if kv is not None else None
+        return sig if sig is not None and sig.severity is Severity.FATAL and "not scheduled" in sig.reason else None
+
+    try:
+        await fault.inject(ctx)
+        assert await fault.verify(ctx), fault.describe()  # frozen, and /health still 200
+        assert api_server not in fault.detail["stopped_pids"][worker], "the API server itself keeps running"
+        sig = await wait_until(named_hung, timeout=60, message="the agent names the frozen engine")
+        assert sig.extra.get("hang") is True
     finally:
         await fault.recover(ctx)
     assert await fault.verify_recovered(ctx), fault.describe()
