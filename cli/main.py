@@ -143,6 +143,8 @@ def _parser() -> argparse.ArgumentParser:
     rt.add_argument("--migration-limit", dest="migration_limit", type=int)
     rt.add_argument("--no-checkpoints", dest="checkpoints", action="store_false", default=None,
                     help="do not checkpoint to etcd (only to measure what checkpoints cost)")
+    rt.add_argument("--processes", type=int, help="router processes on the one port (default: routing.processes, 1)")
+    rt.add_argument("--reuse-port", dest="reuse_port", action="store_true", help=argparse.SUPPRESS)
 
     sup = sub.add_parser("supervisor", help="run supervisor parts alone (for multi-host fleets)")
     sup.add_argument("--role", choices=["agent", "controller"], required=True,
@@ -454,7 +456,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
     from fleetward.migration.server import serve_router
 
     base = load_fleet_config(args.config) if args.config else FleetConfig()
-    updates = {k: getattr(args, k) for k in ("host", "port", "migration_limit", "checkpoints")
+    updates = {k: getattr(args, k) for k in ("host", "port", "migration_limit", "checkpoints", "processes")
                if getattr(args, k, None) is not None}
     try:
         config = RouterConfig.model_validate({**base.routing.model_dump(), **updates})
@@ -469,9 +471,26 @@ def _cmd_router(args: argparse.Namespace) -> int:
     def ready(router: Any) -> None:
         print(f"READY {router.id} {router.url}", flush=True)
 
+    if config.processes > 1 and not args.reuse_port:
+        from fleetward.fleet.launch import fleetward_argv
+        from fleetward.migration.server import serve_router_group
+
+        def child(rid: str, port: int) -> list[str]:
+            return fleetward_argv(
+                "--log-level", args.log_level, "router", "--etcd", etcd, "--mqtt", mqtt, "--cluster", cluster,
+                *(["--config", str(args.config)] if args.config else []), "--host", config.host, "--port", str(port),
+                *(["--migration-limit", str(args.migration_limit)] if args.migration_limit is not None else []),
+                *(["--no-checkpoints"] if args.checkpoints is False else []),
+                "--id", rid, "--processes", "1", "--reuse-port")
+
+        def group_ready(base: str, url: str) -> None:
+            print(f"READY {base} {url}", flush=True)
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(serve_router_group(config, child, router_id=args.router_id, on_ready=group_ready))
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(serve_router(config, etcd=etcd, mqtt=mqtt, cluster=cluster, router_id=args.router_id,
-                                on_ready=ready))
+                                on_ready=ready, reuse_port=args.reuse_port))
     return 0
 
 

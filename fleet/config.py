@@ -126,6 +126,8 @@ class RouterConfig(Frozen):
     request_timeout_s: float = Field(600.0, gt=0, description="a request's deadline, migrations included")
     checkpoints: bool = Field(True, description="checkpoint journals to etcd (off only to measure their cost)")
     checkpoint_interval_ms: float = Field(75.0, gt=0, description="one etcd transaction per interval")
+    processes: int = Field(1, ge=1, le=64, description="router processes on the one port (SO_REUSEPORT; each one "
+                           "event loop, one core at most; they share state through etcd as replicas do)")
     checkpoint_incremental: bool = Field(True, description="after a request's first checkpoint, write only the "
                                          "tokens since the last flush (false: the whole journal every flush, as "
                                          "before; kept to measure the difference)")

@@ -171,14 +171,16 @@ class _Metrics:
 
 class Router:
     def __init__(self, config: RouterConfig, *, store: StateStore, bus: EventBus, keys: Keys,
-                 router_id: str | None = None, url: str = "", clock: Clock = SYSTEM_CLOCK,
+                 router_id: str | None = None, url: str = "", public_url: str | None = None,
+                 clock: Clock = SYSTEM_CLOCK,
                  policy: RoutingPolicy | None = None) -> None:
         self.config = config
         self.store = store
         self.bus = bus
         self.keys = keys
         self.id = router_id or f"router-{uuid.uuid4().hex[:8]}"
-        self.url = url
+        self.url = url  # this process's own address (registered: metrics, stream progress)
+        self.public_url = public_url or url  # where clients reach it (shared by the processes of a group)
         self.clock = clock
         self.policy = policy or make_policy(config.policy, slack=config.affinity_slack)
         self.view = FleetView(store, keys, on_change=self._on_fleet_change)
@@ -237,7 +239,8 @@ class Router:
 
     async def _register(self) -> None:
         self._lease = await LeaseKeeper(self.store, self.config.lease_ttl_s, clock=self.clock).start()
-        info = {"id": self.id, "url": self.url, "started_at": self._started_at, "pid": os.getpid(),
+        info = {"id": self.id, "url": self.url, "public_url": self.public_url, "started_at": self._started_at,
+                "pid": os.getpid(),
                 "checkpoint_lease": self.checkpointer.lease.id if self.checkpointer.lease is not None else None}
         await self.store.put(self.keys.router(self.id), orjson.dumps(info), lease=self._lease.id)
 

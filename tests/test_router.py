@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -11,6 +13,7 @@ from typing import Any
 
 import httpx
 import orjson
+import psutil
 import pytest
 import pytest_asyncio
 
@@ -483,3 +486,68 @@ async def test_a_dead_routers_streams_are_cancelled_on_the_workers_and_its_check
             await wait_until(expired, timeout=20, message="the orphaned checkpoint expires with its lease")
     finally:
         await healthy.stop_router(doomed)
+
+
+async def test_a_router_group_serves_one_port_from_several_processes(healthy: TestFleet, wait_until: Any) -> None:
+    """``routing.processes: 2``: two routers on one port (SO_REUSEPORT), each registered with an address of its
+    own; streams through the port are exact, a client resumes on whichever process takes its connection,
+    a killed process is started again, and stopping the group leaves no process behind."""
+    group = await healthy.start_router("r-group", processes=2)
+    try:
+        async def members() -> dict[str, dict[str, Any]]:
+            snap = await healthy.store.get_prefix(healthy.keys.routers)
+            found = {kv.key.rpartition("/")[2]: orjson.loads(kv.value) for kv in snap.items}
+            return {rid: info for rid, info in found.items() if rid.startswith("r-group-")}
+
+        await wait_until(lambda: _count(members, 2), timeout=30, message="both processes registered")
+        first = await members()
+        assert {info["public_url"] for info in first.values()} == {group.url}
+        assert len({info["url"] for info in first.values()} | {group.url}) == 3, "each has its own address too"
+
+        prompts = [encode(f"group {i}: ") for i in range(8)]
+        results = await asyncio.gather(*(stream_tokens(group.url, {"model": "sim-tiny", "prompt": p, "max_tokens": 40})
+                                          for p in prompts))
+        assert [r[0] for r in results] == [reference(p, 40) for p in prompts]
+
+        # A client that drops its connection and resumes: whichever process takes the new connection.
+        prompt = encode("resume in the group: ")
+        body = {"model": "sim-tiny", "prompt": prompt, "max_tokens": 200, "stream": True, "return_token_ids": True}
+        got: list[int] = []
+        last_id = ""
+        async with httpx.AsyncClient(timeout=30) as client, client.stream(
+                "POST", group.url + "/v1/completions", json=body) as r:
+            async for line in sse_lines(r.aiter_bytes()):
+                if line.startswith("id: "):
+                    last_id = line[4:]
+                if line.startswith("data: {"):
+                    got.extend(orjson.loads(line[6:])["choices"][0]["token_ids"])
+                    if len(got) >= 30:
+                        break
+        rid = last_id.rpartition(":")[0]
+        await wait_until(lambda: _checkpointed(healthy, rid, len(got)), timeout=15)
+        rest, _, _ = await stream_tokens(group.url, body, headers={"Last-Event-ID": last_id})
+        assert got + rest == reference(prompt, 200)
+
+        victim = next(iter(first))
+        os.kill(first[victim]["pid"], signal.SIGKILL)
+
+        async def restarted() -> bool:
+            now = (await members()).get(victim)
+            return now is not None and now["pid"] != first[victim]["pid"]
+
+        await wait_until(restarted, timeout=60, message="the killed process was started again")
+        tokens, _, _ = await stream_tokens(group.url, {"model": "sim-tiny", "prompt": prompts[0], "max_tokens": 40})
+        assert tokens == reference(prompts[0], 40)
+        pids = [info["pid"] for info in (await members()).values()]
+    finally:
+        await healthy.stop_router(group)
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+async def _count(members: Any, n: int) -> bool:
+    return len(await members()) == n
+
+
+async def _checkpointed(fleet: TestFleet, rid: str, n: int) -> bool:
+    found = await read_checkpoint(fleet.store, fleet.keys, rid)
+    return found is not None and len(found[0].emitted) >= n
