@@ -113,10 +113,14 @@ def test_bench_detect_reports_latency_false_positives_and_controller_cpu(tmp_pat
                                                                          broker_endpoint: str) -> None:
     data = bench("detect", tmp_path, etcd_endpoint, broker_endpoint)
     trials = data["latency"]["trials"]
-    assert [(t["backend"], t["fault"]) for t in trials] == [("sim", "crash"), ("sim", "hang")]
+    from fleetward.chaos.faults.process import FreezerGroup
+
+    freezes = ("cgroup-freeze", "cgroup-freeze-idle") if FreezerGroup.unavailable_reason() is None else ()
+    faults = ("crash", "hang", *freezes)  # the freezer cases where this machine can freeze (root, a freezer)
+    assert [(t["backend"], t["fault"]) for t in trials] == [("sim", f) for f in faults]
     for trial in trials:
         assert {"victim", "injected_wall", "verdict", "requests_failed"} <= set(trial)
-    for key in ("sim/crash", "sim/hang"):
+    for key in (f"sim/{f}" for f in faults):
         s = data["latency"]["summary"][key]
         assert {"p50_ms", "p99_ms", "max_ms"} <= set(s["verdict"])
         assert {"p50_ms", "p99_ms"} <= set(s["observed"])
