@@ -62,13 +62,17 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--streams", type=_ints, default=(1, 64, 256), help="concurrencies (default 1,64,256)")
     r.add_argument("--targets", type=_names, default=("direct", "fleetward", "fleetward-worker-text", "vllm-router"),
                    help="direct, fleetward, fleetward-worker-text (the router passes workers' text on: the "
-                   "difference is what detokenizing costs), vllm-router, fleetward-no-checkpoints")
+                   "difference is what detokenizing costs), vllm-router, fleetward-no-checkpoints, fleetward-2proc "
+                   "(two router processes on one port), fleetward-baseline (with --baseline)")
     r.add_argument("--rounds", type=int, default=3, help="interleaved rounds per concurrency (default 3)")
     r.add_argument("--duration", type=float, default=8.0, help="measured seconds per run (default 8)")
     r.add_argument("--warmup", type=float, default=2.0, help="seconds before measuring (default 2)")
     r.add_argument("--max-tokens", dest="max_tokens", type=int, default=128)
     r.add_argument("--client-procs", dest="client_procs", type=int, default=1,
                    help="client processes sharing the streams (default 1)")
+    r.add_argument("--baseline", type=Path, default=None,
+                   help="a folder holding another fleetward checkout as fleetward/ (git worktree add DIR/fleetward "
+                   "COMMIT): its router runs as target fleetward-baseline, for a before/after in one run")
 
     m = sub.add_parser("migration", help="client-visible stall when a worker is killed (or hangs) under load")
     common(m)
@@ -139,7 +143,7 @@ def main(argv: Sequence[str]) -> int:
                           targets=args.targets, rounds=1 if args.quick else args.rounds,
                           warmup_s=0.5 if args.quick else args.warmup, duration_s=1.0 if args.quick else args.duration,
                           max_tokens=16 if args.quick else args.max_tokens, client_procs=args.client_procs,
-                          plots=args.plots, etcd=args.etcd, mqtt=args.mqtt)
+                          plots=args.plots, etcd=args.etcd, mqtt=args.mqtt, baseline=args.baseline)
         res = asyncio.run(run_router_bench(cfg))
     elif args.bench == "migration":
         from fleetward.chaos.bench._migration import MigrationBench, run_migration_bench

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from fleetward.chaos.bench._common import (
     BenchError,
@@ -38,6 +39,7 @@ from fleetward.chaos.bench._common import (
 from fleetward.chaos.harness import TestFleet
 from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.config import RouterConfig, SimConfig
+from fleetward.fleet.launch import router_argv, service_env, start_service, write_service_config
 from fleetward.fleet.procs import ManagedProcess, free_port
 
 __all__ = ["SIM", "RouterBench", "run_router_bench"]
@@ -46,8 +48,12 @@ TARGETS = ("direct", "fleetward", "fleetward-worker-text", "vllm-router")
 # fleetward-worker-text: the router passes the workers' text on instead of detokenizing (its cost is the
 # difference). Also available: fleetward's router without checkpoints, to tell the proxy's cost from the
 # checkpoints'.
-OPTIONAL_TARGETS = ("fleetward-no-checkpoints",)
-_VARIANTS = {"fleetward-worker-text": {"detokenize": False}, "fleetward-no-checkpoints": {"checkpoints": False}}
+# fleetward-2proc: a router group of two processes on one port (routing.processes: 2).
+# fleetward-baseline: the router of another checkout (``RouterBench.baseline``), for a before/after.
+OPTIONAL_TARGETS = ("fleetward-no-checkpoints", "fleetward-2proc", "fleetward-baseline")
+_VARIANTS: dict[str, dict[str, Any]] = {"fleetward-worker-text": {"detokenize": False},
+                                        "fleetward-no-checkpoints": {"checkpoints": False},
+                                        "fleetward-2proc": {"processes": 2}}
 
 # Fast steps: the workers are cheap and the routers' per-token cost shows. At 256 streams (128 per
 # worker) a step is 10 + 128 * 0.02 = 12.6 ms, i.e. ~20k tokens/s offered: more than 2 cores carry.
@@ -67,6 +73,7 @@ class RouterBench:
     prompt_len: int = 32
     client_procs: int = 1
     plots: bool = True
+    baseline: Path | None = None
     etcd: str | None = None
     mqtt: str | None = None
 
@@ -103,6 +110,10 @@ async def run_router_bench(cfg: RouterBench) -> Results:
         raise BenchError(f"unknown target(s) {sorted(unknown)}; choose from {', '.join(TARGETS + OPTIONAL_TARGETS)}")
     if "direct" not in cfg.targets:
         raise BenchError("--targets must include direct: every ratio is against it")
+    if ("fleetward-baseline" in cfg.targets) != (cfg.baseline is not None):
+        raise BenchError("target fleetward-baseline and --baseline go together")
+    if cfg.baseline is not None and not (cfg.baseline / "fleetward" / "migration" / "router.py").exists():
+        raise BenchError(f"--baseline {cfg.baseline}: no fleetward checkout in {cfg.baseline / 'fleetward'}")
     res = Results("router", cfg.out, {"config": {**cfg.__dict__, "out": str(cfg.out)}, "sim": SIM.model_dump(),
                                      "runs": []})
     run_dir = cfg.out / "run-router"
@@ -129,7 +140,22 @@ async def run_router_bench(cfg: RouterBench) -> Results:
             if target in cfg.targets:
                 variant = await fleet.start_router(f"bench-{target}", **overrides)
                 urls[target] = [variant.url]
-                pids[target] = {**base_pids, "router": [variant.process.pid]}
+                # A group's parent only waits: its children (ready once it is) do the work.
+                group = [p.pid for p in psutil.Process(variant.process.pid).children()]
+                pids[target] = {**base_pids, "router": [variant.process.pid, *group]}
+        if cfg.baseline is not None:
+            # The other checkout's router: its code first on the path; a config file with only the cluster
+            # (an older RouterConfig may not know today's fields).
+            rid, port = "bench-fleetward-baseline", free_port()
+            etcd, mqtt = fleet.etcd_endpoints[0], fleet.mqtt
+            conf = write_service_config(fleet.run_dir / f"{rid}.yaml", cluster=fleet.cluster)
+            base = await start_service(rid, router_argv(etcd=etcd, mqtt=mqtt, cluster=fleet.cluster, config=conf,
+                                                        port=port, router_id=rid),
+                                       url=f"http://127.0.0.1:{port}", log_path=fleet.log_dir / f"{rid}.log",
+                                       env={**service_env(), "PYTHONPATH": str(cfg.baseline.resolve())})
+            stack.push_async_callback(lambda: base.process.stop(grace=10))
+            urls["fleetward-baseline"] = [base.url]
+            pids["fleetward-baseline"] = {**base_pids, "router": [base.process.pid]}
         if "vllm-router" in cfg.targets:
             vr_url, vr_proc = await stack.enter_async_context(vllm_router(worker_urls, fleet.log_dir))
             urls["vllm-router"] = [vr_url]
