@@ -78,7 +78,7 @@ async def run_checkpoint_bench(cfg: CheckpointBench) -> Results:
     async with Infra(run_dir, cfg.etcd, cfg.mqtt).up() as infra:
         assert infra.etcd and infra.mqtt
         etcd_metrics = f"http://{infra.etcd}/metrics"
-        console.print("starting 2 simulated workers and two routers (checkpoints on, off)…")
+        console.print("starting 2 simulated workers and three routers (checkpoints incremental, whole, off)…")
         async with TestFleet(etcd=infra.etcd, mqtt=infra.mqtt, cluster=f"bench-cp-{uuid.uuid4().hex[:6]}",
                              run_dir=run_dir, workers=2, backend=SimBackend(SIM), routing=RouterConfig()) as fleet:
             await fleet.wait_workers_routable(2)
