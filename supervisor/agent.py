@@ -426,6 +426,11 @@ class NodeAgent:
         switches = 0
         tree = handle.process.tree()
         engines = [p for p in tree[1:] if _is_engine(p)] or tree[:1]
+        server = None
+        if tree and engines[0] is not tree[0]:  # a server process in front of the engine
+            with contextlib.suppress(psutil.Error), tree[0].oneshot():
+                t = tree[0].cpu_times()
+                server = (t.user + t.system, sum(tree[0].num_ctx_switches()))
         for p in engines:
             try:
                 with p.oneshot():
@@ -438,7 +443,8 @@ class NodeAgent:
         running, read_at = self._running.get(wid, (None, None))
         probe = self._probes.get(wid)
         return EngineSample(tuple(procs), running, switches=switches, running_read_at=read_at,
-                            probe_sent_at=probe[0] if probe is not None and not probe[1].done() else None)
+                            probe_sent_at=probe[0] if probe is not None and not probe[1].done() else None,
+                            server=server)
 
     def _watch_tree_member(self, wid: str, handle: WorkerHandle, pid: int, name: str) -> None:
         """A pidfd on a process of a worker's tree (e.g. vLLM's EngineCore): its exit is seen at once."""

@@ -271,6 +271,9 @@ class EngineSample:
     switches: int | None = None
     running_read_at: float | None = None
     probe_sent_at: float | None = None
+    # The server process in front of the engine (vLLM's API server), when it is another process: its CPU
+    # time and context switches. A probe waits on the engine only once the server ran to hand it on.
+    server: tuple[float, int] | None = None
 
 
 @dataclass
@@ -283,6 +286,8 @@ class _EngineState:
     ran_last: bool = True  # the last look showed the engine ran (or did not measure it)
     fatal: str = ""  # "stopped" or "stall" while the last verdict is fatal
     probe_done_at: float = float("-inf")
+    server: tuple[float, int] | None = None  # the server process's (cpu, switches) at the last look
+    server_ran_at: float = float("-inf")  # the last look that showed the server ran
 
 
 class EngineFrozenDetector:
@@ -293,7 +298,9 @@ class EngineFrozenDetector:
     work runs within milliseconds, however loaded the host, so ``stall_s`` of it with work waiting the whole
     time is not load. Work waits when the worker's metrics (read after the engine last ran) count requests
     running, or when the agent's probe is unanswered: :meth:`probe_due` says when an engine that shows no
-    progress should get one, so an idle engine is checked too, at most every ``probe_interval_s``.
+    progress should get one, so an idle engine is checked too, at most every ``probe_interval_s``. A probe
+    counts once the server in front of the engine (vLLM's API server) has run since it was sent, and from
+    ``stall_s`` later: the server must have had the chance to hand it on.
     """
 
     name = "engine-frozen"
@@ -344,6 +351,10 @@ class EngineFrozenDetector:
 
     def _ran(self, st: _EngineState, cpu: float, sample: EngineSample, now: float) -> bool:
         """Whether the engine ran since the last look; updates when work was first seen waiting since."""
+        if sample.server is not None and sample.server != st.server:
+            if st.server is not None:
+                st.server_ran_at = now
+            st.server = sample.server
         st.ran_last = True
         if sample.switches is None or not sample.processes:
             return True  # not measured: no stall verdict
@@ -355,8 +366,11 @@ class EngineFrozenDetector:
         seen = []
         if sample.running_requests and sample.running_read_at is not None and sample.running_read_at >= st.ran_at:
             seen.append(sample.running_read_at)
-        if sample.probe_sent_at is not None:
-            seen.append(max(sample.probe_sent_at, st.ran_at))
+        if sample.probe_sent_at is not None and (sample.server is None or st.server_ran_at > sample.probe_sent_at):
+            # Counted from when it could have reached the engine, and waited twice as long as requests the
+            # engine itself counts: a server starved of CPU (a loaded host, a start-up) may hold a probe a
+            # while before it hands it on.
+            seen.append(max(sample.probe_sent_at, st.ran_at, st.server_ran_at) + self.stall_s)
         if seen:
             st.work_since = min(seen) if st.work_since is None else min(st.work_since, *seen)
         return False

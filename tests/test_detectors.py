@@ -180,14 +180,38 @@ def test_an_idle_engine_that_shows_no_progress_is_probed_and_a_frozen_one_leaves
     clock.advance(2.0)
     d.observe("w", _engine(1.01, 104))
     assert d.probe_due("w")
-    sent = clock.monotonic()  # now frozen: the probe waits
-    for _ in range(3):
+    sent = clock.monotonic()  # now frozen: the probe waits (twice stall_s: the server may hold it a while)
+    for _ in range(7):
         clock.advance(0.25)
         assert d.observe("w", _engine(1.01, 104, probe_sent_at=sent)) == []
     clock.advance(0.25)
     (sig,) = d.observe("w", _engine(1.01, 104, probe_sent_at=sent))
     assert sig.severity is Severity.FATAL and "probe" in sig.reason
     assert not d.probe_due("w"), "no probes once named"
+
+
+def test_a_probe_waits_on_the_engine_only_once_the_server_in_front_of_it_ran() -> None:
+    """vLLM: the probe goes to the API server, which hands it to EngineCore. A server starved of CPU (a
+    loaded host, a start-up) holds it without the engine being at fault (CI saw that verdict on an idle,
+    healthy prefill server); once the server ran, an engine that stays unscheduled is named."""
+    clock = ManualClock()
+    d = EngineFrozenDetector(clock=clock, stall_s=1.0, probe_interval_s=2.0)
+    d.observe("w", _engine(1.0, 100, server=(5.0, 50)))
+    clock.advance(0.25)
+    d.observe("w", _engine(1.0, 100, server=(5.0, 50)))
+    assert d.probe_due("w")
+    sent = clock.monotonic()
+    for _ in range(20):  # the server does not run: five seconds, no verdict
+        clock.advance(0.25)
+        assert d.observe("w", _engine(1.0, 100, probe_sent_at=sent, server=(5.0, 50))) == []
+    clock.advance(0.25)
+    assert d.observe("w", _engine(1.0, 100, probe_sent_at=sent, server=(5.1, 58))) == [], "it runs now"
+    for _ in range(7):
+        clock.advance(0.25)
+        assert d.observe("w", _engine(1.0, 100, probe_sent_at=sent, server=(5.1, 59))) == []
+    clock.advance(0.25)
+    (sig,) = d.observe("w", _engine(1.0, 100, probe_sent_at=sent, server=(5.1, 60)))
+    assert sig.severity is Severity.FATAL and "probe" in sig.reason
 
 
 def test_golden_outputs_are_learned_by_quorum_and_catch_wrong_tokens() -> None:
