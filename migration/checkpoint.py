@@ -79,6 +79,7 @@ class _Written:
     deltas: int = 0  # deltas attempted since the base (one that timed out may still have been written)
     delta_bytes: int = 0
     seq: int = 0  # the next delta's number: never reused, so a write that failed cannot shadow a later one
+    static: tuple[int, float] | None = None  # the base's prompt ids (identity) and deadline: deltas carry neither
 
 
 @dataclass(slots=True)
@@ -91,6 +92,7 @@ class _Item:
     n: int = 0
     c: int = 0
     size: int = 0
+    static: tuple[int, float] | None = None
 
 
 class Checkpointer:
@@ -176,7 +178,9 @@ class Checkpointer:
         key = self.keys.request(rid)
         compare = Compare(key, "mod", "==", w.mod)
         n, c = len(j.emitted), len(j.text)
-        if self.incremental and w.mod and w.deltas < self.max_deltas and w.delta_bytes < w.base_bytes:
+        static = (id(j.prompt_ids), j.deadline)  # a chat request learns its prompt ids after its first write
+        if self.incremental and w.mod and w.deltas < self.max_deltas and w.delta_bytes < w.base_bytes \
+                and w.static == static:
             value = j.delta_bytes(w.n, w.c)
             w.seq += 1
             w.deltas += 1
@@ -188,7 +192,7 @@ class Checkpointer:
         if w.deltas:
             ops.append(Delete(_deltas_of(key), prefix=True))
             self.compactions += 1
-        return _Item(rid, compare, ops, j, "base", n, c, len(value))
+        return _Item(rid, compare, ops, j, "base", n, c, len(value), static)
 
     async def flush(self) -> None:
         if not self.enabled or self.lease is None:
@@ -270,7 +274,7 @@ class Checkpointer:
             w = self._written.setdefault(rid, _Written())
             w.n, w.c = item.n, item.c
             if item.what == "base":
-                w.mod, w.base_bytes, w.deltas, w.delta_bytes = revision, item.size, 0, 0
+                w.mod, w.base_bytes, w.deltas, w.delta_bytes, w.static = revision, item.size, 0, 0, item.static
             self.keys_written += 1
             if rid not in self.live:  # it finished while this write was on its way: delete it next
                 self._deleting.add(rid)
@@ -289,7 +293,7 @@ class Checkpointer:
         if not result.succeeded:
             return None
         self._written[request_id] = _Written(mod=result.revision, n=len(journal.emitted), c=len(journal.text),
-                                             base_bytes=len(value))
+                                             base_bytes=len(value), static=(id(journal.prompt_ids), journal.deadline))
         self.live[request_id] = journal
         journal.dirty = False
         return journal

@@ -124,3 +124,27 @@ async def test_a_claim_compacts_and_the_old_owner_lets_go(store: EtcdStore, keys
     finally:
         await old.aclose()
         await new.aclose()
+
+
+async def test_a_chat_requests_prompt_ids_learned_after_its_first_write_reach_the_checkpoint(
+        store: EtcdStore, keys: Keys) -> None:
+    """A chat request's base may be written before the worker reported the prompt's ids; deltas do not carry
+    them, so learning them writes a new base (CI on vLLM: a resume on another router found none)."""
+    cp = Checkpointer(store, keys, "r1")
+    await cp.start()
+    try:
+        j = Journal(id="cmpl-fwchatpromptlater", kind=Kind.CHAT,
+                    body={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50})
+        cp.track(j)
+        await cp.flush()
+        j.prompt_ids = [5, 6, 7]
+        j.record([40, 41], "ab", None, None)
+        await cp.flush()
+        j.deadline += 60  # a resume moves the deadline
+        j.record([42], "c", None, None)
+        await cp.flush()
+        found = await read_checkpoint(store, keys, j.id)
+        assert found is not None and state(found[0]) == state(j)
+        assert found[0].prompt_ids == [5, 6, 7] and found[0].resumable() is None
+    finally:
+        await cp.aclose()
