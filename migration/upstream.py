@@ -297,8 +297,7 @@ class Upstream:
         """A streamed request on a pooled connection of its own (see :class:`_Conn`)."""
         host, port = _host_port(url)
         payload = orjson.dumps(body)
-        name = f"[{host}]" if ":" in host else host  # an IPv6 literal
-        raw = (f"POST {path} HTTP/1.1\r\nHost: {name}:{port}\r\nContent-Type: application/json\r\n"
+        raw = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
                f"Accept: text/event-stream\r\nContent-Length: {len(payload)}\r\n\r\n").encode() + payload
         conn: _Conn | None = None
         stream: UpstreamStream | None = None
