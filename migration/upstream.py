@@ -18,15 +18,12 @@ Aborting a stream closes its connection, which is also how the worker learns to 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, cast
-from urllib.parse import urlsplit
+from typing import Any
 
 import aiohttp
-import httptools
 import orjson
 
 __all__ = ["Chunk", "Upstream", "UpstreamError", "UpstreamStream"]
@@ -87,14 +84,10 @@ def _data_lines(event: bytes) -> list[bytes]:
 
 
 class UpstreamStream:
-    """One open stream; iterate for chunks, :meth:`abort` to cut it from another task.
+    """One open stream; iterate for chunks, :meth:`abort` to cut it from another task."""
 
-    ``source`` yields the response body as the socket delivers it; ``close`` cuts the connection.
-    """
-
-    def __init__(self, source: AsyncIterator[bytes], close: Callable[[], None], worker: str) -> None:
-        self._source = source
-        self._close = close
+    def __init__(self, response: aiohttp.ClientResponse, worker: str) -> None:
+        self.response = response
         self.worker = worker
         self.abort_reason: str | None = None
         self.finished = False
@@ -102,7 +95,7 @@ class UpstreamStream:
     def abort(self, reason: str) -> None:
         if self.abort_reason is None and not self.finished:
             self.abort_reason = reason
-            self._close()
+            self.response.close()
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
         got_finish = False
@@ -110,8 +103,8 @@ class UpstreamStream:
         buf = b""
         try:
             # Whatever the socket has, split into SSE events here: one read per network read instead of
-            # a readline per line.
-            async for data in self._source:
+            # a readline per line (aiohttp's line reader dominated the router's per-token cost).
+            async for data in self.response.content.iter_any():
                 buf = buf + data if buf else data
                 if b"\r" in buf:
                     buf = buf.replace(b"\r\n", b"\n")
@@ -150,112 +143,13 @@ class UpstreamStream:
         self.finished = True
 
 
-class _Conn(asyncio.Protocol):
-    """One HTTP/1.1 connection to a worker, its responses parsed by httptools as bytes arrive.
-
-    The lean path for streams: the body goes to the reader as the socket delivers it, with no stream
-    reader, flow control or per-read bookkeeping in between (issue 15: aiohttp's ``StreamReader`` was a
-    fifth of the router's per-token CPU). One response at a time; kept alive for the next request.
-    """
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self._waiter: asyncio.Future[None] | None = None
-        self.closed = False
-        self._reset()
-
-    def _reset(self) -> None:
-        self.parser = httptools.HttpResponseParser(self)
-        self.status = 0
-        self.headers_done = False
-        self.complete = False
-        self.keep_alive = False
-        self.got_bytes = False
-        self.body: list[bytes] = []
-        self.error: str | None = None
-
-    # asyncio.Protocol
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is one without subclassing it
-
-    def data_received(self, data: bytes) -> None:
-        self.got_bytes = True
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self.error = f"bad HTTP from the worker: {exc}"
-            self.close()
-        self._wake()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self._wake()
-
-    # httptools callbacks
-    def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
-        self.keep_alive = self.parser.should_keep_alive()
-        self.headers_done = True
-
-    def on_body(self, body: bytes) -> None:
-        self.body.append(body)
-
-    def on_message_complete(self) -> None:
-        self.complete = True
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    async def wait(self) -> None:
-        """Until something arrives (bytes, the end, the connection's loss)."""
-        self._waiter = asyncio.get_running_loop().create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
-
-    def request(self, raw: bytes) -> None:
-        self._reset()
-        assert self.transport is not None
-        self.transport.write(raw)
-
-    def take(self) -> bytes:
-        body = self.body
-        self.body = []
-        return body[0] if len(body) == 1 else b"".join(body)
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives; ConnectionError when the connection goes before the response ends."""
-        while True:
-            if self.body:
-                yield self.take()
-                continue
-            if self.complete:
-                return
-            if self.closed:
-                raise ConnectionError(self.error or "the worker closed the connection mid-response")
-            await self.wait()
-
-    def close(self) -> None:
-        self.closed = True
-        if self.transport is not None:
-            self.transport.close()
-
-    @property
-    def reusable(self) -> bool:
-        return self.complete and self.keep_alive and not self.closed and self.transport is not None \
-            and not self.transport.is_closing()
-
-
 class Upstream:
     """A pooled HTTP client to workers."""
 
     def __init__(self, *, connect_timeout: float = 2.0, limit: int = 0) -> None:
         self._connect_timeout = connect_timeout
         self._limit = limit
-        self._session: aiohttp.ClientSession | None = None  # for whole answers (call)
-        self._pool: dict[tuple[str, int], list[_Conn]] = {}  # idle kept-alive stream connections
+        self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=self._limit, keepalive_timeout=30, enable_cleanup_closed=True)
@@ -263,10 +157,6 @@ class Upstream:
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
 
     async def aclose(self) -> None:
-        for conns in self._pool.values():
-            for conn in conns:
-                conn.close()
-        self._pool.clear()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -294,69 +184,27 @@ class Upstream:
 
     @contextlib.asynccontextmanager
     async def open(self, worker: str, url: str, path: str, body: dict[str, Any]) -> AsyncIterator[UpstreamStream]:
-        """A streamed request on a pooled connection of its own (see :class:`_Conn`)."""
-        host, port = _host_port(url)
-        payload = orjson.dumps(body)
-        raw = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-               f"Accept: text/event-stream\r\nContent-Length: {len(payload)}\r\n\r\n").encode() + payload
-        conn: _Conn | None = None
+        assert self._session is not None, "Upstream.start() first"
+        try:
+            response = await self._session.post(url + path, data=orjson.dumps(body),
+                                                headers={"content-type": "application/json"})
+        except (TimeoutError, aiohttp.ClientConnectionError, OSError) as exc:
+            raise UpstreamError("connect", f"{url}: {type(exc).__name__}: {exc}") from exc
         stream: UpstreamStream | None = None
         try:
-            for pooled in (True, False):
-                conn = self._idle(host, port) if pooled else None
-                if conn is None:
-                    pooled = False
-                    conn = await self._connect(url, host, port)
-                conn.request(raw)
-                while not conn.headers_done and not conn.closed:
-                    await conn.wait()
-                if conn.headers_done:
-                    break
-                conn.close()
-                if pooled and not conn.got_bytes:
-                    continue  # the worker had closed this kept-alive connection: a fresh one
-                why = conn.error or "the worker closed the connection before answering"
-                raise UpstreamError("connect", f"{url}: {why}")
-            assert conn is not None
-            if conn.status != 200:
-                while not conn.complete and not conn.closed:
-                    await conn.wait()
-                rawbody = conn.take()
+            if response.status != 200:
+                raw = await response.read()
                 try:
-                    detail = orjson.loads(rawbody)
+                    detail = orjson.loads(raw)
                 except orjson.JSONDecodeError:
-                    detail = {"error": {"message": rawbody.decode(errors="replace")[:500], "code": conn.status}}
+                    detail = {"error": {"message": raw.decode(errors="replace")[:500], "code": response.status}}
                 err = detail.get("error") if isinstance(detail, dict) else None
                 message = err.get("message", "") if isinstance(err, dict) else str(detail)[:500]
-                raise UpstreamError("status", message, status=conn.status, body=detail)
-            stream = UpstreamStream(conn.chunks(), conn.close, worker)
+                raise UpstreamError("status", message, status=response.status, body=detail)
+            stream = UpstreamStream(response, worker)
             yield stream
         finally:
-            if conn is not None:
-                if stream is not None and stream.finished and conn.reusable:
-                    self._pool.setdefault((host, port), []).append(conn)  # kept for the next request
-                else:
-                    conn.close()  # the worker sees the disconnect and cancels the generation
-
-    def _idle(self, host: str, port: int) -> _Conn | None:
-        idle = self._pool.get((host, port))
-        while idle:
-            conn = idle.pop()
-            if not conn.closed and conn.transport is not None and not conn.transport.is_closing():
-                return conn
-        return None
-
-    async def _connect(self, url: str, host: str, port: int) -> _Conn:
-        loop = asyncio.get_running_loop()
-        try:
-            _, conn = await asyncio.wait_for(loop.create_connection(_Conn, host, port), self._connect_timeout)
-        except (TimeoutError, OSError) as exc:
-            raise UpstreamError("connect", f"{url}: {type(exc).__name__}: {exc}") from exc
-        return conn
-
-
-def _host_port(url: str) -> tuple[str, int]:
-    parsed = urlsplit(url)
-    if parsed.scheme != "http" or not parsed.hostname:
-        raise UpstreamError("connect", f"{url}: only http:// worker URLs are supported for streams")
-    return parsed.hostname, parsed.port or 80
+            if stream is not None and stream.finished:
+                response.release()  # keep the connection for the next request
+            else:
+                response.close()  # the worker sees the disconnect and cancels the generation
