@@ -178,7 +178,7 @@ class Checkpointer:
         key = self.keys.request(rid)
         compare = Compare(key, "mod", "==", w.mod)
         n, c = len(j.emitted), len(j.text)
-        static = (id(j.prompt_ids), j.deadline)  # a chat request learns its prompt ids after its first write
+        static = j.static_key  # deltas carry neither prompt ids nor deadline: a change needs a new base
         if self.incremental and w.mod and w.deltas < self.max_deltas and w.delta_bytes < w.base_bytes \
                 and w.static == static:
             value = j.delta_bytes(w.n, w.c)
@@ -293,7 +293,7 @@ class Checkpointer:
         if not result.succeeded:
             return None
         self._written[request_id] = _Written(mod=result.revision, n=len(journal.emitted), c=len(journal.text),
-                                             base_bytes=len(value), static=(id(journal.prompt_ids), journal.deadline))
+                                             base_bytes=len(value), static=journal.static_key)
         self.live[request_id] = journal
         journal.dirty = False
         return journal

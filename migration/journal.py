@@ -383,10 +383,16 @@ class Journal:
 
     # -- checkpoints ------------------------------------------------------------------------------------
 
+    @property
+    def static_key(self) -> tuple[int, float]:
+        """What the rarely changing part of a checkpoint depends on besides the router: the prompt ids (by
+        identity: a chat request learns them from its first chunk) and the deadline (a resume moves it)."""
+        return id(self.prompt_ids), self.deadline
+
     def checkpoint_bytes(self, router: str) -> bytes:
         """:meth:`checkpoint` as JSON, re-encoding only what changes: the body and prompt ids (often the
         bulk of it) are encoded once and reused while they stay the same."""
-        static_key = (id(self.prompt_ids), self.deadline, router)
+        static_key = (*self.static_key, router)
         if self._static is None or self._static[0] != static_key:
             head = orjson.dumps({"v": 1, "id": self.id, "kind": self.kind.value, "router": router, "body": self.body,
                                  "prompt_ids": self.prompt_ids, "deadline": self.deadline, "created": self.created})

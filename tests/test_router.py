@@ -368,10 +368,6 @@ async def test_a_client_resumes_on_another_router_with_last_event_id(healthy: Te
     got: list[int] = []
     last_id = ""
 
-    async def checkpointed(rid: str, n: int) -> bool:
-        found = await read_checkpoint(healthy.store, healthy.keys, rid)  # its base and deltas
-        return found is not None and len(found[0].emitted) >= n
-
     try:
         with pytest.raises(httpx.HTTPError):  # the router dies under the client
             async with httpx.AsyncClient(timeout=30) as client, client.stream(
@@ -383,7 +379,7 @@ async def test_a_client_resumes_on_another_router_with_last_event_id(healthy: Te
                         got.extend(orjson.loads(line[6:])["choices"][0]["token_ids"])
                         if len(got) == 40:
                             rid = last_id.rpartition(":")[0]
-                            await wait_until(lambda: checkpointed(rid, 20), timeout=15)  # noqa: B023
+                            await wait_until(lambda: _checkpointed(healthy, rid, 20), timeout=15)  # noqa: B023
                             healthy.kill_router(first)
         assert last_id.endswith(f":{len(got)}") and len(got) >= 40
         rest, events, ids = await stream_tokens(second.url, body, headers={"Last-Event-ID": last_id})
@@ -549,5 +545,5 @@ async def _count(members: Any, n: int) -> bool:
 
 
 async def _checkpointed(fleet: TestFleet, rid: str, n: int) -> bool:
-    found = await read_checkpoint(fleet.store, fleet.keys, rid)
+    found = await read_checkpoint(fleet.store, fleet.keys, rid)  # its base and deltas
     return found is not None and len(found[0].emitted) >= n
