@@ -118,7 +118,7 @@ class NodeAgent:
         self._closing = False
         self._running: dict[str, tuple[int, float]] = {}  # worker -> requests running per its metrics, read at
         self._reads: dict[str, asyncio.Task[None]] = {}  # a worker's /metrics read under way
-        self._probes: dict[str, tuple[float, asyncio.Task[None]]] = {}  # a worker's probe: sent at, task
+        self._probes: dict[str, tuple[list[float], asyncio.Task[None]]] = {}  # a probe: [sent at] once written, task
         self._restarting: set[str] = set()  # workers an action is restarting: their exits are expected
         self._tree_fds: dict[str, dict[int, int]] = {}  # worker -> pid -> pidfd of its engine processes
         self._dying: dict[str, WorkerHandle] = {}  # workers named dying before their exit completed
@@ -443,7 +443,8 @@ class NodeAgent:
         running, read_at = self._running.get(wid, (None, None))
         probe = self._probes.get(wid)
         return EngineSample(tuple(procs), running, switches=switches, running_read_at=read_at,
-                            probe_sent_at=probe[0] if probe is not None and not probe[1].done() else None,
+                            probe_sent_at=probe[0][0] if probe is not None and probe[0] and not probe[1].done()
+                            else None,
                             server=server)
 
     def _watch_tree_member(self, wid: str, handle: WorkerHandle, pid: int, name: str) -> None:
@@ -560,17 +561,25 @@ class NodeAgent:
         body = {"model": handle.spec.model, "prompt": self.config.canary_prompt, "max_tokens": 1,
                 "temperature": 0}
 
+        sent: list[float] = []
+
+        async def trace(event: str, _info: dict[str, Any]) -> None:
+            if event == "http11.send_request_body.complete":
+                sent.append(self.clock.monotonic())
+
         async def probe() -> None:
             try:
                 await self._http.post(f"{handle.bind_url}/v1/completions", json=body,
-                                      timeout=self.config.canary_timeout_s + self.config.engine_stall_s)
+                                      timeout=self.config.canary_timeout_s + self.config.engine_stall_s,
+                                      extensions={"trace": trace})
             except httpx.HTTPError:
                 pass  # the answer does not matter: only how long the engine leaves it waiting
             finally:
                 if self.handles.get(wid) is handle:
                     self.engine.probe_done(wid)
 
-        self._probes[wid] = (self.clock.monotonic(), asyncio.create_task(probe(), name=f"agent-probe-{wid}"))
+        # Sent when its bytes are written, not when it is asked for: a held-up event loop may write it late.
+        self._probes[wid] = (sent, asyncio.create_task(probe(), name=f"agent-probe-{wid}"))
 
     async def _monitor_gpus(self) -> None:
         from fleetward.supervisor.gpu import Action, GpuEventKind, GpuPolicy

@@ -288,6 +288,8 @@ class _EngineState:
     probe_done_at: float = float("-inf")
     server: tuple[float, int] | None = None  # the server process's (cpu, switches) at the last look
     server_ran_at: float = float("-inf")  # the last look that showed the server ran
+    seen_at: float = float("-inf")  # the last look at all
+    watched_since: float = float("-inf")  # the start of the looks without a gap longer than stall_s
 
 
 class EngineFrozenDetector:
@@ -300,7 +302,9 @@ class EngineFrozenDetector:
     running, or when the agent's probe is unanswered: :meth:`probe_due` says when an engine that shows no
     progress should get one, so an idle engine is checked too, at most every ``probe_interval_s``. A probe
     counts once the server in front of the engine (vLLM's API server) has run since it was sent, and from
-    ``stall_s`` later: the server must have had the chance to hand it on.
+    ``stall_s`` later: the server must have had the chance to hand it on. Evidence counts only while the looks
+    come without a gap longer than ``stall_s``: an observer that was itself held up (a loaded host, a blocked
+    event loop) has not watched the engine meanwhile, and starts again.
     """
 
     name = "engine-frozen"
@@ -356,6 +360,9 @@ class EngineFrozenDetector:
                 st.server_ran_at = now
             st.server = sample.server
         st.ran_last = True
+        if now - st.seen_at > self.stall_s:
+            st.watched_since, st.work_since = now, None
+        st.seen_at = now
         if sample.switches is None or not sample.processes:
             return True  # not measured: no stall verdict
         mark = (cpu, sample.switches)
@@ -365,12 +372,12 @@ class EngineFrozenDetector:
         st.ran_last = False
         seen = []
         if sample.running_requests and sample.running_read_at is not None and sample.running_read_at >= st.ran_at:
-            seen.append(sample.running_read_at)
+            seen.append(max(sample.running_read_at, st.watched_since))
         if sample.probe_sent_at is not None and (sample.server is None or st.server_ran_at > sample.probe_sent_at):
             # Counted from when it could have reached the engine, and waited twice as long as requests the
             # engine itself counts: a server starved of CPU (a loaded host, a start-up) may hold a probe a
             # while before it hands it on.
-            seen.append(max(sample.probe_sent_at, st.ran_at, st.server_ran_at) + self.stall_s)
+            seen.append(max(sample.probe_sent_at, st.ran_at, st.server_ran_at, st.watched_since) + self.stall_s)
         if seen:
             st.work_since = min(seen) if st.work_since is None else min(st.work_since, *seen)
         return False

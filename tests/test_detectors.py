@@ -214,6 +214,36 @@ def test_a_probe_waits_on_the_engine_only_once_the_server_in_front_of_it_ran() -
     assert sig.severity is Severity.FATAL and "probe" in sig.reason
 
 
+def test_an_observer_that_was_held_up_has_not_watched_the_engine_meanwhile() -> None:
+    """CI: the agent's event loop was blocked for seconds (its etcd lease expired meanwhile) while a probe and
+    requests waited on an idle, healthy vLLM decode server; the first look after the gap named it hung. Looks
+    that come after a gap longer than stall_s start the evidence again; a frozen engine is still named."""
+    clock = ManualClock()
+    d = EngineFrozenDetector(clock=clock, stall_s=1.0, probe_interval_s=2.0, no_progress_s=30.0)
+    d.observe("w", _engine(1.0, 100, server=(5.0, 50)))
+    clock.advance(0.25)
+    sent = clock.monotonic()
+    d.observe("w", _engine(1.0, 100, server=(5.0, 50), probe_sent_at=sent))
+    clock.advance(5.0)  # the observer is held up; the server ran, the engine (not yet handed the probe) did not
+    assert d.observe("w", _engine(1.0, 100, probe_sent_at=sent, server=(5.2, 70))) == []
+    for _ in range(7):  # watched again: the probe counts from here, twice stall_s
+        clock.advance(0.25)
+        assert d.observe("w", _engine(1.0, 100, probe_sent_at=sent, server=(5.2, 70))) == []
+    clock.advance(0.25)
+    (sig,) = d.observe("w", _engine(1.0, 100, probe_sent_at=sent, server=(5.2, 70)))
+    assert sig.severity is Severity.FATAL and "probe" in sig.reason
+    # Requests running count from the first look after a gap too.
+    d.forget("w")
+    d.observe("w", _engine(1.0, 100, running_requests=2, running_read_at=clock.monotonic()))
+    clock.advance(3.0)
+    assert d.observe("w", _engine(1.0, 100, running_requests=2, running_read_at=clock.monotonic() - 2.5)) == []
+    clock.advance(0.75)
+    assert d.observe("w", _engine(1.0, 100, running_requests=2, running_read_at=clock.monotonic())) == []
+    clock.advance(0.25)
+    (sig,) = d.observe("w", _engine(1.0, 100, running_requests=2, running_read_at=clock.monotonic()))
+    assert sig.severity is Severity.FATAL and "running" in sig.reason
+
+
 def test_golden_outputs_are_learned_by_quorum_and_catch_wrong_tokens() -> None:
     book = GoldenBook(quorum=2)
     assert book.check("m", [1, 2, 3]) is None
