@@ -129,7 +129,7 @@ class TestFleet(AgentWorkers, FleetClient):
         self.agent = NodeAgent(store=agent_store, bus=agent_bus, keys=self.keys, backend=_HarnessBackend(self),
                                node=self.node, log_dir=self.log_dir, lease_ttl=self.lease_ttl,
                                worker_env={"FLEETWARD_ADMIN_TOKEN": self.admin_token}, supervisor=self.supervisor,
-                               gpu=self.gpu)
+                               gpu=self.gpu, admin_token=self.admin_token)
         await self.agent.start()
         if self.controller_processes:
             for _ in range(self.controller_processes):

@@ -195,7 +195,7 @@ class LocalFleet(AgentWorkers, FleetClient):
         self.agent = NodeAgent(store=self.store, bus=self.bus, keys=self.keys, backend=self.backend, node=c.node,
                                log_dir=self.log_dir, lease_ttl=c.lease_ttl_s, supervisor=c.supervisor,
                                worker_env={"FLEETWARD_ADMIN_TOKEN": self.admin_secret.get_secret_value()},
-                               worker_host=c.host)
+                               worker_host=c.host, admin_token=self.admin_secret.get_secret_value())
         await self.agent.start()
         self._write_state()
         if c.prometheus.enabled:  # its address first: the controller's fleet page lists its alerts

@@ -197,6 +197,8 @@ class SupervisorConfig(Frozen):
                                            "one-token request at most this often, so that an idle one is checked "
                                            "too (a frozen idle engine is named within about this plus "
                                            "engine_stall_s)")
+    action_max_age_s: float = Field(600.0, gt=0, description="agent: a signed action issued longer ago than this "
+                                    "is refused, not carried out (clocks of the nodes must agree within it)")
     gpu_poll_interval_s: float = Field(1.0, gt=0, description="agent: how often GPU health (NVML) is read")
     recover_canaries: int = Field(2, ge=1, description="good canaries in a row before a suspect worker is ready again")
     suspect_timeout_s: float = Field(30.0, gt=0, description="suspicion nothing resolves becomes unhealthy "

@@ -47,6 +47,7 @@ from fleetward.fleet.etcd import Compare, LeaseKeeper, Put, StateStore
 from fleetward.fleet.external import LeftForOperator
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.procs import ensure_port, free_port, port_is_free
+from fleetward.fleet.signing import ActionSigner
 from fleetward.fleet.telemetry import link_gauges
 from fleetward.fleet.worker import ROLES, HealthRecord, HealthState, WorkerRecord, WorkerSpec
 from fleetward.supervisor.adoption import Adopter
@@ -86,13 +87,15 @@ class _Metrics:
         for kind in ("restart", "start", "stop", "selftest"):
             for result in ("done", "failed"):
                 self.actions.labels(kind, result)
+        self.refused = Counter("fleetward_agent_actions_refused", "Actions in etcd this agent refused to carry "
+                               "out: not signed by the leader, addressed elsewhere, stale, or replayed.", registry=r)
 
 
 class NodeAgent:
     def __init__(self, *, store: StateStore, bus: EventBus, keys: Keys, backend: Backend, node: str,
                  log_dir: Path, lease_ttl: int = 10, clock: Clock = SYSTEM_CLOCK,
                  worker_env: Mapping[str, str] | None = None, supervisor: SupervisorConfig | None = None,
-                 gpu: GpuHealthSource | None = None, worker_host: str = "127.0.0.1") -> None:
+                 gpu: GpuHealthSource | None = None, worker_host: str = "127.0.0.1", admin_token: str = "") -> None:
         self.store = store
         self.bus = bus
         self.keys = keys
@@ -106,6 +109,9 @@ class NodeAgent:
         self.config = supervisor or SupervisorConfig()
         self.gpu = gpu  # a GpuHealthSource, when this node has GPUs (or a fake one)
         self.worker_host = worker_host  # where workers started by a ``start`` action bind
+        # Actions are carried out only when the leader signed them (fleet/signing.py); without the token, as
+        # in a test that builds an agent alone, they are not checked.
+        self.signer = ActionSigner(admin_token, max_age_s=self.config.action_max_age_s) if admin_token else None
         self.handles: dict[str, WorkerHandle] = {}
         self.specs: dict[str, WorkerSpec] = {}
         self.failed: dict[str, str] = {}
@@ -633,9 +639,32 @@ class NodeAgent:
             return
         if body.get("status") != "pending":
             return
+        if self.signer is not None:
+            why = self.signer.refusal(body, node=self.node, now=self.clock.wall())
+            if why is not None:
+                self._refuse(key, body, mod_revision, why)
+                return
         task = asyncio.create_task(self._run_action(key, body, mod_revision), name=f"action-{body.get('id')}")
         self._tasks.append(task)
         self._tasks = [t for t in self._tasks if not t.done()]
+
+    def _refuse(self, key: str, body: dict[str, Any], mod_revision: int, why: str) -> None:
+        """An action the leader did not issue: not carried out, and marked refused with why (a replay of one
+        carried out before is left as it is: it may be the same action seen twice)."""
+        log.warning("refusing action %s at %s (%s of %s): %s", body.get("id"), key, body.get("kind"),
+                    body.get("worker"), why)
+        self.metrics.refused.inc()
+        if why.startswith("carried out before"):
+            return
+
+        async def mark() -> None:
+            refused = {**body, "status": "refused", "reason_done": why, "done_at": self.clock.wall()}
+            await self.store.txn([Compare(key, "mod", "==", mod_revision)], [Put(key, orjson.dumps(refused))])
+            await self.bus.publish("action", worker=str(body.get("worker")), node=self.node,
+                                   action=str(body.get("id")), action_kind=str(body.get("kind")), status="refused",
+                                   reason=why)
+
+        self._tasks.append(asyncio.create_task(mark(), name="action-refused"))
 
     async def _run_action(self, key: str, body: dict[str, Any], mod_revision: int) -> None:
         claimed = {**body, "status": "running", "claimed_at": self.clock.wall()}

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import re
@@ -55,6 +56,7 @@ from fleetward.fleet.errors import StoreError
 from fleetward.fleet.etcd import Compare, Delete, Election, LeadershipLost, LeaseKeeper, Put, StateStore, lead_forever
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.registry import read_leader
+from fleetward.fleet.signing import ActionSigner
 from fleetward.fleet.telemetry import link_gauges
 from fleetward.fleet.worker import ROLES, HealthRecord, HealthState, WorkerRecord
 from fleetward.supervisor.detectors import (
@@ -146,6 +148,7 @@ class Controller:
         self.id = controller_id or f"controller-{uuid.uuid4().hex[:8]}"
         self.url = url
         self.admin_token = admin_token
+        self._signer = ActionSigner(admin_token) if admin_token else None
         self.clock = clock
         self.policy = HealthPolicy(recover_canaries=config.recover_canaries, suspect_timeout_s=config.suspect_timeout_s,
                                    restart_budget=config.restart_budget, restart_window_s=config.restart_window_s,
@@ -395,6 +398,10 @@ class Controller:
             raise LeadershipLost("a fenced write failed: another controller leads")
         return False  # only the other comparisons failed
 
+    def _signed(self, action: dict[str, Any]) -> dict[str, Any]:
+        """An agent action with the leader's signature (fleet/signing.py), when there is an admin token."""
+        return self._signer.sign(action) if self._signer is not None else action
+
     async def _apply(self, actions: list[Any]) -> None:
         for action in actions:
             if self.on_action is not None:
@@ -418,7 +425,8 @@ class Controller:
                             "kind": action.kind, "delay_s": action.delay_s, "reason": action.reason,
                             "status": "pending", "issued_by": self.id, "issued_at": self.clock.wall()}
                     key = self.keys.action(action.node or "unknown", action.action_id)
-                    created = await self._fenced([Compare(key, "create", "==", 0)], [Put(key, orjson.dumps(body))])
+                    created = await self._fenced([Compare(key, "create", "==", 0)],
+                                                 [Put(key, orjson.dumps(self._signed(body)))])
                     if created:
                         self.metrics.actions.labels(action.kind).inc()
                 case Quarantine():
@@ -608,7 +616,9 @@ class Controller:
         app = FastAPI(title="fleetward supervisor", docs_url=None, redoc_url=None, openapi_url=None)
 
         def authorised(request: Request) -> bool:
-            return bool(self.admin_token) and request.headers.get("authorization") == f"Bearer {self.admin_token}"
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            return bool(self.admin_token) and scheme.lower() == "bearer" and \
+                hmac.compare_digest(given.strip().encode(), self.admin_token.encode())
 
         async def command(request: Request, event: Command) -> Response:
             """An operator's command: applied, or refused with why (never "accepted" and then nothing)."""
@@ -687,7 +697,8 @@ class Controller:
             key = self.keys.action(node, action_id)
             action = {"id": action_id, "worker": wid, "node": node, "kind": "start", "role": role, "delay_s": 0.0,
                       "reason": reason, "status": "pending", "issued_by": self.id, "issued_at": self.clock.wall()}
-            created = await self._fenced([Compare(key, "create", "==", 0)], [Put(key, orjson.dumps(action))])
+            created = await self._fenced([Compare(key, "create", "==", 0)],
+                                         [Put(key, orjson.dumps(self._signed(action)))])
             if created:
                 self.metrics.actions.labels("start").inc()
             return JSONResponse({"accepted": True, "leader": self.id, "worker": wid, "node": node, "new": created,

@@ -26,6 +26,7 @@ from fleetward.fleet.config import RouterConfig, SimConfig, SupervisorConfig
 from fleetward.fleet.launch import controller_argv, service_env
 from fleetward.fleet.procs import ManagedProcess, free_port
 from fleetward.fleet.registry import read_fleet
+from fleetward.fleet.signing import ActionSigner
 from fleetward.fleet.worker import WorkerSpec
 from fleetward.sim.model import SimModel
 from fleetward.sim.tokenizer import encode
@@ -250,6 +251,61 @@ async def test_a_command_for_an_unknown_worker_is_404_and_leaves_no_trace(health
     assert "wrokerr" not in fleet.health and "wrokerr" not in fleet.workers, "no phantom worker"
     actions = (await healthy.store.get_prefix(healthy.keys.actions)).items
     assert not [kv.key for kv in actions if "wrokerr" in kv.key], "no orphan action"
+
+
+async def test_an_action_the_leader_did_not_sign_is_refused_and_a_replay_is_not_run_again(
+        healthy: TestFleet, wait_until: Any) -> None:
+    """Anyone who can write to etcd could queue a restart around the control API's token. The agent carries out
+    only actions the leader signed, addressed to its node, fresh, and not run before."""
+    worker = healthy.worker_ids[0]
+    pids = healthy.processes(worker)
+    agent = healthy.agent
+    assert agent is not None
+    refused = agent.metrics.refused._value.get()
+    now = healthy.agent.clock.wall()
+    base = {"worker": worker, "node": healthy.node, "kind": "restart", "delay_s": 0.0, "reason": "forged",
+            "status": "pending", "issued_by": "nobody", "issued_at": now}
+    forged = {**base, "id": f"{worker}.restart.forged"}
+    wrong_key = ActionSigner("not-the-admin-token").sign({**base, "id": f"{worker}.restart.wrongkey"})
+    stale = ActionSigner(healthy.admin_token).sign({**base, "id": f"{worker}.restart.stale", "issued_at": now - 3600})
+    elsewhere = ActionSigner(healthy.admin_token).sign({**base, "id": f"{worker}.restart.elsewhere", "node": "n9"})
+    for body in (forged, wrong_key, stale, elsewhere):
+        await healthy.store.put(healthy.keys.action(healthy.node, body["id"]), orjson.dumps(body))
+
+    async def statuses() -> dict[str, str]:
+        items = (await healthy.store.get_prefix(healthy.keys.actions_of(healthy.node))).items
+        return {orjson.loads(kv.value)["id"]: orjson.loads(kv.value)["status"] for kv in items}
+
+    async def all_refused() -> bool:
+        got = await statuses()
+        return all(got.get(b["id"]) == "refused" for b in (forged, wrong_key, stale, elsewhere))
+
+    await wait_until(all_refused, timeout=10, message="the four actions marked refused")
+    assert agent.metrics.refused._value.get() == refused + 4
+    reasons = {orjson.loads(kv.value)["id"]: orjson.loads(kv.value)["reason_done"]
+               for kv in (await healthy.store.get_prefix(healthy.keys.actions_of(healthy.node))).items}
+    assert "not signed" in reasons[forged["id"]] and "not signed" in reasons[wrong_key["id"]]
+    assert "ago" in reasons[stale["id"]] and "node 'n9'" in reasons[elsewhere["id"]]
+
+    # A signed restart the leader issued (through the control API) runs once; its body put back as pending (a
+    # replay) does not run it again.
+    r = await command(healthy, worker, "restart")
+    assert r.status_code == 200, r.text
+    await wait_until(lambda: healthy.processes(worker) and healthy.processes(worker) != pids, timeout=30,
+                     message="restarted by the signed action")
+    await wait_until(lambda: _is(healthy, worker, "ready"), timeout=30, message="ready again")
+    items = (await healthy.store.get_prefix(healthy.keys.actions_of(healthy.node))).items
+    done = [orjson.loads(kv.value) for kv in items if orjson.loads(kv.value).get("status") == "done"
+            and orjson.loads(kv.value)["worker"] == worker and orjson.loads(kv.value)["kind"] == "restart"]
+    assert done and "signature" in done[-1]
+    replay = {k: v for k, v in done[-1].items() if k not in ("claimed_at", "done_at", "reason_done")}
+    after = healthy.processes(worker)
+    replayed = await healthy.store.put(healthy.keys.action(healthy.node, replay["id"] + ".again"),
+                                       orjson.dumps({**replay, "status": "pending"}))
+    del replayed
+    await wait_until(lambda: agent.metrics.refused._value.get() == refused + 5, timeout=10,
+                     message="the replay refused")
+    assert healthy.processes(worker) == after, "not restarted again"
 
 
 async def test_a_command_that_cannot_apply_is_409_with_why(healthy: TestFleet) -> None:
