@@ -49,6 +49,7 @@ __all__ = [
     "StopChecker",
     "migration_blocker",
     "new_request_id",
+    "request_schema",
     "validate_body",
 ]
 
@@ -136,6 +137,39 @@ def validate_body(body: Any, kind: Kind) -> None:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise RequestRefused("stream_options must be an object", param="stream_options")
+
+
+def request_schema(kind: Kind) -> dict[str, Any]:
+    """The body :func:`validate_body` accepts, as a JSON Schema (the router's OpenAPI spec serves it).
+
+    Only the keys the router itself reads are described; any other key is passed on to the worker, which
+    answers for it (``additionalProperties``).
+    """
+    token_ids = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
+    props: dict[str, Any] = {
+        "model": {"type": "string", "minLength": 1, "description": "a model the fleet serves (GET /v1/models)"},
+        "stream": {"type": "boolean"},
+        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "min_tokens": {"type": "integer", "minimum": 0},
+        "n": {"type": "integer", "minimum": 1, "maximum": 1, "description": "more than 1 is refused"},
+        "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+        "include_stop_str_in_output": {"type": "boolean"},
+        "return_token_ids": {"type": "boolean"},
+        "temperature": {"type": "number", "minimum": 0},
+        "seed": {"type": "integer"},
+    }
+    if kind is Kind.COMPLETION:
+        props["prompt"] = {"oneOf": [{"type": "string", "minLength": 1}, token_ids]}
+        props["best_of"] = {"type": "integer", "minimum": 1, "maximum": 1, "description": "more than 1 is refused"}
+        required = ["model", "prompt"]
+    else:
+        message = {"type": "object", "required": ["role", "content"],
+                   "properties": {"role": {"type": "string"}, "content": {"type": "string"}}}
+        props["messages"] = {"type": "array", "items": message, "minItems": 1}
+        props["max_completion_tokens"] = {"type": "integer", "minimum": 1}
+        required = ["model", "messages"]
+    return {"type": "object", "required": required, "properties": props, "additionalProperties": True}
 
 
 def migration_blocker(body: dict[str, Any], kind: Kind) -> str | None:

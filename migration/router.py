@@ -48,7 +48,7 @@ from fleetward.fleet.telemetry import link_gauges
 from fleetward.fleet.worker import HealthState
 from fleetward.migration import wire
 from fleetward.migration.checkpoint import Checkpointer
-from fleetward.migration.journal import Journal, Kind, RequestRefused, new_request_id, validate_body
+from fleetward.migration.journal import Journal, Kind, RequestRefused, new_request_id, request_schema, validate_body
 from fleetward.migration.policy import RoutingPolicy, make_policy, prefix_key
 from fleetward.migration.progress import ProgressModel
 from fleetward.migration.text import TextSources
@@ -650,7 +650,8 @@ class Router:
     # -- HTTP -------------------------------------------------------------------------------------------
 
     def app(self) -> FastAPI:
-        app = FastAPI(title="fleetward router", docs_url=None, redoc_url=None, openapi_url=None)
+        # The OpenAPI spec (/openapi.json) describes the bodies the handlers parse themselves (_openapi_post).
+        app = FastAPI(title="fleetward router", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -684,11 +685,11 @@ class Router:
         async def progress() -> JSONResponse:
             return JSONResponse({"router": self.id, "ts": self.clock.wall(), **self.progress.view()})
 
-        @app.post("/v1/completions")
+        @app.post("/v1/completions", operation_id="completions", openapi_extra=_openapi_post(Kind.COMPLETION))
         async def completions(request: Request) -> Response:
             return await self._handle(request, Kind.COMPLETION)
 
-        @app.post("/v1/chat/completions")
+        @app.post("/v1/chat/completions", operation_id="chat_completions", openapi_extra=_openapi_post(Kind.CHAT))
         async def chat(request: Request) -> Response:
             return await self._handle(request, Kind.CHAT)
 
@@ -904,3 +905,30 @@ class Router:
             self._release(j.id)
         self.metrics.requests.labels(j.kind.value, "ok").inc()
         return JSONResponse(wire.final_response(j), headers={"X-Request-Id": j.id})
+
+
+def _openapi_post(kind: Kind) -> dict[str, Any]:
+    """What the OpenAPI spec says of a generation request the handler parses itself: body, headers, the resume.
+
+    The link says a 200's ``X-Request-Id`` resumes the request: the same body with ``Last-Event-ID``.
+    """
+    operation = "completions" if kind is Kind.COMPLETION else "chat_completions"
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": request_schema(kind)}}},
+        "parameters": [
+            {"name": "Last-Event-ID", "in": "header", "required": False,
+             "description": "resume a request: <request id>:<tokens the client holds>",
+             "schema": {"type": "string", "pattern": "^[^:]+:[0-9]+$"}},
+            {"name": "X-Fleetward-Trace", "in": "header", "required": False,
+             "description": "1: every chunk says which worker made it", "schema": {"type": "string", "enum": ["1"]}},
+        ],
+        "responses": {
+            "200": {"description": "the completion, or its server-sent events with `stream`",
+                    "headers": {"X-Request-Id": {"schema": {"type": "string"}}},
+                    "links": {"Resume": {"operationId": operation, "requestBody": "$request.body",
+                                         "parameters": {"header.Last-Event-ID": "{$response.header.X-Request-Id}:0"}}}},
+            "400": {"description": "a malformed request, the parameter named"},
+            "404": {"description": "an unknown model, or a resume of an unknown request"},
+            "503": {"description": "no worker can take it now, or the router is starting or stopping"},
+        },
+    }

@@ -37,6 +37,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -613,7 +614,8 @@ class Controller:
     # -- control API ------------------------------------------------------------------------------------
 
     def app(self) -> FastAPI:
-        app = FastAPI(title="fleetward supervisor", docs_url=None, redoc_url=None, openapi_url=None)
+        # The OpenAPI spec (/openapi.json) describes the bodies the handlers parse themselves, and the token.
+        app = FastAPI(title="fleetward supervisor", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
 
         def authorised(request: Request) -> bool:
             scheme, _, given = request.headers.get("authorization", "").partition(" ")
@@ -662,7 +664,7 @@ class Controller:
                 return JSONResponse({"error": f"no runbook {name!r}"}, status_code=404)
             return HTMLResponse(body)
 
-        @app.get("/v1/workers")
+        @app.get("/v1/workers", openapi_extra=_ADMIN)
         async def workers(request: Request) -> Response:
             if not authorised(request):
                 return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
@@ -671,7 +673,7 @@ class Controller:
             return JSONResponse({"leader": self.leading.is_set(), "id": self.id,
                                  "workers": {k: json.loads(v) for k, v in out.items()}})
 
-        @app.post("/v1/workers")
+        @app.post("/v1/workers", operation_id="start_worker", openapi_extra=_openapi_start())
         async def start(request: Request) -> Response:
             if not authorised(request):
                 return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
@@ -704,31 +706,72 @@ class Controller:
             return JSONResponse({"accepted": True, "leader": self.id, "worker": wid, "node": node, "new": created,
                                  "what": f"starting {wid} on {node}" if created else f"{wid} was asked for already"})
 
-        @app.post("/v1/workers/{worker}/drain")
+        @app.post("/v1/workers/{worker}/drain", operation_id="drain", openapi_extra=_openapi_drain())
         async def drain(worker: str, request: Request) -> Response:
             try:
                 body = await request.json() if await request.body() else {}
+                if not isinstance(body, dict):
+                    raise ValueError("the body must be a JSON object")
                 then = body.get("then", "cordon")
                 deadline = float(body.get("deadline_s", self.config.drain_timeout_s))
+                if not math.isfinite(deadline) or deadline < 0:
+                    raise ValueError(f"deadline_s must be a finite number of seconds, 0 or more, not {deadline}")
                 if then not in ("cordon", "stop", "restart"):
                     raise ValueError("then must be cordon, stop or restart")
             except (ValueError, TypeError) as exc:
                 return JSONResponse({"error": f"bad drain request: {exc}"}, status_code=400)
             return await command(request, DrainRequested(worker, deadline, then))
 
-        @app.post("/v1/workers/{worker}/undrain")
+        @app.post("/v1/workers/{worker}/undrain", operation_id="undrain", openapi_extra=_ADMIN)
         async def undrain(worker: str, request: Request) -> Response:
             return await command(request, Undrain(worker))
 
-        @app.post("/v1/workers/{worker}/restart")
+        @app.post("/v1/workers/{worker}/restart", operation_id="restart", openapi_extra=_ADMIN)
         async def restart(worker: str, request: Request) -> Response:
             return await command(request, RestartRequested(worker))
 
-        @app.post("/v1/workers/{worker}/quarantine/clear")
+        @app.post("/v1/workers/{worker}/quarantine/clear", operation_id="clear_quarantine", openapi_extra=_ADMIN)
         async def clear(worker: str, request: Request) -> Response:
             return await command(request, QuarantineCleared(worker))
 
+        spec = app.openapi()
+        spec.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         return app
+
+
+# The control API's commands, for the OpenAPI spec: the bearer token, and the answers every command can give.
+_ADMIN: dict[str, Any] = {
+    "security": [{"bearer": []}],
+    "responses": {"401": {"description": "missing or wrong bearer token"},
+                  "404": {"description": "no such worker"},
+                  "409": {"description": "not the leader (its address given), or the worker's state refuses it"}},
+}
+
+
+def _with_body(schema: dict[str, Any], *, required: bool,
+               links: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A command that takes a JSON body (a malformed one is a 400 saying what is wrong)."""
+    responses: dict[str, Any] = {**_ADMIN["responses"], "400": {"description": "a malformed body, what is wrong said"}}
+    if links:
+        responses["200"] = {"description": "accepted", "links": links}
+    return {"security": _ADMIN["security"], "responses": responses,
+            "requestBody": {"required": required, "content": {"application/json": {"schema": schema}}}}
+
+
+def _openapi_drain() -> dict[str, Any]:
+    return _with_body({"type": "object", "additionalProperties": False, "properties": {
+        "deadline_s": {"type": "number", "minimum": 0, "description": "open streams move elsewhere after it"},
+        "then": {"type": "string", "enum": ["cordon", "stop", "restart"]}}}, required=False)
+
+
+def _openapi_start() -> dict[str, Any]:
+    """Starting a worker, linked to the commands on the worker it started."""
+    name = {"type": "string", "pattern": ID_PATTERN}
+    body = {"type": "object", "required": ["id", "node"], "additionalProperties": False, "properties": {
+        "id": name, "node": name, "role": {"type": "string", "enum": list(ROLES)}, "reason": {"type": "string"}}}
+    links = {op.title(): {"operationId": op, "parameters": {"path.worker": "$request.body#/id"}}
+             for op in ("drain", "undrain", "restart")}
+    return _with_body(body, required=True, links=links)
 
 
 def _what(command: Command, state: HealthState) -> str:

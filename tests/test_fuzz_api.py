@@ -1,0 +1,237 @@
+"""Bad input, fuzzed: the router's and the controller's HTTP APIs, from the OpenAPI specs they serve.
+
+A small real fleet (real etcd and Mosquitto, one simulated worker, a router process, a controller
+process) is fuzzed with schemathesis through every operation of each spec, in positive mode (what the
+spec allows) and negative mode (what it does not), the controller's commands with and without the bearer
+token; then statefully, following the specs' links (a 200's ``X-Request-Id`` to a ``Last-Event-ID``
+resume; a started worker to the commands on it). Every answer must be below 500, arrive within
+``_TIMEOUT_S`` (no hang), and a refusal (4xx) must say why in its body.
+
+Deterministic (``derandomize``) and bounded: ``FLEETWARD_FUZZ_EXAMPLES`` sets the examples per operation
+and mode (default 20; raise it for a longer hunt, e.g. 500).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import pytest_asyncio
+import requests
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis import Case, GenerationMode
+from schemathesis.checks import not_a_server_error
+
+from fleetward.chaos.harness import TestFleet
+from fleetward.fleet.backends import SimBackend
+from fleetward.fleet.config import SimConfig, SupervisorConfig
+from fleetward.fleet.worker import WorkerRecord
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
+
+EXAMPLES = int(os.environ.get("FLEETWARD_FUZZ_EXAMPLES", "20"))
+_TIMEOUT_S = 20.0
+# Fast tokens and a short context, so a request the spec allows finishes in milliseconds.
+SIM = SimConfig(decode_step_ms=0.2, decode_ms_per_seq=0.0, prefill_ms_per_token=0.0, max_model_len=64, seed=5)
+TOKEN = "fuzz-admin-token"
+GHOST = "ghost-w0"  # a registered worker that never answers: the controller's commands reach its state machine
+
+
+def _settings(examples: int, **kw: Any) -> settings:
+    return settings(max_examples=examples, deadline=None, derandomize=True, database=None, print_blob=True,
+                    suppress_health_check=list(HealthCheck),
+                    phases=[Phase.explicit, Phase.generate, Phase.shrink], **kw)
+
+
+def _refusal_message(response: Any) -> str | None:
+    """What a refusal says, from the shapes the services answer with (OpenAI's, the control API's, FastAPI's)."""
+    try:
+        body = orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(body, dict):
+        return None
+    error = body.get("error", body.get("detail"))
+    if isinstance(error, dict):
+        error = error.get("message")
+    return str(error) if error else None
+
+
+def check_answer(case: Case, response: Any) -> None:
+    """No server error, and a refusal says why."""
+    case.validate_response(response, checks=[not_a_server_error])
+    if 400 <= response.status_code < 500 and response.status_code != 499:
+        assert _refusal_message(response), (
+            f"{case.operation.label}: {response.status_code} without a message: {response.content[:300]!r}")
+
+
+def fuzz_operations(schema: Any, base_url: str, *, auth: dict[str, dict[str, str]],
+                    examples: int = EXAMPLES) -> tuple[list[str], list[str]]:
+    """Every operation of ``schema``, positive and negative, once per header set of ``auth``.
+
+    Returns (the operations fuzzed, the failures: one line each, with the falsifying request).
+    """
+    labels: list[str] = []
+    failures: list[str] = []
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        labels.append(operation.label)
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            for who, headers in auth.items():
+                try:
+                    statuses = _fuzz_one(operation, mode, base_url, headers, examples)
+                    print(f"{operation.label} [{mode.value}, {who}]: {dict(sorted(statuses.items()))}")
+                except Unsatisfiable:
+                    assert mode is GenerationMode.NEGATIVE, operation.label  # nothing in it to break
+                except Exception as exc:  # every failure is reported, with its request
+                    failures.append(f"{operation.label} [{mode.value}, {who}]: {type(exc).__name__}: {exc}")
+    return labels, failures
+
+
+def _fuzz_one(operation: Any, mode: GenerationMode, base_url: str, headers: dict[str, str],
+              examples: int) -> Counter[int]:
+    statuses: Counter[int] = Counter()
+
+    @_settings(examples)
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def run(case: Case) -> None:
+        response = case.call(base_url=base_url, headers=headers, timeout=_TIMEOUT_S)
+        statuses[response.status_code] += 1
+        check_answer(case, response)
+
+    run()
+    return statuses
+
+
+def fuzz_links(schema: Any, base_url: str, headers: dict[str, str], *, examples: int = EXAMPLES) -> None:
+    """The spec's links, followed by schemathesis' state machine (raises on the first failure)."""
+    machine: Any = schema.as_state_machine()
+
+    class Links(machine):  # type: ignore[misc, valid-type]
+        def get_call_kwargs(self, case: Case) -> dict[str, Any]:
+            return {"base_url": base_url, "headers": headers, "timeout": _TIMEOUT_S}
+
+        def validate_response(self, response: Any, case: Case, additional_checks: Any = None, **kw: Any) -> None:
+            check_answer(case, response)
+
+    Links.run(settings=_settings(examples, stateful_step_count=6))
+
+
+def load_spec(url: str, edit: Callable[[dict[str, Any]], None] | None = None) -> Any:
+    """The spec a service serves (after ``edit``), bound to the service."""
+    raw = requests.get(f"{url}/openapi.json", timeout=10).json()
+    if edit is not None:
+        edit(raw)
+    schema = schemathesis.openapi.from_dict(raw)
+    schema.config.base_url = url
+    return schema
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def fleet(etcd_endpoint: str, broker_endpoint: str,
+                tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TestFleet]:
+    run_dir: Path = tmp_path_factory.mktemp("fuzz-fleet")
+    supervisor = SupervisorConfig(restart_budget=1000, backoff_initial_s=0.05, backoff_max_s=0.2)
+    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="fuzz-api", run_dir=run_dir, workers=1,
+                         backend=SimBackend(SIM), supervisor=supervisor, controller_processes=1, admin_token=TOKEN,
+                         node="fuzznode") as f:
+        await f.start_router("r0")
+        # A worker on a node no agent runs, whose URL answers nothing: commands on it get past "no such worker"
+        # without touching the real worker the router serves from.
+        ghost = WorkerRecord(id=GHOST, url="http://127.0.0.1:9", role="aggregated", model="ghost-model",
+                             node="ghostnode", backend="sim")
+        await f.store.put(f.keys.worker(GHOST), ghost.to_json())
+        yield f
+
+
+async def _controller_url(fleet: TestFleet) -> str:
+    leader = await fleet.wait_leader()
+    async with httpx.AsyncClient(timeout=10) as client:
+        for _ in range(100):  # the ghost registered with the leader's state machine
+            r = await client.get(f"{leader.url}/v1/workers", headers={"authorization": f"Bearer {TOKEN}"})
+            if GHOST in r.json().get("workers", {}):
+                return leader.url
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"the controller never saw {GHOST}")
+
+
+def _router_spec_for(model: str) -> Callable[[dict[str, Any]], None]:
+    """The router's spec with ``model`` the one model it serves, so what the spec allows reaches a worker."""
+
+    def edit(raw: dict[str, Any]) -> None:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            body = raw["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+            body["properties"]["model"] = {"type": "string", "enum": [model]}
+
+    return edit
+
+
+async def test_the_router_answers_any_request_its_spec_allows_or_forbids_without_a_server_error(
+        fleet: TestFleet) -> None:
+    url = fleet.routers[0].url
+    schema = load_spec(url, _router_spec_for(SIM.model_name))
+    labels, failures = await asyncio.to_thread(fuzz_operations, schema, url, auth={"anonymous": {}})
+    assert set(labels) >= {"GET /health", "GET /metrics", "GET /v1/models", "GET /fleetward/v1/progress",
+                           "POST /v1/completions", "POST /v1/chat/completions"}
+    assert not failures, "\n\n".join(failures)
+
+
+async def test_the_router_survives_resumes_along_its_specs_links(fleet: TestFleet) -> None:
+    url = fleet.routers[0].url
+    schema = load_spec(url, _router_spec_for(SIM.model_name))
+    await asyncio.to_thread(fuzz_links, schema, url, {})
+
+
+def _on_workers(*workers: str) -> Callable[[dict[str, Any]], None]:
+    """The controller's spec with the commands' worker one of ``workers`` (what it forbids: any other string)."""
+
+    def edit(raw: dict[str, Any]) -> None:
+        for path, item in raw["paths"].items():
+            for operation in item.values():
+                for param in operation.get("parameters", []):
+                    if param["name"] == "worker" and path.startswith("/v1/workers/{worker}"):
+                        param["schema"] = {"type": "string", "enum": list(workers)}
+
+    return edit
+
+
+async def test_the_controller_answers_any_request_with_or_without_the_token_without_a_server_error(
+        fleet: TestFleet) -> None:
+    url = await _controller_url(fleet)
+    # The router's tests are done: the real worker may be drained, stopped and restarted now.
+    schema = load_spec(url, _on_workers(GHOST, *fleet.worker_ids))
+    labels, failures = await asyncio.to_thread(
+        fuzz_operations, schema, url, auth={"token": {"authorization": f"Bearer {TOKEN}"}, "no token": {},
+                                            "wrong token": {"authorization": "Bearer nope"}})
+    assert set(labels) >= {"GET /v1/workers", "POST /v1/workers", "POST /v1/workers/{worker}/drain",
+                           "POST /v1/workers/{worker}/undrain", "POST /v1/workers/{worker}/restart",
+                           "POST /v1/workers/{worker}/quarantine/clear", "GET /v1/fleet", "GET /health"}
+    assert not failures, "\n\n".join(failures)
+
+
+async def test_the_controller_survives_commands_along_its_specs_links(fleet: TestFleet) -> None:
+    url = await _controller_url(fleet)
+    await asyncio.to_thread(fuzz_links, load_spec(url), url, {"authorization": f"Bearer {TOKEN}"})
+
+
+@pytest.mark.parametrize("body", [b"[]", b'"cordon"', b"3", b'{"deadline_s": "nan"}', b'{"deadline_s": NaN}',
+                                  b'{"deadline_s": "inf"}', b'{"deadline_s": 1e999}', b'{"deadline_s": -1}',
+                                  b'{"deadline_s": [1]}', b'{"then": "explode"}', b"{", b"\xff"])
+async def test_a_malformed_drain_is_refused_with_400_saying_why(fleet: TestFleet, body: bytes) -> None:
+    """Found by the fuzzer: a JSON array as the body was a 500 (``.get`` on a list); a NaN or infinite
+    deadline was accepted and written into the worker's health record, where it never passes."""
+    url = await _controller_url(fleet)
+    async with httpx.AsyncClient(timeout=10) as client:
+        r = await client.post(f"{url}/v1/workers/{GHOST}/drain", content=body,
+                              headers={"authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"].startswith("bad drain request: ")
