@@ -1,14 +1,17 @@
 """``fleetward chaos``: run experiments, re-check saved runs, list the fault catalogue.
 
-    fleetward chaos run FILE [--out DIR] [--attach [--cluster C] [--run-dir D]] [--etcd H:P] [--mqtt H:P]
+    fleetward chaos run FILE [--out DIR] [--attach [--live-fleet] [--cluster C] [--run-dir D]] [--etcd H:P]
+                             [--mqtt H:P] [--dry-run]
     fleetward chaos check RUN_DIR [--json] [--report]
     fleetward chaos faults [--family F] [--json]
     fleetward chaos validate FILE...
 
 Exit codes: 0 the run completed, the hypothesis held and no checker failed; 1 otherwise; 2 a bad
-experiment file or flag, or a fleet to attach to that is not the declared one (the run never began: no
-checks are printed, only the error); 130 interrupted. ``--strict`` also exits 3 when a checker could not tell
-(``unknown``).
+experiment file or flag, a fault outside the blast radius, faults for an attached fleet without
+``--live-fleet`` or its admin token, or a fleet to attach to that is not the declared one (the run never
+began, nothing was injected: no checks are printed, only the error); 130 interrupted. ``--dry-run`` prints
+the plan (fleet, workload, blast radius, each fault's targets and schedule) and exits 0, or 2 as above.
+``--strict`` also exits 3 when a checker could not tell (``unknown``).
 """
 
 from __future__ import annotations
@@ -51,6 +54,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--attach", action="store_true", help="use the fleet `fleetward up` runs instead of "
                      "bringing one up (process faults are not available then); the experiment's workers "
                      "<fleet.node>-w<i> are the fleet's <its node>-w<i>")
+    run.add_argument("--live-fleet", dest="live_fleet", action="store_true",
+                     help="with --attach: confirm that faults may be injected into that fleet, which this run did "
+                     "not start (also needs a declared blast_radius and the fleet's admin token: "
+                     "FLEETWARD_ADMIN_TOKEN or its admin-token file)")
+    run.add_argument("--dry-run", dest="dry_run", action="store_true",
+                     help="print what the run would do, to which targets and when, without starting a fleet or "
+                     "load or injecting anything")
     run.add_argument("--cluster", help="with --attach: the local fleet's cluster (default: the experiment's, or "
                      "local)")
     run.add_argument("--run-dir", dest="run_dir", type=Path, default=Path(".fleetward"),
@@ -118,13 +128,19 @@ def _install_stop(stop: asyncio.Event) -> None:
 async def _run(args: argparse.Namespace) -> int:
     from fleetward.chaos.runner import Runner, RunOptions, experiment_of
 
+    if args.live_fleet and not args.attach:
+        raise ConfigError("it confirms injecting into a fleet the run attaches to: it goes with --attach",
+                          field="--live-fleet")
     exp, base = experiment_of(args.file)
     stop = asyncio.Event()
     _install_stop(stop)
     display = _Display()
-    opts = RunOptions(out=args.out, attach=args.attach, cluster=args.cluster, run_dir=args.run_dir, etcd=args.etcd,
-                      mqtt=args.mqtt, base=base, progress=display.event, stop=stop, report=args.report)
+    opts = RunOptions(out=args.out, attach=args.attach, live_fleet=args.live_fleet, cluster=args.cluster,
+                      run_dir=args.run_dir, etcd=args.etcd, mqtt=args.mqtt, base=base, progress=display.event,
+                      stop=stop, report=args.report)
     runner = Runner(exp, opts)
+    if args.dry_run:
+        return _dry_run(runner, args)
     display.runner = runner
     err.print(f"[bold]fleetward chaos run[/]: {exp.title} ({len(exp.method)} fault(s), "
               f"{exp.workload.duration_s:g} s of workload, seed {exp.seed})")
@@ -144,6 +160,20 @@ async def _run(args: argparse.Namespace) -> int:
     if stop.is_set():
         return 130
     return _code(result.exit_code, result.check_status, args.strict)
+
+
+def _dry_run(runner: Any, args: argparse.Namespace) -> int:
+    """The plan, after the refusals a run would meet before it begins (a :class:`ConfigError`: exit 2)."""
+    from fleetward.chaos.plan import plan, render
+
+    runner.preflight()
+    attach = None
+    if args.attach:
+        cluster = args.cluster or runner.exp.fleet.cluster or "local"
+        attach = f"the local fleet {cluster} ({args.run_dir / cluster / 'fleet.json'})"
+    for line in render(plan(runner.exp, attach=attach, etcd=args.etcd, mqtt=args.mqtt)):
+        out.print(escape(line))
+    return 0
 
 
 def _hypothesis(journal: dict[str, Any]) -> str:

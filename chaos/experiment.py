@@ -19,7 +19,14 @@ The format (a commented example is in ``docs/chaos.md``)::
     rollbacks:   [{action, args}]
     checkers:    [name | {name, params}]
     safety:      {max_fault_share, per_kind}
+    blast_radius: {workers, nodes, routers, links, etcd, broker, supervisors, max_capacity_share}
     reference:   auto | model | run | none
+
+The blast radius (:class:`BlastRadius`) is what the experiment may break: a fault whose target falls outside
+it is refused here, before anything runs, and again by the runner on the targets it resolves; the runner
+also aborts the method when more of the fleet's capacity is out of service than its ``max_capacity_share``.
+An experiment that declares none may break the whole fleet it declares (:data:`DEFAULT_RADIUS`), which is
+the fleet the runner brought up for it; a fleet the runner did not start needs a declared one.
 
 One module (over 600 lines) because the file format and the rules of meaning that go with its fields
 are read together: a field and what makes its value wrong stay side by side.
@@ -32,7 +39,7 @@ import importlib
 import logging
 import os
 import pkgutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -51,13 +58,16 @@ from fleetward.fleet.config import (
     SupervisorConfig,
     VllmConfig,
     parse_yaml,
+    read_text,
     validation_error,
 )
 from fleetward.fleet.errors import ConfigError
 
 __all__ = [
+    "DEFAULT_RADIUS",
     "Activity",
     "Arrival",
+    "BlastRadius",
     "CheckerSpec",
     "Experiment",
     "FleetSpec",
@@ -74,6 +84,8 @@ __all__ = [
     "default_target",
     "fault_catalogue",
     "load_experiment",
+    "radius_candidates",
+    "radius_field",
     "resolve_trace",
     "target_kinds",
     "validate_experiment",
@@ -331,6 +343,77 @@ class Safety(Frozen):
         return float(self.per_kind.get(kind, self.max_fault_share))  # type: ignore[call-overload]
 
 
+Selector = tuple[str, ...]
+
+
+class BlastRadius(Frozen):
+    """What an experiment may break, and how much of the fleet's capacity may be out of service at once.
+
+    Each list names components by id or glob (``node-w*``, ``router->worker:*``, ``*->etcd``). A kind left out
+    of a declared radius may not be faulted at all: the radius is an allow-list, as a selector is in Chaos
+    Mesh. Workers are inside when listed under ``workers`` or when they run on a host listed under ``nodes``;
+    gpu and kv faults act on the workers that own the GPUs or send the KV, so they follow ``workers`` and
+    ``nodes`` too. Load faults (``fleet``) take nothing out of service and are not scoped by the radius.
+
+    Picks (``random``, ``serving``, ``first``, ``all``) choose among the components inside the radius only.
+    ``max_capacity_share`` bounds the share of the fleet's workers out of service (not routable: dead,
+    unhealthy, restarting, draining, quarantined) at any moment of the method, whatever the cause: the
+    schedule is refused when its own worker faults would exceed it, and the run aborts, recovering every
+    fault in effect and running the rollbacks, when the fleet is seen beyond it.
+    """
+
+    workers: Selector = Field((), description="worker ids or globs that may be faulted")
+    nodes: Selector = Field((), description="hosts whose workers may be faulted")
+    routers: Selector = Field((), description="router ids or globs")
+    links: Selector = Field((), description="links (fault proxies): router->worker:<id>, client->router:<id>, "
+                            "agent->etcd, ... or globs")
+    etcd: Selector = Field((), description="etcd members (etcd-<i>)")
+    broker: Selector = Field((), description="the MQTT broker (broker)")
+    supervisors: Selector = Field((), description="supervisor controllers (controller-<i>)")
+    max_capacity_share: float = Field(0.5, gt=0, le=1, description="the largest share of the fleet's workers that "
+                                      "may be out of service at once")
+
+    def selector(self, kind: str) -> Selector | None:
+        """The ids or globs of ``kind`` inside the radius; None: the kind is not scoped (load faults)."""
+        field = radius_field(kind)
+        return None if field is None else tuple(getattr(self, field))
+
+    def admits(self, kind: str, ident: str, *, node: str | None = None) -> bool:
+        """Whether the component ``ident`` of ``kind`` (a worker on ``node``) is inside the radius."""
+        sel = self.selector(kind)
+        if sel is None:
+            return True
+        if match_ids(sel, [ident])[0]:
+            return True
+        return radius_field(kind) == "workers" and node is not None and bool(match_ids(self.nodes, [node])[0])
+
+    def describe(self) -> str:
+        parts = [f"{name} {', '.join(getattr(self, name))}" for name in
+                 ("workers", "nodes", "routers", "links", "etcd", "broker", "supervisors") if getattr(self, name)]
+        return "; ".join(parts or ["nothing"]) + f"; max capacity share {self.max_capacity_share:g}"
+
+
+# Every kind of component, whole: what an experiment that declares no radius may break (of the fleet it declares);
+# its max_capacity_share follows the experiment's safety rule for workers (:meth:`Experiment.radius`).
+DEFAULT_RADIUS = BlastRadius(workers=("*",), routers=("*",), links=("*",), etcd=("*",), broker=("*",),
+                             supervisors=("*",), max_capacity_share=0.5)
+
+_RADIUS_FIELDS: Mapping[str, str] = {"worker": "workers", "gpu": "workers", "kv": "workers", "router": "routers",
+                                     "link": "links", "etcd": "etcd", "broker": "broker",
+                                     "supervisor": "supervisors"}
+
+
+def radius_field(kind: str) -> str | None:
+    """The :class:`BlastRadius` list that scopes targets of ``kind`` (None for ``fleet``: load faults)."""
+    return _RADIUS_FIELDS.get(kind)
+
+
+def radius_candidates(radius: BlastRadius, kind: str, universe: Iterable[str],
+                      node_of: Callable[[str], str | None]) -> list[str]:
+    """The ids of ``universe`` inside ``radius`` (``node_of``: a worker's host)."""
+    return [i for i in universe if radius.admits(kind, i, node=node_of(i))]
+
+
 class Experiment(Frozen):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, populate_by_name=True)
 
@@ -346,6 +429,9 @@ class Experiment(Frozen):
     rollbacks: tuple[Rollback, ...] = (Rollback(action="restore_fleet"),)
     checkers: tuple[CheckerSpec, ...] | None = Field(None, description="default: every checker, with defaults")
     safety: Safety = Safety()
+    blast_radius: BlastRadius | None = Field(None, description="what the experiment may break (default: the whole "
+                                             "fleet it declares, as much of its capacity at once as the safety "
+                                             "rule allows for workers)")
     reference: Literal["auto", "model", "run", "none"] = Field(
         "auto", description="the fault-free reference of each stream: the sim's model, a fault-free run of the "
         "same requests after the method (greedy vLLM), or none")
@@ -359,6 +445,13 @@ class Experiment(Frozen):
                   tolerance=Range(min=self.fleet.workers), within_s=60.0),
             Probe(name="probe requests complete exactly", probe="requests", tolerance=1.0),
         ))
+
+    def radius(self) -> BlastRadius:
+        """The declared blast radius, or :data:`DEFAULT_RADIUS` with as much capacity as the safety rule lets
+        the schedule's worker faults take (``safety.per_kind.worker``, else ``safety.max_fault_share``)."""
+        if self.blast_radius is not None:
+            return self.blast_radius
+        return DEFAULT_RADIUS.model_copy(update={"max_capacity_share": self.safety.limit("worker")})
 
     def activity_names(self) -> list[str]:
         return [a.name or f"{a.fault}#{i}" for i, a in enumerate(self.method)]
@@ -481,11 +574,12 @@ def target_kinds(spec: FaultSpec) -> tuple[str, ...]:
     return tuple(str(k) for k in kinds)
 
 
-def _target_size(target: Target, declared: list[str] | None) -> int:
+def _target_size(target: Target, declared: list[str] | None, candidates: list[str] | None = None) -> int:
     if target.ids:
         return len(match_ids(target.ids, declared)[0]) if declared is not None else len(target.ids)
     if target.pick == "all":
-        return len(declared) if declared is not None else target.count
+        pool = candidates if candidates is not None else declared
+        return len(pool) if pool is not None else target.count
     return target.count
 
 
@@ -607,6 +701,9 @@ def _meaning(exp: Experiment, *, base: Path | None) -> list[InitErrorDetails]:
             elif not target.ids and target.pick != "all" and target.count > len(declared):
                 problems.append(_problem((*here, "target", "count"), f"the declared fleet has only "
                                          f"{len(declared)} {target.kind}(s), not {target.count}", target.count))
+        radius_problem, candidates = _radius(exp, act.fault, target, declared, here)
+        if radius_problem is not None:
+            problems.append(radius_problem)
         # When the activity is in effect (statically: recovery takes no time).
         if act.at is not None:
             start = act.at
@@ -623,7 +720,8 @@ def _meaning(exp: Experiment, *, base: Path | None) -> list[InitErrorDetails]:
             start = starts[act.after] + act.delay
         starts[name] = start + act.duration
         if counts_toward_share(spec, target):
-            windows.append(_Window(i, target.kind, _target_size(target, declared), start, start + act.duration))
+            windows.append(_Window(i, target.kind, _target_size(target, declared, candidates), start,
+                                   start + act.duration))
     problems.extend(_safety(exp, windows))
     problems.extend(_workload_meaning(exp, base=base))
     for i, probe in enumerate(exp.hypothesis().probes if exp.steady_state_hypothesis else ()):
@@ -670,6 +768,38 @@ def _requirements(spec: FaultSpec, fleet: FleetSpec, here: Loc) -> list[InitErro
     return out
 
 
+def _radius(exp: Experiment, fault: str, target: Target, declared: list[str] | None,
+            here: Loc) -> tuple[InitErrorDetails | None, list[str] | None]:
+    """A target outside the blast radius, as a problem; and the declared ids a pick may choose from."""
+    radius = exp.radius()
+    if radius.selector(target.kind) is None:
+        return None, None
+    node = exp.fleet.node  # the runner's own fleet has one node agent: every declared worker is on it
+
+    def node_of(_i: str) -> str:
+        return node
+
+    if target.ids:
+        named = match_ids(target.ids, declared)[0] if declared is not None else list(target.ids)
+        outside = [i for i in named if not radius.admits(target.kind, i, node=node_of(i))]
+        if outside:
+            return _problem((*here, "target", "ids"), f"{fault} would hit {', '.join(outside)}, outside the blast "
+                            f"radius ({radius.describe()})", list(target.ids)), None
+        return None, None
+    if declared is None:
+        return None, None
+    candidates = radius_candidates(radius, target.kind, declared, node_of)
+    if not candidates:
+        return _problem((*here, "target"), f"{fault} picks a {target.kind}, and no {target.kind} of the declared "
+                        f"fleet ({', '.join(declared) or 'none'}) is inside the blast radius "
+                        f"({radius.describe()})"), candidates
+    if target.pick != "all" and target.count > len(candidates):
+        return _problem((*here, "target", "count"), f"{fault} picks {target.count} {target.kind}(s); only "
+                        f"{len(candidates)} ({', '.join(candidates)}) are inside the blast radius "
+                        f"({radius.describe()})", target.count), candidates
+    return None, candidates
+
+
 def _safety(exp: Experiment, windows: Iterable[_Window]) -> list[InitErrorDetails]:
     by_kind: dict[str, list[_Window]] = {}
     for w in windows:
@@ -680,6 +810,9 @@ def _safety(exp: Experiment, windows: Iterable[_Window]) -> list[InitErrorDetail
         if not declared:
             continue
         limit = exp.safety.limit(kind)
+        capacity = kind == "worker" and exp.radius().max_capacity_share < limit
+        if capacity:
+            limit = exp.radius().max_capacity_share
         for w in sorted(ws, key=lambda w: (w.start, w.index)):
             # Everything of this kind in effect when w starts (an instant fault still counts at its instant).
             overlapping = [o for o in ws if o.start <= w.start and (o.end > w.start or o is w or
@@ -691,8 +824,10 @@ def _safety(exp: Experiment, windows: Iterable[_Window]) -> list[InitErrorDetail
                 withs = f" together with {', '.join(others)}" if others else ""
                 problems.append(_problem(("method", w.index, "target"),
                                          f"would fault {size} of {len(declared)} {kind}(s) at once from "
-                                         f"t={w.start:g} s{withs}: share {share:.2f} is over the safety limit "
-                                         f"{limit:g} (safety.max_fault_share / safety.per_kind.{kind})"))
+                                         f"t={w.start:g} s{withs}: share {share:.2f} is over "
+                                         + (f"the blast radius's max_capacity_share {limit:g}" if capacity else
+                                            f"the safety limit {limit:g} (safety.max_fault_share / "
+                                            f"safety.per_kind.{kind})")))
                 break
     return problems
 
@@ -740,9 +875,5 @@ def validate_experiment(data: Any, *, file: str = "<experiment>", lines: Mapping
 def load_experiment(path: str | Path) -> Experiment:
     """Read and validate an experiment file."""
     file = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read: {exc.strerror}", file=file) from exc
-    data, lines = parse_yaml(text, file=file)
+    data, lines = parse_yaml(read_text(path), file=file)
     return validate_experiment(data, file=file, lines=lines, base=Path(path).resolve().parent)

@@ -31,13 +31,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
+
 from fleetward.chaos.attached import AttachedFleet
 from fleetward.chaos.experiment import Experiment, declared_ids
 from fleetward.chaos.harness import FleetContext, TestFleet
 from fleetward.fleet.backends import Backend, SimBackend, VllmBackend
 from fleetward.fleet.config import SimConfig
 from fleetward.fleet.errors import ConfigError
+from fleetward.fleet.etcd import EtcdStore
 from fleetward.fleet.handle import Fleet
+from fleetward.fleet.keys import Keys
+from fleetward.fleet.registry import read_fleet
 from fleetward.fleet.state import read_admin_token, read_state, state_path
 from fleetward.sim.model import sim_model
 
@@ -102,6 +107,8 @@ async def own_fleet(exp: Experiment, *, run_dir: Path, backend: Backend, etcd: s
         # The fleet owns what was not given: a private etcd (cluster) and broker, so faults may stop them.
         etcd_members=0 if etcd else spec.etcd_members, own_broker=not mqtt,
         proxy_workers=spec.proxies.workers, proxy_clients=spec.proxies.clients, proxy_control=spec.proxies.control)
+    if etcd and spec.cluster:
+        await _refuse_a_live_cluster(etcd, spec.cluster)
     say(f"starting {spec.workers} {backend.name} worker(s) and {spec.routers} router(s)")
     async with contextlib.AsyncExitStack() as stack:
         await guard(stack.enter_async_context(fleet), "starting the fleet")
@@ -111,6 +118,20 @@ async def own_fleet(exp: Experiment, *, run_dir: Path, backend: Backend, etcd: s
                     "waiting for the workers")
         yield Provisioned(fleet, _declared(fleet), True,
                           fleet.fault_context(history=history, seed=exp.seed, services=dict(services)))
+
+
+async def _refuse_a_live_cluster(etcd: str, cluster: str) -> None:
+    """A :class:`ConfigError` when ``cluster`` on ``etcd`` already has workers or routers: a fleet this run did
+    not start, which its own workers, supervisor and faults must not join."""
+    async with EtcdStore(etcd, attempts=3, retry_budget_s=5.0) as store:
+        found = await read_fleet(store, Keys(cluster))
+    if found.workers or found.routers:
+        workers = ", ".join(sorted(found.workers)) or "none"
+        routers = ", ".join(sorted(found.routers)) or "none"
+        raise ConfigError(f"cluster {cluster} on etcd {etcd} already runs workers ({workers}) and routers ({routers}) "
+                          "this run did not start: to run against that fleet, attach to it (--attach --live-fleet, "
+                          "with a declared blast_radius and its admin token); to bring up a fleet of the run's own, "
+                          "leave fleet.cluster unset", field="fleet.cluster")
 
 
 @contextlib.asynccontextmanager
@@ -170,6 +191,8 @@ async def attached_fleet(exp: Experiment, *, run_dir: Path, cluster: str | None,
                               f"{exp.fleet.backend} workers", field="fleet.backend")
         if exp.fleet.backend == "sim":
             fleet.backend = SimBackend(await attached_sim_config(fleet, declared, exp.fleet.sim, say=say))
+            if exp.method:
+                await _check_admin_token(fleet, declared)
         ids = {"worker": declared, "router": [r.id for r in fleet.routers][:exp.fleet.routers],
                "kv": sorted(w for w in declared if w in fleet.records and fleet.records[w].role == "prefill"),
                "fleet": ["fleet"]}
@@ -179,17 +202,45 @@ async def attached_fleet(exp: Experiment, *, run_dir: Path, cluster: str | None,
         await fleet.aclose()
 
 
+async def _check_admin_token(fleet: AttachedFleet, workers: Sequence[str]) -> None:
+    """A :class:`ConfigError` when the attached fleet's simulated workers refuse the admin token (before any
+    fault is injected with it); a worker that does not answer is left to the steady-state hypothesis."""
+    for w in workers:
+        try:
+            await fleet.state(w)
+        except httpx.HTTPStatusError as exc:
+            if exc.response.status_code in (401, 403):
+                raise ConfigError(f"worker {w} refuses the admin token (HTTP {exc.response.status_code}): it is not "
+                                  "this fleet's (FLEETWARD_ADMIN_TOKEN, or the admin-token file beside its "
+                                  "fleet.json); nothing was injected", field="FLEETWARD_ADMIN_TOKEN") from None
+            return
+        except httpx.HTTPError:
+            continue
+        return
+
+
 def on_node(exp: Experiment, node: str) -> Experiment:
-    """``exp`` with its workers ``<fleet.node>-w<i>`` named ``<node>-w<i>``, in its fleet and in every target
-    (``node-w1`` and ``router->worker:node-w1`` alike)."""
+    """``exp`` with its workers ``<fleet.node>-w<i>`` named ``<node>-w<i>``, in its fleet, in every target
+    (``node-w1`` and ``router->worker:node-w1`` alike) and in its blast radius (globs such as ``node-w*`` too,
+    and the node itself under ``nodes``)."""
     own = re.compile(rf"(^|:){re.escape(exp.fleet.node)}(-w\d+)$")
+    loose = re.compile(rf"(^|:){re.escape(exp.fleet.node)}(-w)")
 
     def rename(i: str) -> str:
         return own.sub(lambda m: f"{m[1]}{node}{m[2]}", i)
 
+    def rename_selector(i: str) -> str:
+        return loose.sub(lambda m: f"{m[1]}{node}{m[2]}", i)
+
     method = tuple(a if a.target is None else a.model_copy(update={"target": a.target.model_copy(
         update={"ids": tuple(map(rename, a.target.ids))})}) for a in exp.method)
-    return exp.model_copy(update={"fleet": exp.fleet.model_copy(update={"node": node}), "method": method})
+    update: dict[str, Any] = {"fleet": exp.fleet.model_copy(update={"node": node}), "method": method}
+    if exp.blast_radius is not None:
+        r = exp.blast_radius
+        update["blast_radius"] = r.model_copy(update={
+            "workers": tuple(map(rename_selector, r.workers)), "links": tuple(map(rename_selector, r.links)),
+            "nodes": tuple(node if n == exp.fleet.node else n for n in r.nodes)})
+    return exp.model_copy(update=update)
 
 
 # What a simulated worker is asked to confirm its model: a few prompts, greedy, EOS allowed.

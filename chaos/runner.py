@@ -10,8 +10,10 @@ One run, in order (Chaos Toolkit's life of an experiment, with a workload and ti
    run ``failed``;
 4. the method: the workload runs open-loop while each scheduled fault is driven through
    inject → verify → hold → recover → verify recovered, every step a ``fault`` record (and
-   ``fault.start`` / ``fault.stop`` events on the bus). Before each injection the safety rule is checked
-   again against the resolved targets; a breach aborts the method (faults in effect are recovered);
+   ``fault.start`` / ``fault.stop`` events on the bus). Targets are resolved inside the experiment's blast
+   radius, and before each injection the safety rule is checked again against them; a breach aborts the
+   method (faults in effect are recovered). So does the fleet seen with more workers out of service than
+   the radius's ``max_capacity_share`` (:mod:`.radius`), whatever the cause;
 5. the steady-state hypothesis again (*after*): if it does not hold, the run ``deviated``;
 6. the rollbacks; then, for greedy vLLM, a fault-free reference run of every request the clients made;
 7. the checkers, on the history; then ``journal.json`` and ``report.html``.
@@ -20,8 +22,9 @@ The run folder holds ``journal.json``, ``history.jsonl``, ``report.html``, ``ref
 recorded) and ``logs/``. :func:`~fleetward.chaos.judge.check_run` re-runs the checkers on a saved folder.
 The exit code is 1 when the run did not complete, the hypothesis deviated or a checker failed; else 0. A
 run that cannot begin because its input is wrong (the experiment, or a fleet that is not the declared one:
-other workers, fewer routers, no running fleet to attach to) raises
-:class:`~fleetward.fleet.errors.ConfigError` instead, and leaves no run folder.
+other workers, fewer routers, no running fleet to attach to; faults for a fleet the run did not start without
+``live_fleet``, a declared blast radius and the fleet's admin token) raises
+:class:`~fleetward.fleet.errors.ConfigError` instead, and leaves no run folder: nothing is injected.
 
 The stages live in their own modules: the fleet (:mod:`.provision`), targets (:mod:`.targets`), probes
 (:mod:`.probes`), rollbacks (:mod:`.rollbacks`) and judging (:mod:`.judge`); this module drives them.
@@ -66,18 +69,22 @@ from fleetward.chaos.history import History, read_history
 from fleetward.chaos.judge import RunResult, check_run, finish_journal, judge
 from fleetward.chaos.probes import PROBES, ProbeContext
 from fleetward.chaos.provision import Provisioned, attached_fleet, given_fleet, own_fleet, worker_backend
+from fleetward.chaos.radius import capacity_breach, live_fleet_refusal, out_of_service
 from fleetward.chaos.reference import record_reference
 from fleetward.chaos.rollbacks import ROLLBACKS, RollbackContext
 from fleetward.chaos.targets import TargetError, resolve
 from fleetward.chaos.workload import Workload
 from fleetward.fleet.errors import ConfigError, FleetwardError
 from fleetward.fleet.handle import Fleet
+from fleetward.fleet.registry import read_fleet
+from fleetward.fleet.state import read_admin_token, read_state, state_path
 
 __all__ = ["RunOptions", "RunResult", "Runner", "check_run", "experiment_of", "run_experiment"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+CAPACITY_LOOK_S = 0.2  # how often the method looks at the fleet's capacity against the blast radius
 Progress = Callable[[str, str], None]  # (kind, text): phase, activity, note
 
 
@@ -93,6 +100,7 @@ class Stopped(FleetwardError):
 class RunOptions:
     out: Path | None = None  # the run folder (default runs/chaos/<time>-<title>)
     attach: bool = False  # use the running local fleet instead of bringing one up
+    live_fleet: bool = False  # with attach: the operator confirms faults may be injected into it
     cluster: str | None = None  # with attach: which local fleet
     run_dir: Path = Path(".fleetward")  # with attach: where `fleetward up` keeps its state
     etcd: str | None = None  # bring the fleet up on this etcd (host:port) instead of starting one
@@ -184,15 +192,28 @@ class Runner:
 
     # -- the whole run ----------------------------------------------------------------------------------
 
+    def preflight(self) -> None:
+        """Refuse, before anything starts, what this run may not do: root-only faults without root, faults for a
+        fleet the run did not start without the operator's consent (:func:`~.radius.live_fleet_refusal`)."""
+        self._refuse_root_faults()
+        if self.opts.attach:
+            path = state_path(self.opts.run_dir, self.opts.cluster or self.exp.fleet.cluster or "local")
+            state = read_state(path, hint=" (or run without --attach)", field="attach")
+            refusal = live_fleet_refusal(self.exp, fleet=f"the fleet of cluster {state.get('cluster', '?')} ({path})",
+                                         confirmed=self.opts.live_fleet, token=read_admin_token(state, path))
+            if refusal is not None:
+                raise refusal
+
     async def run(self) -> RunResult:
         exp = self.exp
-        self._refuse_root_faults()
+        self.preflight()
         run_dir = self._run_dir()
         self.history = History(run_dir / "history.jsonl")
         started = time.time()
         journal: dict[str, Any] = {
             "fleetward-version": _version(), "platform": platform.platform(), "node": platform.node(),
             "experiment": exp.to_json(), "start": _iso(started), "status": "failed", "deviated": False,
+            "blast_radius": {"declared": exp.blast_radius is not None, **exp.radius().model_dump(mode="json")},
             "steady_states": {"before": None, "after": None}, "run": self.activities, "rollbacks": [],
         }
         reason = ""
@@ -407,10 +428,13 @@ class Runner:
 
         async def body() -> None:
             assert self.workload is not None
-            async with asyncio.TaskGroup() as tg:
-                tg.create_task(self.workload.run(), name="workload")
-                for i, act in enumerate(self.exp.method):
-                    tg.create_task(self._activity(i, act, done), name=self.names[i])
+            async with asyncio.TaskGroup() as outer:
+                watch = outer.create_task(self._watch_capacity(), name="blast radius")
+                async with asyncio.TaskGroup() as tg:
+                    tg.create_task(self.workload.run(), name="workload")
+                    for i, act in enumerate(self.exp.method):
+                        tg.create_task(self._activity(i, act, done), name=self.names[i])
+                watch.cancel()
 
         main = asyncio.create_task(body(), name="method")
         stopper = asyncio.create_task((self.opts.stop or asyncio.Event()).wait(), name="stop")
@@ -423,7 +447,7 @@ class Runner:
             with contextlib.suppress(asyncio.CancelledError):
                 await main
         except* SafetyAbort as group:
-            status, reason = "aborted", str(group.exceptions[0])
+            status, reason = "aborted", str(_first(group))
         finally:
             stopper.cancel()
             main.cancel()
@@ -431,6 +455,25 @@ class Runner:
             self.phase = "after the method"
         self._say("phase", f"method {status}" + (f": {reason}" if reason else ""))
         return status, reason
+
+    async def _watch_capacity(self) -> None:
+        """Abort the method (:class:`SafetyAbort`) when more of the fleet's workers are out of service than the
+        blast radius allows, whatever the cause; a look that cannot read etcd (an etcd fault) tells nothing."""
+        share = self.exp.radius().max_capacity_share
+        while True:
+            await asyncio.sleep(CAPACITY_LOOK_S)
+            workers = sorted(set(self.fleet.worker_ids))
+            try:
+                async with asyncio.timeout(5.0):
+                    snapshot = await read_fleet(self.fleet.store, self.fleet.keys)
+            except (FleetwardError, OSError, TimeoutError):
+                continue
+            down = out_of_service(snapshot, workers)
+            breach = capacity_breach(down, workers, share)
+            if breach is not None:
+                self.history.add("note", text=breach, blast_radius=True, out_of_service=down)
+                self._say("activity", f"ABORT: {breach}")
+                raise SafetyAbort(breach)
 
     async def _sleep_until(self, t: float) -> None:
         assert self.method_started is not None
@@ -462,7 +505,10 @@ class Runner:
         base = {"activity": name, "fault": act.fault, "family": spec.family, "target": target.model_dump(mode="json"),
                 "params": params.model_dump(mode="json")}
         try:
-            ids = self.resolve(target, rng=random.Random(f"{self.exp.seed}:target:{i}"))
+            try:
+                ids = self.resolve(target, rng=random.Random(f"{self.exp.seed}:target:{i}"))
+            except SafetyAbort as exc:
+                raise SafetyAbort(f"{name} ({act.fault}): {exc}") from None
             self._check_share(spec, target, ids, name)
         except SafetyAbort as exc:
             h.add("fault", phase="refused", detail=str(exc), **base)
@@ -560,12 +606,32 @@ class Runner:
         return None
 
     def resolve(self, target: Target, *, rng: random.Random) -> list[str]:
-        """Concrete ids for ``target`` within the fleet; :class:`SafetyAbort` when outside it."""
+        """Concrete ids for ``target`` within the fleet and its blast radius (a pick chooses among the ids inside
+        it); :class:`SafetyAbort` when outside either."""
         load = self.workload.in_flight_by_worker() if self.workload is not None and target.kind == "worker" else None
+        radius = self.exp.radius()
+        universe = self.universe(target.kind)
+        if universe is not None and not target.ids:
+            universe = [i for i in universe if radius.admits(target.kind, i, node=self._node_of(target.kind, i))]
+            if not universe:
+                raise SafetyAbort(f"no {target.kind} of the fleet is inside the blast radius ({radius.describe()})")
         try:
-            return resolve(target, self.universe(target.kind), rng=rng, busy=self._busy_ids(target.kind), load=load)
+            ids = resolve(target, universe, rng=rng, busy=self._busy_ids(target.kind), load=load)
         except TargetError as exc:
             raise SafetyAbort(str(exc)) from None
+        outside = [i for i in ids if not radius.admits(target.kind, i, node=self._node_of(target.kind, i))]
+        if outside:
+            raise SafetyAbort(f"{target.kind} {', '.join(outside)} outside the blast radius ({radius.describe()})")
+        return ids
+
+    def _node_of(self, kind: str, ident: str) -> str | None:
+        """The host of a worker (workers, their GPUs and KV links); None for other kinds or one unknown here."""
+        if kind not in ("worker", "gpu", "kv"):
+            return None
+        try:
+            return self.fleet.spec(ident).node
+        except (KeyError, AttributeError):
+            return None
 
     def _busy_ids(self, kind: str) -> set[str]:
         return {i for k, ids in self.active.values() if k == kind for i in ids}
@@ -578,6 +644,8 @@ class Runner:
             return
         faulted = self._busy_ids(target.kind) | set(ids)
         limit = self.exp.safety.limit(target.kind)
+        if target.kind == "worker":
+            limit = min(limit, self.exp.radius().max_capacity_share)
         share = len(faulted) / len(known)
         if share > limit + 1e-9:
             raise SafetyAbort(f"{name} would fault {len(faulted)} of {len(known)} {target.kind}(s) at once "
@@ -637,6 +705,14 @@ def _discard(run_dir: Path) -> None:
     with contextlib.suppress(OSError):
         (run_dir / "history.jsonl").unlink()
         run_dir.rmdir()
+
+
+def _first(group: BaseExceptionGroup[SafetyAbort]) -> BaseException:
+    """The first abort in a (possibly nested) group: a refused fault, or the capacity watch."""
+    first: BaseException = group
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return first
 
 
 def _describe(fault: Fault) -> dict[str, Any]:

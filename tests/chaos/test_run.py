@@ -136,7 +136,9 @@ async def test_an_attached_run_uses_the_fleet_that_is_already_running(fleetward_
             checkers=["stream_exactness", "fault_verification", "availability"])
         exp["workload"]["duration_s"] = 2.5
         exp["reference"] = "run"  # what greedy vLLM uses: every request again, fault-free, after the method
-        opts = RunOptions(out=tmp_path / "run", attach=True, cluster=fleet.cluster, run_dir=tmp_path / "state")
+        exp["blast_radius"] = {"workers": ["node-w1"]}  # a fleet the run did not start: declared, and confirmed
+        opts = RunOptions(out=tmp_path / "run", attach=True, live_fleet=True, cluster=fleet.cluster,
+                          run_dir=tmp_path / "state")
         result = await Runner(validate_experiment(exp), opts).run()
         assert result.ok, result.failures()
         j = result.journal
@@ -196,13 +198,15 @@ async def test_an_attached_run_names_the_fleets_workers_for_the_experiments_and_
              "target": {"kind": "worker", "ids": ["node-w1"]}}],
             checkers=["stream_exactness", "fault_verification", "availability"])
         exp["workload"]["duration_s"] = 2.5
+        exp["blast_radius"] = {"workers": ["node-w1"], "nodes": []}  # renamed too: edge1-w1
         assert exp["fleet"]["sim"]["seed"] == 11 and "node" not in exp["fleet"]
-        opts = RunOptions(out=tmp_path / "run", attach=True, cluster=fleet.cluster, run_dir=run_dir)
+        opts = RunOptions(out=tmp_path / "run", attach=True, live_fleet=True, cluster=fleet.cluster, run_dir=run_dir)
         result = await Runner(validate_experiment(exp), opts).run()
         assert result.ok, result.failures()
         j = result.journal
         assert j["fleet"]["workers"] == ["edge1-w0", "edge1-w1"] and j["experiment"]["fleet"]["node"] == "edge1"
         assert j["run"][0]["output"]["targets"] == ["edge1-w1"]
+        assert j["experiment"]["blast_radius"]["workers"] == ["edge1-w1"]
         assert j["reference"] == {"kind": "model", "seed": 0, "eos_probability": 0.0}  # the fleet's, not 11
         exactness = next(v for v in result.verdicts if v.checker == "stream_exactness")
         assert exactness.status == "pass" and exactness.metrics["reference"] == "model"
