@@ -128,6 +128,11 @@ class RouterConfig(Frozen):
     checkpoint_interval_ms: float = Field(75.0, gt=0, description="one etcd transaction per interval")
     processes: int = Field(1, ge=1, le=64, description="router processes on the one port (SO_REUSEPORT; each one "
                            "event loop, one core at most; they share state through etcd as replicas do)")
+    api_keys_file: Path | None = Field(None, description="require an API key (``Authorization: Bearer``) on the "
+                                       "public API: a YAML file of named keys, each with its concurrency limit "
+                                       "(docs/operations.md, \"API keys\"); none: the API is open")
+    api_key_max_concurrency: int = Field(0, ge=0, description="requests in flight per API key, for keys that do not "
+                                         "set max_concurrency (0: no limit)")
     checkpoint_incremental: bool = Field(True, description="after a request's first checkpoint, write only the "
                                          "tokens since the last flush (false: the whole journal every flush, as "
                                          "before; kept to measure the difference)")

@@ -5,7 +5,7 @@ have a node's agent restart or stop a worker, around the control API's bearer to
 action it issues with a key derived from the admin token (HMAC-SHA256 over the action as issued: every field
 but ``status`` and the signature itself), and an agent that holds the token carries out only actions whose
 signature checks, addressed to its node, issued within ``max_age_s`` and not carried out before (a copy of an
-old signed action put back as pending is a replay). docs/operations.md ("Access") says what this guards.
+old signed action put back as pending is a replay). docs/operations.md ("Signed actions") says what this guards.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fleetward.fleet.bus import EventBus
@@ -47,6 +48,7 @@ from fleetward.fleet.registry import FleetView
 from fleetward.fleet.telemetry import link_gauges
 from fleetward.fleet.worker import HealthState
 from fleetward.migration import wire
+from fleetward.migration.apikeys import ApiKey, ApiKeys
 from fleetward.migration.checkpoint import Checkpointer
 from fleetward.migration.journal import Journal, Kind, RequestRefused, new_request_id, request_schema, validate_body
 from fleetward.migration.policy import RoutingPolicy, make_policy, prefix_key
@@ -130,6 +132,13 @@ class _Metrics:
         for kind in KV_ERROR_KINDS:
             self.kv_failures.labels(kind)
         self.in_flight = Gauge("fleetward_router_in_flight_requests", "Requests being served.", registry=r)
+        self.key_requests = Counter("fleetward_router_api_key_requests", "Requests by API key (its name in "
+                                    "routing.api_keys_file) and whether its concurrency limit let them in.",
+                                    ["key", "result"], registry=r)
+        self.auth_failures = Counter("fleetward_router_auth_failures", "Requests refused for a missing or wrong "
+                                     "API key (401).", ["reason"], registry=r)
+        for reason in ("missing", "wrong"):
+            self.auth_failures.labels(reason)
         self.stall = Histogram("fleetward_router_migration_stall_seconds",
                                "Client-visible gap between the last token before a failure and the first after it.",
                                buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5, 10, 30), registry=r)
@@ -196,6 +205,13 @@ class Router:
         self.texts = TextSources(config.tokenizers)
         self.metrics = _Metrics()
         link_gauges(self.metrics.registry, store=store, bus=bus)
+        # API keys on the public API (routing.api_keys_file): None when it is open.
+        self.api_keys = ApiKeys.load(config.api_keys_file, default_limit=config.api_key_max_concurrency) \
+            if config.api_keys_file is not None else None
+        if self.api_keys is not None:
+            for name in self.api_keys.names:
+                self.metrics.key_requests.labels(name, "accepted")
+                self.metrics.key_requests.labels(name, "over_limit")
         self.metrics.checkpoint_lag.set_function(lambda: self.checkpointer.lag_s)
         self.checkpointer.on_flush = self.metrics.checkpoint_flush.observe
         self.checkpointer.on_slice = self.metrics.checkpoint_slice.observe
@@ -675,7 +691,11 @@ class Router:
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
         @app.get("/v1/models")
-        async def models() -> JSONResponse:
+        async def models(request: Request) -> Response:
+            if self.api_keys is not None:
+                key = self._api_key(request)
+                if isinstance(key, RouterError):
+                    return key.response()
             now = int(time.time())
             data = [{"id": m, "object": "model", "created": now, "owned_by": "fleetward", "root": m, "parent": None,
                      "fleetward": self._text_status(m)} for m in self.models()]
@@ -687,13 +707,65 @@ class Router:
 
         @app.post("/v1/completions", operation_id="completions", openapi_extra=_openapi_post(Kind.COMPLETION))
         async def completions(request: Request) -> Response:
-            return await self._handle(request, Kind.COMPLETION)
+            return await self._keyed(request, Kind.COMPLETION)
 
         @app.post("/v1/chat/completions", operation_id="chat_completions", openapi_extra=_openapi_post(Kind.CHAT))
         async def chat(request: Request) -> Response:
-            return await self._handle(request, Kind.CHAT)
+            return await self._keyed(request, Kind.CHAT)
 
         return app
+
+    def _api_key(self, request: Request) -> ApiKey | RouterError:
+        """The API key the request carries, or the 401 that refuses it."""
+        assert self.api_keys is not None
+        key = self.api_keys.check(request.headers.get("authorization"))
+        if isinstance(key, ApiKey):
+            return key
+        self.metrics.auth_failures.labels(key).inc()
+        message = ("missing API key: send it as Authorization: Bearer <key>" if key == "missing"
+                   else "incorrect API key provided")
+        return RouterError(401, message, headers={"WWW-Authenticate": "Bearer"})
+
+    async def _keyed(self, request: Request, kind: Kind) -> Response:
+        """A generation request under its API key, when the router takes keys: 401 without a known key, 429
+        when the key has ``max_concurrency`` requests in flight; its slot is held until the answer (or the
+        stream) ends, or the client goes away."""
+        if self.api_keys is None:
+            return await self._handle(request, kind)
+        key = self._api_key(request)
+        if isinstance(key, RouterError):
+            return key.response()
+        if not key.acquire():
+            self.metrics.key_requests.labels(key.name, "over_limit").inc()
+            return RouterError(429, f"API key {key.name!r} has {key.limit} requests in flight, its limit; retry "
+                               "when one ends", retry_after=1).response()
+        self.metrics.key_requests.labels(key.name, "accepted").inc()
+        try:
+            response = await self._handle(request, kind)
+        except BaseException:
+            key.release()
+            raise
+        if not isinstance(response, StreamingResponse):
+            key.release()
+            return response
+        inner, released = response.body_iterator, False
+
+        def release() -> None:  # once: when the stream ends, or after the response if it never started
+            nonlocal released
+            if not released:
+                released = True
+                key.release()
+
+        async def held() -> AsyncIterator[Any]:
+            try:
+                async for chunk in inner:
+                    yield chunk
+            finally:
+                release()
+
+        response.body_iterator = held()
+        response.background = BackgroundTask(release)
+        return response
 
     async def _handle(self, request: Request, kind: Kind) -> Response:
         endpoint = kind.value

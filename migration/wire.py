@@ -17,9 +17,10 @@ __all__ = ["DONE", "StreamEncoder", "error_body", "event", "final_response", "st
 
 DONE = b"data: [DONE]\n\n"
 
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeout",
-                409: "ConflictError", 410: "GoneError", 429: "RateLimitError", 500: "InternalServerError",
-                502: "BadGatewayError", 503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                405: "MethodNotAllowedError", 408: "RequestTimeout", 409: "ConflictError", 410: "GoneError",
+                429: "RateLimitError", 500: "InternalServerError", 502: "BadGatewayError",
+                503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
 
 
 def error_body(status: int, message: str, *, param: str | None = None,
