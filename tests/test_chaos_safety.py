@@ -253,6 +253,29 @@ def test_capacity_out_of_service_counts_unregistered_and_unroutable_workers_only
 # -- at run time ----------------------------------------------------------------------------------------------
 
 
+def test_at_run_time_picks_choose_inside_the_radius_and_named_targets_outside_it_are_refused() -> None:
+    import random
+
+    from fleetward.chaos.runner import SafetyAbort
+
+    exp = validate_experiment(experiment(fleet={"workers": 3, "sim": SIM},
+                                         blast_radius={"workers": ["node-w1", "node-w2"], "max_capacity_share": 0.34}))
+    runner = Runner(exp)
+    runner._declared = {"worker": ["node-w0", "node-w1", "node-w2"], "router": ["router-0"], "fleet": ["fleet"]}
+    for seed in range(8):  # whatever the seed, a pick never leaves the radius
+        picked = runner.resolve(Target(kind="worker", pick="random"), rng=random.Random(seed))
+        assert picked[0] in {"node-w1", "node-w2"}
+    assert runner.resolve(Target(kind="worker", pick="all"), rng=random.Random(0)) == ["node-w1", "node-w2"]
+    with pytest.raises(SafetyAbort, match=r"worker node-w0 outside the blast radius \(workers node-w1, node-w2"):
+        runner.resolve(Target(kind="worker", ids=("node-w0",)), rng=random.Random(0))
+    with pytest.raises(SafetyAbort, match="no router of the fleet is inside the blast radius"):
+        runner.resolve(Target(kind="router", pick="first"), rng=random.Random(0))
+    # The capacity share bounds the worker faults in effect at once, as the safety share does.
+    runner.active["first"] = ("worker", ["node-w1"])
+    with pytest.raises(SafetyAbort, match=r"would fault 2 of 3 worker\(s\) at once .* over the limit 0.34"):
+        runner._check_share(runner.catalogue["process.hang"], Target(kind="worker"), ["node-w2"], "second")
+
+
 async def test_the_run_aborts_and_rolls_back_when_the_fleet_breaks_beyond_the_radius(
         fleetward_experiment: Any) -> None:
     # The fault's target, node-w0, is inside the radius and half the capacity: allowed. Its collateral damage
