@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -35,6 +36,16 @@ def ours(run_dir: Path) -> list[psutil.Process]:
                 found.append(p)
         except psutil.Error:
             continue
+    return found
+
+
+def holding(root: Path, secret: str) -> list[Path]:
+    """Files under ``root`` that hold ``secret``, except the file meant to hold it."""
+    found = []
+    for f in root.rglob("*"):
+        with contextlib.suppress(OSError):
+            if f.is_file() and f.name != "admin-token" and secret.encode() in f.read_bytes():
+                found.append(f)
     return found
 
 
@@ -84,9 +95,14 @@ async def test_up_starts_a_fleet_that_status_shows_and_sigterm_leaves_nothing(tm
         assert (root / "etcd-data").is_dir() and run("status", "--run-dir", str(tmp_path), "--cluster",
                                                      "clitest").returncode == 0, "and it still answers"
         assert len(tree) >= 7  # up, etcd, broker, 3 workers, router
+        # The admin token drove the commands above; it is on no command line, and in no log, etcd or broker file.
+        token = (root / "admin-token").read_text().strip()
+        assert len(token) >= 24 and not [p.cmdline() for p in tree if alive(p) and token in " ".join(p.cmdline())]
+        assert holding(tmp_path, token) == []
         up.signal(signal.SIGTERM)
         assert await up.wait_exit() == 0
         assert "stopped; no process left behind" in up.log_tail()
+        assert holding(tmp_path, token) == [], "nor written out at shutdown"
         assert [p for p in tree if alive(p)] == []
         assert ours(tmp_path) == []
         assert not (tmp_path / "clitest" / "fleet.json").exists()
