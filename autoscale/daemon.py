@@ -42,7 +42,7 @@ from fleetward.autoscale.observe import Observer, PoolView, fraction_within
 from fleetward.autoscale.planner import DynamoStyle, Observation, Planner, Policy, Reactive, StaticPeak
 from fleetward.fleet.bus import EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
-from fleetward.fleet.config import AutoscaleConfig, SimConfig
+from fleetward.fleet.config import Access, AutoscaleConfig, SimConfig
 from fleetward.fleet.errors import ConfigError
 from fleetward.fleet.etcd import Election, LeadershipLost, LeaseKeeper, Put, StateStore, lead_forever
 from fleetward.fleet.keys import Keys
@@ -416,7 +416,8 @@ class Autoscaler:
 
 async def serve_autoscaler(config: AutoscaleConfig, *, etcd: str, mqtt: str, cluster: str, admin_token: str,
                            capacity: CapacityModel, autoscaler_id: str | None = None,
-                           on_ready: Callable[[Autoscaler], None] | None = None) -> None:
+                           on_ready: Callable[[Autoscaler], None] | None = None,
+                           etcd_access: Access | None = None, mqtt_access: Access | None = None) -> None:
     """Run an autoscaler process: campaign and lead, /health and /metrics on ``config.port``, until SIGTERM."""
     from fleetward.autoscale.actuate import LocalActuator
     from fleetward.fleet.bus import MqttBus
@@ -426,9 +427,9 @@ async def serve_autoscaler(config: AutoscaleConfig, *, etcd: str, mqtt: str, clu
 
     port = ensure_port(config.host, config.port, name="autoscaler")
     keys = Keys(cluster)
-    store = EtcdStore(etcd)
+    store = EtcdStore(etcd, access=etcd_access)
     await store.get(keys.root)
-    bus = await MqttBus(mqtt, cluster).start()
+    bus = await MqttBus(mqtt, cluster, access=mqtt_access).start()
     actuator = LocalActuator(store, keys, admin_token)
     scaler = Autoscaler(config, store=store, bus=bus, keys=keys, capacity=capacity, actuator=actuator,
                         autoscaler_id=autoscaler_id, url=f"http://{config.host}:{port}")

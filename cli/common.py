@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
 
 from rich.console import Console
 
-from fleetward.fleet.config import FleetConfig
+from fleetward.fleet.config import Access, AccessConfig, FleetConfig, load_fleet_config, resolve_access
 from fleetward.fleet.state import read_state, state_path
 
-__all__ = ["err", "local_endpoint", "out", "state_file"]
+__all__ = ["err", "local_access", "local_endpoint", "out", "state_file"]
 
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -34,3 +35,18 @@ def local_endpoint(args: argparse.Namespace, kind: str) -> tuple[str, str]:
         return env, cluster
     data = read_state(state_file(args.run_dir, args.cluster), hint=f", or pass --{kind} host:port", field=kind)
     return data[kind], data.get("cluster", cluster)
+
+
+def local_access(args: argparse.Namespace, kind: str, endpoint: str) -> Access:
+    """TLS and credentials for ``endpoint`` (``kind``: etcd or mqtt): the ``<kind>_access`` of the fleet file
+    given (``--config``), else the local fleet's when ``endpoint`` is its (its state file names the files,
+    never a password), else none."""
+    field = f"{kind}_access"
+    config = getattr(args, "config", None)
+    if config is not None:
+        return resolve_access(getattr(load_fleet_config(config), field), field=field)
+    path = state_file(getattr(args, "run_dir", None), getattr(args, "cluster", None))
+    data = json.loads(path.read_text()) if path.exists() else {}
+    if data.get(field) and data.get(kind) == endpoint:
+        return resolve_access(AccessConfig.model_validate(data[field]), field=field)
+    return Access()

@@ -4,7 +4,11 @@
 workers, a supervisor controller, a router and, with ``autoscale.enabled``, the autoscaler (as processes,
 through :mod:`fleetward.fleet.launch`). It
 is an async context manager; leaving it stops everything in order (router, controller, workers, then bus
-and store clients, then broker and etcd) and leaves no process behind. It implements
+and store clients, then broker and etcd) and leaves no process behind. The embedded etcd and broker bind
+``etcd_host`` and ``mqtt_host`` (loopback by default), never ``host``. With ``tls`` they speak only TLS, want a
+client certificate and a password: a CA, certificates and random passwords are made in ``<run dir>/<cluster>/tls``,
+and every process of the fleet reaches them through the ``etcd_access`` / ``mqtt_access`` of its fleet file
+(files, never a password on a command line). It implements
 :class:`~fleetward.fleet.handle.Fleet`, so the testbed can act on it like on any other fleet.
 """
 
@@ -16,7 +20,9 @@ import fcntl
 import importlib.resources
 import logging
 import os
+import secrets
 import shutil
+import socket
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,17 +36,19 @@ from fleetward.fleet import handle as fleet_handle
 from fleetward.fleet.backends import Backend, VllmBackend, make_backend
 from fleetward.fleet.bus import MqttBus
 from fleetward.fleet.config import (
+    AccessConfig,
     AutoscaleConfig,
     FleetConfig,
     PrometheusConfig,
     RouterConfig,
     SupervisorConfig,
     admin_token_for,
+    resolve_access,
 )
-from fleetward.fleet.errors import FleetwardError
-from fleetward.fleet.etcd import EtcdStore
+from fleetward.fleet.errors import ConfigError, FleetwardError
+from fleetward.fleet.etcd import EtcdStore, enable_auth
 from fleetward.fleet.handle import AgentWorkers, Fleet, FleetClient, RouterRef
-from fleetward.fleet.infra import LocalBroker, LocalEtcd
+from fleetward.fleet.infra import LocalBroker, LocalEtcd, LocalPki, make_local_pki, write_mosquitto_passwords
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.launch import (
     ServiceProcess,
@@ -85,6 +93,9 @@ class LocalFleet(AgentWorkers, FleetClient):
         self.broker: LocalBroker | None = None
         self.etcd_endpoint = config.etcd or ""
         self.mqtt_endpoint = config.mqtt or ""
+        # How this fleet's processes reach etcd and the broker (``tls``: what _secure made).
+        self.etcd_access: AccessConfig = config.etcd_access
+        self.mqtt_access: AccessConfig = config.mqtt_access
         self.state_file = StateFile(state_path(config.run_dir, config.cluster))
         self.routers: list[ServiceProcess] = []
         self.controller: ServiceProcess | None = None
@@ -174,23 +185,35 @@ class LocalFleet(AgentWorkers, FleetClient):
         self._claim()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         specs = self._specs()  # fail early on busy worker ports
+        if c.tls and c.etcd and c.mqtt:
+            raise ConfigError("tls secures the embedded etcd and broker, and both are given (etcd, mqtt): set "
+                              "etcd_access and mqtt_access for them instead", field="tls")
+        pki = self._pki() if c.tls else None
         if not c.etcd:
             # The embedded etcd holds only this run's state: a previous run's leftovers are stale.
             shutil.rmtree(self.root / "etcd-data", ignore_errors=True)
-            self.etcd = LocalEtcd(self.root / "etcd-data", host=c.host, client_port=c.etcd_port)
-            self._progress("etcd", f"starting etcd on {self.etcd.endpoint}")
+            self.etcd = LocalEtcd(self.root / "etcd-data", host=c.etcd_host, client_port=c.etcd_port,
+                                  tls=pki.server_tls() if pki else None)
+            self._progress("etcd", f"starting etcd on {self.etcd.endpoint}" + (" (TLS, auth)" if pki else ""))
             self.etcd.start(self.log_dir)
             await self.etcd.wait_ready()
             self.etcd_endpoint = self.etcd.endpoint
+            if pki is not None:
+                self.etcd_access = await self._etcd_auth(pki)
         if not c.mqtt:
-            self.broker = LocalBroker(self.root / "broker", host=c.host, port=c.mqtt_port)
-            self._progress("broker", f"starting {self.broker.kind} on {self.broker.endpoint}")
+            password_file = self._broker_passwords(pki) if pki else None
+            self.broker = LocalBroker(self.root / "broker", host=c.mqtt_host, port=c.mqtt_port,
+                                      tls=pki.server_tls() if pki else None,
+                                      password_file=password_file)
+            self._progress("broker", f"starting {self.broker.kind} on {self.broker.endpoint}"
+                           + (" (TLS, passwords)" if pki else ""))
             self.broker.start(self.log_dir)
             await self.broker.wait_ready()
             self.mqtt_endpoint = self.broker.endpoint
-        self.store = EtcdStore(self.etcd_endpoint)
+        self.store = EtcdStore(self.etcd_endpoint, access=resolve_access(self.etcd_access, field="etcd_access"))
         await self.store.get(self.keys.root)  # fails with a clear StoreUnavailable if etcd is not there
-        self.bus = await MqttBus(self.mqtt_endpoint, c.cluster).start()
+        self.bus = await MqttBus(self.mqtt_endpoint, c.cluster,
+                                 access=resolve_access(self.mqtt_access, field="mqtt_access")).start()
         self._ensure_model()
         self.agent = NodeAgent(store=self.store, bus=self.bus, keys=self.keys, backend=self.backend, node=c.node,
                                log_dir=self.log_dir, lease_ttl=c.lease_ttl_s, supervisor=c.supervisor,
@@ -220,6 +243,47 @@ class LocalFleet(AgentWorkers, FleetClient):
             await self._start_prometheus()
         self._write_state()
 
+    # -- tls: the run's CA, certificates and passwords ------------------------------------------------------
+
+    def _pki(self) -> LocalPki:
+        c = self.config
+        hosts = dict.fromkeys(("127.0.0.1", "localhost", c.etcd_host, c.mqtt_host, socket.gethostname()))
+        self._progress("tls", f"making a CA and certificates in {self.root / 'tls'}")
+        return make_local_pki(self.root / "tls", hosts=tuple(hosts))
+
+    def _secret(self, name: str) -> Path:
+        """A fresh random password in ``tls/<name>`` (mode 0600)."""
+        path = self.root / "tls" / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(24))
+        return path
+
+    def _client_access(self, pki: LocalPki, password_file: Path) -> AccessConfig:
+        return AccessConfig(ca_file=pki.ca_file, cert_file=pki.client_cert_file, key_file=pki.client_key_file,
+                            username="fleetward", password_file=password_file)
+
+    async def _etcd_auth(self, pki: LocalPki) -> AccessConfig:
+        """etcd's auth on: ``root`` (its password in tls/etcd-root-password, for an operator) and ``fleetward``,
+        who may read and write this cluster's keys."""
+        assert self.etcd is not None
+        access = self._client_access(pki, self._secret("etcd-password"))
+        resolved = resolve_access(access, field="etcd_access")
+        root = resolve_access(AccessConfig(username="root", password_file=self._secret("etcd-root-password")),
+                              field="etcd_access")
+        assert resolved.password is not None and root.password is not None
+        await enable_auth(self.etcd.endpoint, access=resolved, root_password=root.password, user="fleetward",
+                          password=resolved.password, prefix=self.keys.root)
+        return access
+
+    def _broker_passwords(self, pki: LocalPki) -> Path:
+        password_file = self._secret("mqtt-password")
+        self.mqtt_access = self._client_access(pki, password_file)
+        password = resolve_access(self.mqtt_access, field="mqtt_access").password
+        assert password is not None
+        return write_mosquitto_passwords(self.root / "tls" / "mosquitto-passwords",
+                                         {"fleetward": password.get_secret_value()})
+
     def _fleet_yaml(self) -> Path:
         """This fleet's settings as a file, for the router and controller processes (``--config``)."""
         c = self.config
@@ -227,7 +291,8 @@ class LocalFleet(AgentWorkers, FleetClient):
         if self._prometheus_plan is not None and not supervisor.prometheus_url:
             supervisor = supervisor.model_copy(update={"prometheus_url": self._prometheus_plan.url})
         return write_service_config(self.root / "fleet.yaml", cluster=c.cluster, routing=c.routing,
-                                    supervisor=supervisor, autoscale=c.autoscale, backend=c.backend, sim=c.sim)
+                                    supervisor=supervisor, autoscale=c.autoscale, backend=c.backend, sim=c.sim,
+                                    etcd_access=self.etcd_access, mqtt_access=self.mqtt_access)
 
     async def _start_autoscaler(self) -> None:
         c = self.config
@@ -328,6 +393,8 @@ class LocalFleet(AgentWorkers, FleetClient):
             "cluster": self.config.cluster,
             "etcd": self.etcd_endpoint,
             "mqtt": self.mqtt_endpoint,
+            "etcd_access": self.etcd_access.model_dump(mode="json", exclude_defaults=True),
+            "mqtt_access": self.mqtt_access.model_dump(mode="json", exclude_defaults=True),
             "pid": os.getpid(),
             "started_at": self._started_at,
             "logs": str(self.log_dir),

@@ -33,13 +33,14 @@ from pydantic import ValidationError
 from rich.markup import escape
 from rich.table import Table
 
-from fleetward.cli.common import err, local_endpoint, out, state_file
+from fleetward.cli.common import err, local_access, local_endpoint, out, state_file
 from fleetward.fleet.config import (
     FleetConfig,
     RouterConfig,
     admin_token_from_file,
     admin_token_given,
     load_fleet_config,
+    resolve_access,
     validation_error,
 )
 from fleetward.fleet.errors import ConfigError, FleetwardError
@@ -52,7 +53,8 @@ log = logging.getLogger("fleetward")
 
 # Flags of `up` that map 1:1 to FleetConfig fields (flag dest -> field).
 _UP_FIELDS = ("cluster", "workers", "prefill_workers", "backend", "host", "run_dir", "etcd", "etcd_port", "mqtt",
-              "mqtt_port", "worker_base_port", "lease_ttl_s", "node", "admin_token_file")
+              "mqtt_port", "worker_base_port", "lease_ttl_s", "node", "admin_token_file", "etcd_host", "mqtt_host",
+              "tls")
 
 
 # Flags of `autoscaler` (and `up --autoscale`) that map to the fleet file's autoscale: section.
@@ -78,6 +80,11 @@ def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--etcd-port", dest="etcd_port", type=int, help="port for the embedded etcd")
     p.add_argument("--mqtt", help="use this MQTT broker (host:port) instead of starting one")
     p.add_argument("--mqtt-port", dest="mqtt_port", type=int, help="port for the embedded broker")
+    p.add_argument("--etcd-host", dest="etcd_host", help="address the embedded etcd binds; default 127.0.0.1 "
+                   "(--host does not expose it)")
+    p.add_argument("--mqtt-host", dest="mqtt_host", help="address the embedded broker binds; default 127.0.0.1")
+    p.add_argument("--tls", action="store_true", default=None, help="the embedded etcd and broker speak only TLS "
+                   "with client certificates and passwords (all generated in the run dir)")
     p.add_argument("--worker-base-port", dest="worker_base_port", type=int, help="first worker port")
     p.add_argument("--router-port", dest="router_port", type=int, help="the router's port (routing.port); default a "
                    "free one")
@@ -85,6 +92,11 @@ def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node", help="this node's name; default the host name")
     p.add_argument("--admin-token-file", dest="admin_token_file", type=Path,
                    help="a file holding the admin token (mode 0600); FLEETWARD_ADMIN_TOKEN wins over it")
+
+
+def _add_access_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, default=None, help="fleet YAML file whose etcd_access / mqtt_access "
+                   "reach a cluster with TLS and passwords (default: the local fleet's)")
 
 
 def _fleet_config(args: argparse.Namespace) -> FleetConfig:
@@ -114,6 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--etcd", help="etcd host:port (default: the local fleet started by `fleetward up`)")
     st.add_argument("--run-dir", dest="run_dir", type=Path, default=None)
     st.add_argument("--json", action="store_true", help="print JSON (stable shape, for scripts)")
+    _add_access_flag(st)
 
     ev = sub.add_parser("events", help="print events from the bus as they arrive")
     ev.add_argument("kinds", nargs="*", default=["#"], help="event kinds (e.g. worker.down); default all")
@@ -121,6 +134,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--mqtt", help="broker host:port (default: the local fleet's)")
     ev.add_argument("--run-dir", dest="run_dir", type=Path, default=None)
     ev.add_argument("--count", type=int, default=0, help="exit after this many events")
+    _add_access_flag(ev)
 
     model = sub.add_parser("model", help="local models")
     msub = model.add_subparsers(dest="model_command", required=True, metavar="KIND")
@@ -199,6 +213,7 @@ def _parser() -> argparse.ArgumentParser:
         w.add_argument("--cluster", default=None)
         w.add_argument("--etcd", help="etcd host:port (default: the local fleet's)")
         w.add_argument("--run-dir", dest="run_dir", type=Path, default=None)
+        _add_access_flag(w)
 
     for verb, what in (("drain", "cordon a worker: no new work goes to it, its streams finish (or migrate after "
                                  "--deadline); it then stays out of routing until undrained (--then stop|restart "
@@ -212,6 +227,7 @@ def _parser() -> argparse.ArgumentParser:
         op.add_argument("--cluster", default=None)
         op.add_argument("--etcd", help="etcd host:port (default: the local fleet's)")
         op.add_argument("--run-dir", dest="run_dir", type=Path, default=None)
+        _add_access_flag(op)
         op.add_argument("--admin-token-file", dest="admin_token_file", type=Path, default=None,
                         help="the admin token (default: FLEETWARD_ADMIN_TOKEN, or the local fleet's)")
         if verb == "drain":
@@ -391,7 +407,8 @@ async def _cmd_status(args: argparse.Namespace) -> int:
     from fleetward.fleet.registry import read_fleet
 
     endpoint, cluster = local_endpoint(args, "etcd")
-    store = EtcdStore(endpoint, attempts=3, retry_budget_s=5.0, timeout_s=3.0)
+    store = EtcdStore(endpoint, attempts=3, retry_budget_s=5.0, timeout_s=3.0,
+                      access=local_access(args, "etcd", endpoint))
     try:
         fleet = await read_fleet(store, Keys(cluster), leader=True)
     finally:
@@ -414,7 +431,7 @@ async def _cmd_events(args: argparse.Namespace) -> int:
     from fleetward.fleet.bus import MqttBus
 
     endpoint, cluster = local_endpoint(args, "mqtt")
-    bus = MqttBus(endpoint, cluster)
+    bus = MqttBus(endpoint, cluster, access=local_access(args, "mqtt", endpoint))
     await bus._probe()
     stop = asyncio.Event()
     _install_signal_handlers(stop)
@@ -490,7 +507,9 @@ def _cmd_router(args: argparse.Namespace) -> int:
             return runner.run(serve_router_group(config, child, router_id=args.router_id, on_ready=group_ready))
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(serve_router(config, etcd=etcd, mqtt=mqtt, cluster=cluster, router_id=args.router_id,
-                                on_ready=ready, reuse_port=args.reuse_port))
+                                on_ready=ready, reuse_port=args.reuse_port,
+                                etcd_access=local_access(args, "etcd", etcd),
+                                mqtt_access=local_access(args, "mqtt", mqtt)))
     return 0
 
 
@@ -517,7 +536,8 @@ async def _cmd_operate(args: argparse.Namespace) -> int:
 
     endpoint, cluster = local_endpoint(args, "etcd")
     token = _admin_token(args.run_dir, args.cluster, args.admin_token_file)
-    async with EtcdStore(endpoint, attempts=3, retry_budget_s=5.0) as store:
+    access = local_access(args, "etcd", endpoint)
+    async with EtcdStore(endpoint, attempts=3, retry_budget_s=5.0, access=access) as store:
         leader = await read_leader(store, Keys(cluster))
     if leader is None:
         raise FleetwardError("no supervisor controller leads this cluster (is `fleetward up` running?)")
@@ -559,7 +579,9 @@ def _cmd_controller(args: argparse.Namespace) -> int:
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(serve_controller(sup, etcd=config.etcd, mqtt=config.mqtt, cluster=config.cluster,
-                                    admin_token=token, controller_id=args.controller_id, on_ready=ready))
+                                    admin_token=token, controller_id=args.controller_id, on_ready=ready,
+                                    etcd_access=resolve_access(config.etcd_access, field="etcd_access"),
+                                    mqtt_access=resolve_access(config.mqtt_access, field="mqtt_access")))
     return 0
 
 
@@ -584,7 +606,9 @@ def _cmd_autoscaler(args: argparse.Namespace) -> int:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(serve_autoscaler(config.autoscale, etcd=config.etcd, mqtt=config.mqtt, cluster=config.cluster,
                                     admin_token=token, capacity=capacity, autoscaler_id=args.autoscaler_id,
-                                    on_ready=ready))
+                                    on_ready=ready,
+                                    etcd_access=resolve_access(config.etcd_access, field="etcd_access"),
+                                    mqtt_access=resolve_access(config.mqtt_access, field="mqtt_access")))
     return 0
 
 

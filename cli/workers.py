@@ -14,7 +14,7 @@ import json
 
 from pydantic import ValidationError
 
-from fleetward.cli.common import local_endpoint, out, state_file
+from fleetward.cli.common import local_access, local_endpoint, out, state_file
 from fleetward.fleet.config import AttachConfig, FleetConfig, validation_error
 from fleetward.fleet.errors import ConfigError, FleetwardError
 from fleetward.fleet.etcd import EtcdStore
@@ -47,7 +47,7 @@ async def add_worker(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         raise validation_error(exc, file="<command line>", lines={}) from None
     keys = Keys(cluster)
-    async with EtcdStore(etcd, attempts=3, retry_budget_s=5.0) as store:
+    async with EtcdStore(etcd, attempts=3, retry_budget_s=5.0, access=local_access(args, "etcd", etcd)) as store:
         (worker,) = await publish_attachments(store, keys, [entry], local_node)
         assert entry.node is not None
         out.print(f"{worker}: {entry.url} is to be adopted by the agent of node {entry.node}")
@@ -70,7 +70,7 @@ async def add_worker(args: argparse.Namespace) -> int:
 async def remove_worker(args: argparse.Namespace) -> int:
     etcd, cluster, _ = _endpoint(args)
     keys = Keys(cluster)
-    async with EtcdStore(etcd, attempts=3, retry_budget_s=5.0) as store:
+    async with EtcdStore(etcd, attempts=3, retry_budget_s=5.0, access=local_access(args, "etcd", etcd)) as store:
         if await store.get(keys.attached(args.worker)) is None:
             known = sorted((await read_fleet(store, keys)).workers)
             raise ConfigError(f"{args.worker} is not a server fleetward adopted (workers: {', '.join(known) or 'none'}"

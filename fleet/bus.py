@@ -20,7 +20,12 @@ Contract of :class:`EventBus`:
   queueing for it until it returns.
 
 Errors: :meth:`MqttBus.start` raises :class:`~fleetward.fleet.errors.BusUnavailable` when the broker cannot
-be reached after bounded retries; later disconnects are retried in the background, forever.
+be reached after bounded retries, or at once when it refuses this client's username or password; later
+disconnects are retried in the background, forever.
+
+TLS and credentials come from an :class:`~fleetward.fleet.config.Access`: its CA verifies the broker (and
+the broker's name or address), its client certificate answers a broker that requires one
+(``require_certificate``), its username and password go in CONNECT.
 
 Payload: ``{"v": 1, "id", "ts", "cluster", "kind", "worker"?, "request"?, ...}`` (see docs/architecture.md,
 "MQTT topics").
@@ -34,12 +39,14 @@ import contextlib
 import itertools
 import json
 import logging
+import ssl
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import aiomqtt
+from aiomqtt.exceptions import MqttConnectError
 from tenacity import (
     AsyncRetrying,
     RetryError,
@@ -50,6 +57,7 @@ from tenacity import (
 )
 
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
+from fleetward.fleet.config import Access
 from fleetward.fleet.errors import BusUnavailable
 
 __all__ = ["EVENT_KINDS", "FAULT_FAMILIES", "Event", "EventBus", "MqttBus", "topic_for"]
@@ -125,11 +133,11 @@ class MqttBus:
     """:class:`EventBus` on an MQTT broker at ``host:port``.
 
     ``outbox_size`` bounds the events waiting for the broker; ``connect_attempts`` bounds the first
-    connection made by :meth:`start`.
+    connection made by :meth:`start`. ``access``: TLS and credentials (none by default).
     """
 
     def __init__(self, endpoint: str, cluster: str, *, outbox_size: int = 10_000, clock: Clock = SYSTEM_CLOCK,
-                 client_id: str | None = None, connect_attempts: int = 5) -> None:
+                 client_id: str | None = None, connect_attempts: int = 5, access: Access | None = None) -> None:
         host, sep, port = endpoint.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"MQTT endpoint {endpoint!r} is not host:port")
@@ -147,6 +155,8 @@ class MqttBus:
         self._connected = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._attempts = connect_attempts
+        self._access = access or Access()
+        self._tls = _tls_context(self._access, endpoint) if self._access.tls else None
         self.dropped = 0
         self.published = 0
 
@@ -169,6 +179,12 @@ class MqttBus:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    def _client(self, identifier: str, **kw: Any) -> aiomqtt.Client:
+        a = self._access
+        return aiomqtt.Client(self._host, self._port, identifier=identifier, tls_context=self._tls,
+                              username=a.username,
+                              password=a.password.get_secret_value() if a.password is not None else None, **kw)
+
     async def _probe(self) -> None:
         try:
             async for attempt in AsyncRetrying(stop=stop_after_attempt(self._attempts),
@@ -176,14 +192,23 @@ class MqttBus:
                                                retry=retry_if_exception_type(aiomqtt.MqttError),
                                                sleep=self._clock.sleep):
                 with attempt:
-                    async with _session(aiomqtt.Client(self._host, self._port, timeout=3,
-                                                       identifier=f"{self._client_id}-probe")):
-                        pass
+                    try:
+                        async with _session(self._client(f"{self._client_id}-probe", timeout=3)):
+                            pass
+                    except MqttConnectError as exc:
+                        if _refused(exc):
+                            who = f"user {self._access.username!r}" if self._access.username else "anonymous clients"
+                            raise BusUnavailable(
+                                f"MQTT broker at {self.endpoint} refused {who} ({exc}): check mqtt_access.username "
+                                "and its password", endpoint=self.endpoint, attempts=1) from exc
+                        raise
         except RetryError as exc:
             cause = exc.last_attempt.exception()
+            hint = ("is the broker running, and does it speak TLS? (check mqtt_access: ca_file, cert_file, key_file)"
+                    if self._access.tls or "ssl" in str(cause).lower()
+                    else "is the broker running? (`fleetward up` starts one, or pass --mqtt host:port)")
             raise BusUnavailable(
-                f"MQTT broker unreachable at {self.endpoint} after {self._attempts} attempt(s) ({cause}); "
-                "is the broker running? (`fleetward up` starts one, or pass --mqtt host:port)",
+                f"MQTT broker unreachable at {self.endpoint} after {self._attempts} attempt(s) ({cause}); {hint}",
                 endpoint=self.endpoint, attempts=self._attempts) from cause
 
     async def publish(self, kind: str, **data: Any) -> Event:
@@ -224,8 +249,7 @@ class MqttBus:
         while True:
             try:
                 async with (
-                    _session(aiomqtt.Client(self._host, self._port, identifier=self._client_id, timeout=5,
-                                            keepalive=10)) as client,
+                    _session(self._client(self._client_id, timeout=5, keepalive=10)) as client,
                     asyncio.TaskGroup() as tg,
                 ):
                     # _send publishes a batch at once on purpose: aiomqtt's "pending publish calls" warning
@@ -279,9 +303,8 @@ class MqttBus:
         backoff = 0.1
         while True:
             try:
-                async with _session(aiomqtt.Client(self._host, self._port, identifier=identifier,
-                                                   clean_session=session is None, timeout=5,
-                                                   keepalive=10)) as client:
+                async with _session(self._client(identifier, clean_session=session is None, timeout=5,
+                                                 keepalive=10)) as client:
                     for t in topics:
                         await _to_the_end(client.subscribe(t, qos=1))
                     if subscribed is not None:
@@ -328,6 +351,25 @@ class MqttBus:
 #   CancelledError or GeneratorExit, which a reconnect loop catching MqttError would then swallow.
 # So every aiomqtt call that waits for the broker runs to its end (each is bounded by the client's
 # timeout) and a cancellation is delivered right after.
+
+
+def _tls_context(access: Access, endpoint: str) -> ssl.SSLContext:
+    """A client context: the CA verifies the broker's certificate and name; the client certificate when given."""
+    try:
+        context = ssl.create_default_context(cafile=str(access.ca_file) if access.ca_file is not None else None)
+        if access.cert_file is not None:
+            context.load_cert_chain(str(access.cert_file), str(access.key_file) if access.key_file else None)
+    except (OSError, ssl.SSLError) as exc:
+        raise BusUnavailable(f"MQTT broker at {endpoint}: cannot load the TLS files of mqtt_access: {exc}",
+                             endpoint=endpoint, attempts=0) from exc
+    return context
+
+
+def _refused(exc: MqttConnectError) -> bool:
+    """Whether CONNACK refused the credentials (MQTT 3.1.1: 4 bad user name or password, 5 not authorised;
+    MQTT 5: 134, 135), which no retry mends."""
+    code = getattr(exc.rc, "value", exc.rc)
+    return code in (4, 5, 134, 135)
 
 
 async def _to_the_end(aw: Awaitable[T]) -> T:

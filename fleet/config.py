@@ -14,6 +14,7 @@ import os
 import secrets
 import shlex
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -24,6 +25,8 @@ from fleetward.fleet.errors import ConfigError
 
 __all__ = [
     "ID_PATTERN",
+    "Access",
+    "AccessConfig",
     "AttachConfig",
     "AutoscaleConfig",
     "FleetConfig",
@@ -41,6 +44,7 @@ __all__ = [
     "load_fleet_config",
     "load_model",
     "parse_yaml",
+    "resolve_access",
     "validation_error",
 ]
 
@@ -324,6 +328,87 @@ class AttachConfig(Frozen):
         return self.id or f"{self.node or node}-{host.replace('.', '-')}-{port}"
 
 
+class AccessConfig(Frozen):
+    """TLS and credentials for one of the cluster's links (``etcd_access:``, ``mqtt_access:``).
+
+    Only paths and names: the password itself is read from ``password_file`` (mode 0600) or from the
+    environment variable ``password_env`` names, never from the fleet file or a command line.
+    """
+
+    tls: bool = Field(False, description="speak TLS (implied by ca_file or cert_file); without ca_file the "
+                      "system's CAs verify the server")
+    ca_file: Path | None = Field(None, description="PEM file of the CA(s) that verify the server's certificate")
+    cert_file: Path | None = Field(None, description="PEM client certificate (mutual TLS); needs key_file")
+    key_file: Path | None = Field(None, description="PEM private key of cert_file")
+    username: str | None = Field(None, min_length=1, description="user to authenticate as (etcd auth; MQTT "
+                                 "username); needs password_file or password_env")
+    password_file: Path | None = Field(None, description="a file holding the password (mode 0600)")
+    password_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                                     description="or: the environment variable holding the password")
+
+    @model_validator(mode="after")
+    def _complete(self) -> AccessConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together (a client certificate and its key)")
+        if self.password_file is not None and self.password_env is not None:
+            raise ValueError("give password_file or password_env, not both")
+        has_password = self.password_file is not None or self.password_env is not None
+        if (self.username is None) == has_password:
+            raise ValueError("username needs a password (password_file or password_env), and a password a "
+                             "username")
+        return self
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls or self.ca_file is not None or self.cert_file is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    """What a client needs to reach etcd or the broker: resolved from an :class:`AccessConfig` by
+    :func:`resolve_access` (the password read, a :class:`SecretStr`, so it prints as ``**********``)."""
+
+    tls: bool = False
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    username: str | None = None
+    password: SecretStr | None = None
+
+
+def resolve_access(config: AccessConfig, *, field: str) -> Access:
+    """The :class:`Access` ``config`` describes; :class:`ConfigError` naming ``field`` (``etcd_access``,
+    ``mqtt_access``) when a file it names is missing, or the password is missing, empty or readable by others."""
+    for name in ("ca_file", "cert_file", "key_file"):
+        path = getattr(config, name)
+        if path is not None and not path.is_file():
+            raise ConfigError(f"{path}: no such file", file=str(path), field=f"{field}.{name}")
+    password: SecretStr | None = None
+    if config.password_file is not None:
+        password = _secret_file(config.password_file, field=f"{field}.password_file", what="password")
+    elif config.password_env is not None:
+        raw = os.environ.get(config.password_env, "")
+        if not raw:
+            raise ConfigError(f"the environment variable {config.password_env} (the password) is not set",
+                              field=f"{field}.password_env")
+        password = SecretStr(raw)
+    return Access(tls=config.uses_tls, ca_file=config.ca_file, cert_file=config.cert_file, key_file=config.key_file,
+                  username=config.username, password=password)
+
+
+def _secret_file(path: Path, *, field: str, what: str) -> SecretStr:
+    try:
+        mode = path.stat().st_mode
+        raw = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the {what} file: {exc.strerror}", file=str(path), field=field) from exc
+    if mode & 0o077:
+        raise ConfigError(f"the {what} file is readable by others (chmod 600 it)", file=str(path), field=field)
+    if not raw:
+        raise ConfigError(f"the {what} file is empty", file=str(path), field=field)
+    return SecretStr(raw)
+
+
 class FleetConfig(Frozen):
     """Everything ``fleetward up`` needs; each field is also a flag (``--workers``, ``--backend``, ...)."""
 
@@ -333,12 +418,21 @@ class FleetConfig(Frozen):
     prefill_workers: int = Field(0, ge=0, le=511, description="of those, how many form the prefill pool, the rest "
                                  "the decode pool (docs/pd.md); 0: every worker aggregated")
     backend: Literal["sim", "vllm"] = Field("sim", description="simulated workers, or real vLLM")
-    host: str = Field("127.0.0.1", description="the address everything binds to")
+    host: str = Field("127.0.0.1", description="the address the router, the controller and the workers bind to "
+                      "(not the embedded etcd and broker: etcd_host, mqtt_host)")
     run_dir: Path = Field(Path(".fleetward"), description="where logs, data and the running fleet's state go")
     etcd: str | None = Field(None, description="attach to this etcd (host:port) instead of starting one")
     etcd_port: int = Field(0, ge=0, le=65535, description="port for the embedded etcd; 0 picks a free one")
     mqtt: str | None = Field(None, description="attach to this broker (host:port) instead of starting one")
     mqtt_port: int = Field(0, ge=0, le=65535, description="port for the embedded broker; 0 picks a free one")
+    etcd_host: str = Field("127.0.0.1", description="address the embedded etcd binds (``host`` does not expose it)")
+    mqtt_host: str = Field("127.0.0.1", description="address the embedded broker binds (``host`` does not expose "
+                           "it)")
+    etcd_access: AccessConfig = Field(AccessConfig(), description="TLS and credentials for etcd")
+    mqtt_access: AccessConfig = Field(AccessConfig(), description="TLS and credentials for the broker")
+    tls: bool = Field(False, description="``up``: start the embedded etcd and broker with TLS (client certificates "
+                      "required) and passwords, all generated in the run dir; etcd_access and mqtt_access are "
+                      "then filled in")
     worker_base_port: int = Field(0, ge=0, le=65535, description="first worker port; 0 picks free ones")
     lease_ttl_s: int = Field(10, ge=2, le=3600, description="workers' registration lease (the agent's)")
     node: str = Field(default_factory=lambda: os.uname().nodename, description="this node's name (default: the "

@@ -26,7 +26,14 @@ Contract of :class:`StateStore` (the only thing the rest of fleetward sees):
 - :class:`Election` is the usual etcd recipe (lowest create-revision under a prefix wins) and gives the
   leader a fencing comparison to put in every transaction it makes as leader.
 
-Any other failure etcd reports becomes :class:`StoreError`; so does any call on a closed store. Several
+Any other failure etcd reports becomes :class:`StoreError`; so does any call on a closed store, and a refusal
+of this client's credentials (a wrong password, a user without the permission: the message says so).
+
+TLS and auth (an :class:`~fleetward.fleet.config.Access`): the channel is TLS when it says so (its CA verifies
+etcd, its client certificate answers etcd's ``--client-cert-auth``); with a username the client authenticates
+on connecting and sends etcd's token with every call. etcd drops a token it has not seen used for
+``--auth-token-ttl`` (5 minutes), and every token of a user whose password or roles changed: a call refused
+for its token authenticates again and is retried. Several
 endpoints may be given (a 3-member cluster); an unavailable one makes the client move to the next.
 
 One module (over 600 lines) because the store, its leases and its elections share one client, its
@@ -41,13 +48,15 @@ import functools
 import json
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol, TypeVar
 
 import aetcd
 import aetcd.exceptions as aex
+import grpc
 from aetcd import rpc
 from grpc.aio import UsageError
+from pydantic import SecretStr
 from tenacity import (
     AsyncRetrying,
     RetryError,
@@ -59,6 +68,7 @@ from tenacity import (
 )
 
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
+from fleetward.fleet.config import Access
 from fleetward.fleet.errors import FleetwardError, StoreError, StoreUnavailable, UnavailableError
 
 __all__ = [
@@ -75,6 +85,7 @@ __all__ = [
     "TxnResult",
     "WatchEvent",
     "dumps",
+    "enable_auth",
     "lead_forever",
     "loads_all",
     "prefix_end",
@@ -90,6 +101,8 @@ _TRANSIENT: tuple[type[Exception], ...] = (
 # Creating a watch waits for etcd's "created" reply; aetcd reports a missing reply as WatchTimeoutError.
 _WATCH_TRANSIENT: tuple[type[Exception], ...] = (*_TRANSIENT, aex.WatchTimeoutError)
 _FOREIGN: tuple[type[Exception], ...] = (aex.ClientError, rpc.AioRpcError, UsageError)
+# etcd's words for a token it no longer honours (expired or revoked; issued before a change of roles).
+_STALE_TOKEN = ("invalid auth token", "revision of auth store is old")
 
 # gRPC's reconnect backoff grows to 120 s by default: a restarted etcd would stay unused for minutes while
 # fail-fast calls keep failing. Keepalive pings find a dead peer under an idle watch stream (etcd refuses
@@ -243,6 +256,139 @@ def _kv(raw: Any) -> KV:
     return KV(raw.key.decode(), bytes(raw.value), raw.create_revision, raw.mod_revision, raw.version, raw.lease)
 
 
+class _Reauthenticated(aex.ClientError):
+    """A call was refused for a stale token; the client has a fresh one now (the call is retried)."""
+
+
+class _Client(aetcd.Client):  # aetcd is untyped: its attributes are Any
+    """aetcd's client on a TLS channel when ``access`` asks for one (aetcd 1.x opens only insecure channels),
+    able to authenticate again when etcd drops its token."""
+
+    _is_connecting: bool
+    metadata: Any
+
+    def __init__(self, host: str, port: int, *, access: Access, timeout: float, options: dict[str, Any]) -> None:
+        password = access.password.get_secret_value() if access.password is not None else None
+        super().__init__(host=host, port=port, username=access.username, password=password, timeout=timeout,
+                         options=options)
+        self._access = access
+        self._auth_lock = asyncio.Lock()
+
+    def _channel(self) -> Any:
+        target = f"{self._host}:{self._port}"
+        if not self._access.tls:
+            return rpc.insecure_channel(target, options=self._options.items())
+        a = self._access
+        try:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=a.ca_file.read_bytes() if a.ca_file is not None else None,
+                private_key=a.key_file.read_bytes() if a.key_file is not None else None,
+                certificate_chain=a.cert_file.read_bytes() if a.cert_file is not None else None)
+        except OSError as exc:
+            raise StoreError(f"etcd: cannot read a TLS file: {exc.filename}: {exc.strerror}") from exc
+        return grpc.aio.secure_channel(target, creds, options=list(self._options.items()))
+
+    async def connect(self) -> None:
+        # aetcd's connect with the channel made by _channel (same attributes, same order).
+        if self._connected.is_set():
+            return
+        if self._is_connecting:
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            self.channel = self._channel()
+            if self._username is not None:
+                self.auth_stub = rpc.AuthStub(self.channel)
+                await self._authenticate()
+            self.kvstub = rpc.KVStub(self.channel)
+            self.clusterstub = rpc.ClusterStub(self.channel)
+            self.leasestub = rpc.LeaseStub(self.channel)
+            self.maintenancestub = rpc.MaintenanceStub(self.channel)
+            self._watcher = aetcd.watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout,
+                                                  metadata=self.metadata)
+            self._connected.set()
+        except BaseException:
+            if self.channel is not None:
+                await self.channel.close()
+            self._init_channel_attrs()
+            raise
+        finally:
+            self._is_connecting = False
+
+    async def _authenticate(self) -> None:
+        request = rpc.AuthenticateRequest(name=self._username, password=self._password)
+        try:
+            resp = await self.auth_stub.Authenticate(request, timeout=self._timeout)
+        except rpc.AioRpcError as exc:
+            aex._handle_exception(exc)
+        self.metadata = (("token", resp.token),)
+        if self._watcher is not None:  # a watch stream opened from now on carries the new token
+            self._watcher._metadata = self.metadata
+
+    async def reauthenticate(self, stale: Any) -> None:
+        """A fresh token, unless another call already replaced the ``stale`` one."""
+        async with self._auth_lock:
+            if self.metadata == stale:
+                await self._authenticate()
+
+
+def _stale_token(exc: BaseException) -> bool:
+    return isinstance(exc, aex.ClientError | rpc.AioRpcError) and any(s in str(exc) for s in _STALE_TOKEN)
+
+
+def _refusal(exc: BaseException, access: Access) -> str:
+    """Why etcd refused this client, in the operator's words (or "")."""
+    text = str(exc)
+    if "authentication failed" in text or "user name is empty" in text:
+        return (f" (etcd refused user {access.username!r}: check etcd_access.username and its password)"
+                if access.username else " (etcd wants a user: set etcd_access.username and a password)")
+    if "permission denied" in text:
+        return (f" (user {access.username!r} lacks the permission on this key range)" if access.username
+                else " (etcd has auth on: set etcd_access.username and a password)")
+    if "authentication is not enabled" in text:
+        return " (etcd_access gives a username, but auth is not enabled on this etcd)"
+    return ""
+
+
+async def enable_auth(endpoint: str, *, access: Access, root_password: SecretStr, user: str, password: SecretStr,
+                      prefix: str, timeout_s: float = 5.0) -> None:
+    """Turn etcd's auth on at ``endpoint`` (a fresh etcd, auth still off; ``access`` its TLS): a ``root`` user
+    with ``root_password`` (etcd requires one), and ``user`` with ``password`` and a role of the same name
+    that may read and write every key under ``prefix``. :class:`StoreError` when etcd refuses a step."""
+    client = _Client(*_host_port(endpoint), access=replace(access, username=None, password=None),
+                     timeout=timeout_s, options=_CHANNEL_OPTIONS)
+    try:
+        await client.connect()
+        stub = rpc.AuthStub(client.channel)
+        key = prefix.encode()
+        steps: list[tuple[str, Any, Any]] = [
+            ("add user root", stub.UserAdd, rpc.AuthUserAddRequest(name="root",
+                                                                   password=root_password.get_secret_value())),
+            ("add role root", stub.RoleAdd, rpc.AuthRoleAddRequest(name="root")),
+            ("grant root", stub.UserGrantRole, rpc.AuthUserGrantRoleRequest(user="root", role="root")),
+            (f"add user {user}", stub.UserAdd, rpc.AuthUserAddRequest(name=user, password=password.get_secret_value())),
+            (f"add role {user}", stub.RoleAdd, rpc.AuthRoleAddRequest(name=user)),
+            (f"let {user} read and write {prefix}", stub.RoleGrantPermission, rpc.AuthRoleGrantPermissionRequest(
+                name=user, perm=rpc.Permission(permType=rpc.Permission.READWRITE, key=key,
+                                               range_end=prefix_end(key)))),
+            (f"grant {user}", stub.UserGrantRole, rpc.AuthUserGrantRoleRequest(user=user, role=user)),
+            ("enable auth", stub.AuthEnable, rpc.AuthEnableRequest()),
+        ]
+        for what, method, request in steps:
+            try:
+                await method(request, timeout=timeout_s)
+            except rpc.AioRpcError as exc:
+                raise StoreError(f"etcd at {endpoint}: cannot {what}: {exc.details()}") from exc
+    finally:
+        await client.close()
+
+
+def _host_port(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    return host, int(port)
+
+
 class EtcdStore:
     """:class:`StateStore` on a real etcd (one or more endpoints ``host:port``).
 
@@ -250,11 +396,11 @@ class EtcdStore:
     ``retry_budget_s`` seconds before :class:`StoreUnavailable` (backoff 0.05 s doubling to 2 s: the
     defaults ride out an etcd restart or a leader election of several seconds). Connecting is lazy: the
     constructor never fails on an unreachable etcd, the first call does. Usable as ``async with``;
-    :meth:`aclose` ends every watch of this store.
+    :meth:`aclose` ends every watch of this store. ``access``: TLS and credentials (none by default).
     """
 
     def __init__(self, endpoints: str | Sequence[str], *, timeout_s: float = 5.0, attempts: int = 10,
-                 retry_budget_s: float = 15.0, clock: Clock = SYSTEM_CLOCK) -> None:
+                 retry_budget_s: float = 15.0, clock: Clock = SYSTEM_CLOCK, access: Access | None = None) -> None:
         self._endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not self._endpoints:
             raise ValueError("at least one etcd endpoint is needed")
@@ -269,7 +415,8 @@ class EtcdStore:
         self._attempts = attempts
         self._budget = retry_budget_s
         self._clock = clock
-        self._client: aetcd.Client | None = None
+        self._access = access or Access()
+        self._client: _Client | None = None
         self._lock = asyncio.Lock()
         self._closed = False
         self.reachable = True  # the last call got through (False once one gave up: ``fleetward_etcd_up``)
@@ -292,16 +439,22 @@ class EtcdStore:
     def closed(self) -> bool:
         return self._closed
 
-    async def _connected(self) -> aetcd.Client:
+    async def _connected(self) -> _Client:
         if self._closed:
             raise StoreError("etcd: the store was closed")
         if self._client is None:
             async with self._lock:
                 if self._client is None:
                     host, _, port = self.endpoint.rpartition(":")
-                    client = aetcd.Client(host=host, port=int(port), timeout=self._timeout,
-                                          options=_CHANNEL_OPTIONS)
-                    await client.connect()  # no I/O: the channel connects on the first call
+                    client = _Client(host, int(port), access=self._access, timeout=self._timeout,
+                                     options=_CHANNEL_OPTIONS)
+                    try:
+                        # No I/O without a username: the channel connects on the first call.
+                        await client.connect()
+                    except _TRANSIENT:
+                        if len(self._endpoints) > 1:
+                            self._current = (self._current + 1) % len(self._endpoints)
+                        raise
                     self._client = client
         return self._client
 
@@ -324,7 +477,7 @@ class EtcdStore:
         return AsyncRetrying(
             stop=stop_after_attempt(self._attempts) | stop_after_delay(self._budget),
             wait=wait_exponential(multiplier=0.05, max=2.0) + wait_random(0, 0.05),
-            retry=retry_if_exception_type(transient),
+            retry=retry_if_exception_type((*transient, _Reauthenticated)),
             sleep=self._clock.sleep,
             reraise=False,
         )
@@ -338,6 +491,7 @@ class EtcdStore:
                 with attempt:
                     attempts += 1
                     client = await self._connected()
+                    stale = client.metadata
                     try:
                         result = await fn(client)
                         self.reachable = True
@@ -349,19 +503,26 @@ class EtcdStore:
                         if client is not self._client and not self._closed:
                             # Another call moved to the next endpoint and closed this client under us.
                             raise aex.ConnectionFailedError(f"client closed while in use: {exc}") from exc
+                        if self._access.username is not None and _stale_token(exc):
+                            log.info("etcd refused this client's token (%s); authenticating again", exc)
+                            await client.reauthenticate(stale)
+                            raise _Reauthenticated(str(exc)) from exc
                         raise
         except RetryError as exc:
             cause = exc.last_attempt.exception()
             self.reachable = False
+            hint = ("is etcd running, and does it speak TLS? (check etcd_access: ca_file, cert_file, key_file)"
+                    if self._access.tls or "handshake" in str(cause).lower() or "ssl" in str(cause).lower()
+                    else "is etcd running? (`fleetward up` starts one, or pass --etcd host:port)")
             raise StoreUnavailable(
                 f"etcd unreachable at {', '.join(self._endpoints)}: {what} failed {attempts} time(s) "
-                f"({type(cause).__name__}: {cause}); is etcd running? (`fleetward up` starts one, "
-                f"or pass --etcd host:port)",
+                f"({type(cause).__name__}: {cause}); {hint}",
                 endpoint=",".join(self._endpoints), attempts=attempts) from cause
         except aex.RevisionCompactedError as exc:
             raise StoreError(f"etcd: {what}: {exc} (compacted: re-read the current state)") from exc
         except _FOREIGN as exc:
-            raise StoreError(f"etcd: {what} failed: {type(exc).__name__}: {exc}") from exc
+            raise StoreError(f"etcd: {what} failed: {type(exc).__name__}: {exc}{_refusal(exc, self._access)}") \
+                from exc
         raise AssertionError("unreachable")  # tenacity has either returned or raised by now
 
     async def get(self, key: str) -> KV | None:

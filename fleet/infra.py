@@ -9,6 +9,11 @@ Life of either: construct (an explicit port that is taken raises
 ``await wait_ready()`` (:class:`~fleetward.fleet.errors.ProcessError` with the log tail if it exits or
 never becomes ready), ``await stop()``. ``start`` may be called again after ``stop``: same ports, same data
 directory, so etcd comes back with its data and Mosquitto with its persisted sessions and queued messages.
+
+With a :class:`ServerTls` either speaks only TLS and requires a client certificate signed by its CA; the
+broker then also takes a Mosquitto password file (``allow_anonymous false``). :func:`make_local_pki` writes
+a CA with a server and a client certificate (for ``fleetward up --tls``); :func:`write_mosquitto_passwords`
+a password file, hashed by ``mosquitto_passwd`` (the passwords never on its command line).
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ import contextlib
 import importlib.util
 import os
 import shutil
+import ssl
+import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +35,125 @@ import httpx
 from fleetward.fleet.errors import ProcessError
 from fleetward.fleet.procs import ManagedProcess, ensure_port, free_port
 
-__all__ = ["LocalBroker", "LocalEtcd", "broker_kind", "etcd_binary"]
+__all__ = ["LocalBroker", "LocalEtcd", "LocalPki", "ServerTls", "broker_kind", "etcd_binary", "make_local_pki",
+           "write_mosquitto_passwords"]
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """A server's TLS files: its certificate and key, the CA that signs the clients it accepts, and a client
+    certificate of that CA for the server's own readiness probe."""
+
+    ca_file: Path
+    cert_file: Path
+    key_file: Path
+    probe_cert_file: Path
+    probe_key_file: Path
+
+    def client_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(self.ca_file))
+        context.load_cert_chain(str(self.probe_cert_file), str(self.probe_key_file))
+        return context
+
+
+@dataclass(frozen=True)
+class LocalPki:
+    """What :func:`make_local_pki` wrote: one CA, a server certificate, a client certificate."""
+
+    ca_file: Path
+    server_cert_file: Path
+    server_key_file: Path
+    client_cert_file: Path
+    client_key_file: Path
+
+    def server_tls(self) -> ServerTls:
+        return ServerTls(self.ca_file, self.server_cert_file, self.server_key_file, self.client_cert_file,
+                         self.client_key_file)
+
+
+def make_local_pki(folder: Path, *, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> LocalPki:
+    """A fresh CA in ``folder`` (``ca.pem``), a server certificate for ``hosts`` (``server.pem``, ``server.key``)
+    and a client certificate (``client.pem``, ``client.key``); keys are written mode 0600. Certificates are
+    valid for 30 days."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    folder.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+    start, end = now - datetime.timedelta(hours=1), now + datetime.timedelta(days=30)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fleetward"),
+                          x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                      serialization.NoEncryption()))
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (x509.CertificateBuilder().subject_name(name("fleetward local CA")).issuer_name(name("fleetward local CA"))
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(start).not_valid_after(end)
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+
+    def issue(cn: str, usage: x509.ObjectIdentifier, sans: list[x509.GeneralName]) -> tuple[x509.Certificate,
+                                                                                            ec.EllipticCurvePrivateKey]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        builder = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(ca.subject)
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(start).not_valid_after(end)
+                   .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                   .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
+        if sans:
+            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        return builder.sign(ca_key, hashes.SHA256()), key
+
+    sans: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            sans.append(x509.DNSName(host))
+    # etcd takes a client certificate's CN as a user name when a call carries no token: a CN that is no user.
+    server, server_key = issue("fleetward server", ExtendedKeyUsageOID.SERVER_AUTH, sans)
+    client, client_key = issue("fleetward client certificate", ExtendedKeyUsageOID.CLIENT_AUTH, [])
+    pki = LocalPki(folder / "ca.pem", folder / "server.pem", folder / "server.key", folder / "client.pem",
+                   folder / "client.key")
+    pki.ca_file.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    pki.server_cert_file.write_bytes(server.public_bytes(serialization.Encoding.PEM))
+    pki.client_cert_file.write_bytes(client.public_bytes(serialization.Encoding.PEM))
+    write_key(server_key, pki.server_key_file)
+    write_key(client_key, pki.client_key_file)
+    return pki
+
+
+def write_mosquitto_passwords(path: Path, users: Mapping[str, str]) -> Path:
+    """A Mosquitto password file (mode 0600) for ``users`` (name: password): written in clear, then hashed
+    in place by ``mosquitto_passwd -U``, so no password is ever on a command line."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.writelines(f"{user}:{password}\n" for user, password in users.items())
+    exe = shutil.which("mosquitto_passwd") or "/usr/bin/mosquitto_passwd"
+    try:
+        done = subprocess.run([exe, "-U", str(path)], capture_output=True, text=True, timeout=30, check=False)
+    except OSError as exc:
+        path.unlink(missing_ok=True)
+        raise ProcessError(f"cannot hash the broker's passwords: {exc}", name="mosquitto_passwd") from exc
+    if done.returncode != 0:
+        path.unlink(missing_ok=True)
+        raise ProcessError(f"mosquitto_passwd failed: {done.stderr.strip()}", name="mosquitto_passwd")
+    return path
 
 
 def etcd_binary() -> Path:
@@ -57,6 +183,7 @@ class LocalEtcd:
     name: str = "default"
     initial_cluster: str | None = None
     cluster_token: str = "fleetward"
+    tls: ServerTls | None = None
     process: ManagedProcess | None = None
 
     def __post_init__(self) -> None:
@@ -71,8 +198,14 @@ class LocalEtcd:
     def peer_url(self) -> str:
         return f"http://{self.host}:{self.peer_port}"
 
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
+
     def argv(self) -> list[str]:
-        client = f"http://{self.host}:{self.client_port}"
+        client = f"{self.scheme}://{self.host}:{self.client_port}"
+        tls = [] if self.tls is None else ["--cert-file", str(self.tls.cert_file), "--key-file", str(self.tls.key_file),
+                                           "--trusted-ca-file", str(self.tls.ca_file), "--client-cert-auth"]
         return [
             str(etcd_binary()),
             "--name", self.name,
@@ -87,6 +220,7 @@ class LocalEtcd:
             "--heartbeat-interval", "50",
             "--election-timeout", "500",
             "--log-level", "warn",
+            *tls,
         ]
 
     def start(self, log_dir: Path) -> ManagedProcess:
@@ -99,8 +233,9 @@ class LocalEtcd:
     async def healthy(self) -> bool:
         """Whether etcd answers ``/health`` with ``true`` (it has a leader and serves requests)."""
         # trust_env=False: an HTTP(S)_PROXY in the environment must not capture loopback traffic.
-        async with httpx.AsyncClient(timeout=1.0, trust_env=False) as client:
-            r = await client.get(f"http://{self.endpoint}/health")
+        verify: ssl.SSLContext | bool = self.tls.client_context() if self.tls is not None else True
+        async with httpx.AsyncClient(timeout=1.0, trust_env=False, verify=verify) as client:
+            r = await client.get(f"{self.scheme}://{self.endpoint}/health")
             return r.status_code == 200 and r.json().get("health") == "true"
 
     async def wait_ready(self, timeout: float = 30.0) -> None:
@@ -134,10 +269,14 @@ class LocalBroker:
     host: str = "127.0.0.1"
     port: int = 0
     kind: str = ""
+    tls: ServerTls | None = None
+    password_file: Path | None = None  # Mosquitto's (write_mosquitto_passwords): anonymous clients are refused
     process: ManagedProcess | None = None
 
     def __post_init__(self) -> None:
         self.kind = self.kind or broker_kind()
+        if (self.tls is not None or self.password_file is not None) and self.kind != "mosquitto":
+            raise ValueError("LocalBroker: TLS and passwords need Mosquitto (`apt-get install mosquitto`)")
         if self.kind not in ("mosquitto", "amqtt"):
             raise ValueError(f"LocalBroker.kind: {self.kind!r} is neither 'mosquitto' nor 'amqtt'")
         self.port = ensure_port(self.host, self.port, name=f"mqtt broker ({self.kind})")
@@ -152,10 +291,16 @@ class LocalBroker:
             conf = self.data_dir / "mosquitto.conf"
             # Mosquitto started as root drops to the user `mosquitto`, which cannot write our data dir.
             user = "user root\n" if os.geteuid() == 0 else ""
+            tls = "" if self.tls is None else (
+                f"cafile {self.tls.ca_file}\ncertfile {self.tls.cert_file}\nkeyfile {self.tls.key_file}\n"
+                "require_certificate true\n")
+            auth = ("allow_anonymous true\n" if self.password_file is None
+                    else f"allow_anonymous false\npassword_file {self.password_file}\n")
             conf.write_text(
                 f"listener {self.port} {self.host}\n"
+                f"{tls}"
                 f"{user}"
-                "allow_anonymous true\n"
+                f"{auth}"
                 "persistence true\n"
                 f"persistence_location {self.data_dir}/\n"
                 "autosave_interval 1\n"

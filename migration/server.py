@@ -15,7 +15,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from fleetward.fleet.bus import MqttBus
-from fleetward.fleet.config import RouterConfig
+from fleetward.fleet.config import Access, RouterConfig
 from fleetward.fleet.etcd import EtcdStore
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.procs import ensure_port
@@ -39,7 +39,8 @@ def _listen(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
 
 
 async def serve_router(config: RouterConfig, *, etcd: str, mqtt: str, cluster: str, router_id: str | None = None,
-                       on_ready: Callable[[Router], None] | None = None, reuse_port: bool = False) -> None:
+                       on_ready: Callable[[Router], None] | None = None, reuse_port: bool = False,
+                       etcd_access: Access | None = None, mqtt_access: Access | None = None) -> None:
     """Serve until SIGINT/SIGTERM (uvicorn's handlers), then drain, deregister and close.
 
     ``reuse_port``: one of several router processes on one port (``routing.processes``): the port is
@@ -55,9 +56,9 @@ async def serve_router(config: RouterConfig, *, etcd: str, mqtt: str, cluster: s
     else:
         port = ensure_port(config.host, config.port, name="router")
         sockets = []
-    store = EtcdStore(etcd)
+    store = EtcdStore(etcd, access=etcd_access)
     await store.get(Keys(cluster).root)  # a clear StoreUnavailable now rather than later
-    bus = await MqttBus(mqtt, cluster).start()
+    bus = await MqttBus(mqtt, cluster, access=mqtt_access).start()
     router = Router(config, store=store, bus=bus, keys=Keys(cluster), router_id=router_id,
                     url=f"http://{config.host}:{port}",
                     public_url=f"http://{config.host}:{config.port}" if reuse_port else None)

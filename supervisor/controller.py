@@ -52,7 +52,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from fleetward.fleet.bus import EVENT_KINDS, FAULT_FAMILIES, EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
-from fleetward.fleet.config import ID_PATTERN, SupervisorConfig
+from fleetward.fleet.config import ID_PATTERN, Access, SupervisorConfig
 from fleetward.fleet.errors import StoreError
 from fleetward.fleet.etcd import Compare, Delete, Election, LeadershipLost, LeaseKeeper, Put, StateStore, lead_forever
 from fleetward.fleet.keys import Keys
@@ -797,7 +797,8 @@ def _what(command: Command, state: HealthState) -> str:
 
 async def serve_controller(config: SupervisorConfig, *, etcd: str, mqtt: str, cluster: str, admin_token: str,
                            controller_id: str | None = None,
-                           on_ready: Callable[[Controller], None] | None = None) -> None:
+                           on_ready: Callable[[Controller], None] | None = None,
+                           etcd_access: Access | None = None, mqtt_access: Access | None = None) -> None:
     """Run a controller process: campaign and lead, control API on ``config.port``, until SIGTERM."""
     from fleetward.fleet.bus import MqttBus
     from fleetward.fleet.etcd import EtcdStore
@@ -805,9 +806,9 @@ async def serve_controller(config: SupervisorConfig, *, etcd: str, mqtt: str, cl
     from fleetward.fleet.procs import ensure_port
 
     port = ensure_port(config.host, config.port, name="supervisor controller")
-    store = EtcdStore(etcd)
+    store = EtcdStore(etcd, access=etcd_access)
     await store.get(Keys(cluster).root)
-    bus = await MqttBus(mqtt, cluster).start()
+    bus = await MqttBus(mqtt, cluster, access=mqtt_access).start()
     controller = Controller(config, store=store, bus=bus, keys=Keys(cluster), controller_id=controller_id,
                             url=f"http://{config.host}:{port}", admin_token=admin_token)
 
