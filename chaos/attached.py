@@ -138,6 +138,25 @@ class AttachedFleet(FleetClient):
     def engine_processes(self, worker: str) -> list[psutil.Process]:
         return []
 
+    async def refuses_admin_token(self, workers: Sequence[str]) -> str | None:
+        """Who refuses the admin token, and how (None when nobody that answered did): the supervisor leader's
+        control API (``GET /v1/workers``), then, when the workers have fault switches, each worker's admin
+        endpoint. Side-effect free: what a fault would be refused before it is injected."""
+        checks: list[tuple[str, str]] = []
+        leader = await self.leader()
+        if leader is not None and leader.url:
+            checks.append(("the supervisor's control API", f"{leader.url}/v1/workers"))
+        if self.backend.fault_switches:
+            checks += [(f"worker {w}", f"{self.bind_url(w)}/admin/state") for w in workers]
+        for who, url in checks:
+            try:
+                r = await self._http.get(url, headers=self._headers())
+            except httpx.HTTPError:
+                continue  # not answering: the steady-state hypothesis will say so
+            if r.status_code in (401, 403):
+                return f"{who} refuses the admin token (HTTP {r.status_code})"
+        return None
+
     def kill(self, worker: str) -> None:
         raise NotOurs("killing a worker")
 

@@ -31,8 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
-
 from fleetward.chaos.attached import AttachedFleet
 from fleetward.chaos.experiment import Experiment, declared_ids
 from fleetward.chaos.harness import FleetContext, TestFleet
@@ -191,8 +189,10 @@ async def attached_fleet(exp: Experiment, *, run_dir: Path, cluster: str | None,
                               f"{exp.fleet.backend} workers", field="fleet.backend")
         if exp.fleet.backend == "sim":
             fleet.backend = SimBackend(await attached_sim_config(fleet, declared, exp.fleet.sim, say=say))
-            if exp.method:
-                await _check_admin_token(fleet, declared)
+        refused = await fleet.refuses_admin_token(declared) if exp.method else None
+        if refused is not None:
+            raise ConfigError(f"{refused}: it is not this fleet's (FLEETWARD_ADMIN_TOKEN, or the admin-token file "
+                              "beside its fleet.json); nothing was injected", field="FLEETWARD_ADMIN_TOKEN")
         ids = {"worker": declared, "router": [r.id for r in fleet.routers][:exp.fleet.routers],
                "kv": sorted(w for w in declared if w in fleet.records and fleet.records[w].role == "prefill"),
                "fleet": ["fleet"]}
@@ -200,23 +200,6 @@ async def attached_fleet(exp: Experiment, *, run_dir: Path, cluster: str | None,
         yield Provisioned(fleet, ids, None, experiment=exp)
     finally:
         await fleet.aclose()
-
-
-async def _check_admin_token(fleet: AttachedFleet, workers: Sequence[str]) -> None:
-    """A :class:`ConfigError` when the attached fleet's simulated workers refuse the admin token (before any
-    fault is injected with it); a worker that does not answer is left to the steady-state hypothesis."""
-    for w in workers:
-        try:
-            await fleet.state(w)
-        except httpx.HTTPStatusError as exc:
-            if exc.response.status_code in (401, 403):
-                raise ConfigError(f"worker {w} refuses the admin token (HTTP {exc.response.status_code}): it is not "
-                                  "this fleet's (FLEETWARD_ADMIN_TOKEN, or the admin-token file beside its "
-                                  "fleet.json); nothing was injected", field="FLEETWARD_ADMIN_TOKEN") from None
-            return
-        except httpx.HTTPError:
-            continue
-        return
 
 
 def on_node(exp: Experiment, node: str) -> Experiment:
