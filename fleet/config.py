@@ -137,6 +137,9 @@ class RouterConfig(Frozen):
                                        "(docs/operations.md, \"API keys\"); none: the API is open")
     api_key_max_concurrency: int = Field(0, ge=0, description="requests in flight per API key, for keys that do not "
                                          "set max_concurrency (0: no limit)")
+    max_in_flight: int = Field(4096, ge=1, description="requests this router holds at once (streams a client left "
+                                "included, while resumable); more are shed with 503 and Retry-After, counted in "
+                                "fleetward_router_shed_total")
     checkpoint_incremental: bool = Field(True, description="after a request's first checkpoint, write only the "
                                          "tokens since the last flush (false: the whole journal every flush, as "
                                          "before; kept to measure the difference)")

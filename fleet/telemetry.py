@@ -1,13 +1,19 @@
 """Metrics every fleetward service exposes about its own links: whether etcd and the broker answer.
 
 ``fleetward_etcd_up`` is 1 while the service's last etcd call got through (0 once one gave up after its
-bounded retries) and ``fleetward_broker_up`` is 1 while its MQTT publisher is connected. Each service adds
-them to its own registry with :func:`link_gauges`; they are read when Prometheus scrapes, never polled.
+bounded retries) and ``fleetward_broker_up`` is 1 while its MQTT publisher is connected. Its outbox of events
+waiting for the broker is bounded: ``fleetward_bus_events_dropped_total`` counts the oldest events it shed
+when full (events are never the only copy of state: etcd is). Each service adds them to its own registry with
+:func:`link_gauges`; they are read when Prometheus scrapes, never polled.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 __all__ = ["link_gauges"]
 
@@ -20,3 +26,17 @@ def link_gauges(registry: CollectorRegistry, *, store: object, bus: object) -> N
     broker = Gauge("fleetward_broker_up", "1 while this process's MQTT publisher is connected to the broker.",
                    registry=registry)
     broker.set_function(lambda: 1.0 if getattr(bus, "connected", True) else 0.0)
+    registry.register(_Dropped(bus))
+
+
+class _Dropped(Collector):
+    """The bus's own count of events it shed, read at scrape time."""
+
+    def __init__(self, bus: object) -> None:
+        self.bus = bus
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("fleetward_bus_events_dropped", "Events this process's MQTT outbox shed "
+                                     "(the oldest first) because it was full while the broker was away.")
+        family.add_metric([], float(getattr(self.bus, "dropped", 0)))
+        yield family

@@ -139,6 +139,9 @@ class _Metrics:
                                      "API key (401).", ["reason"], registry=r)
         for reason in ("missing", "wrong"):
             self.auth_failures.labels(reason)
+        self.shed = Counter("fleetward_router_shed", "New requests refused (503) because the router holds "
+                            "routing.max_in_flight already.", ["reason"], registry=r)
+        self.shed.labels("in_flight")
         self.stall = Histogram("fleetward_router_migration_stall_seconds",
                                "Client-visible gap between the last token before a failure and the first after it.",
                                buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5, 10, 30), registry=r)
@@ -793,6 +796,12 @@ class Router:
                 self.metrics.requests.labels(endpoint, "resume_failed").inc()
                 return exc.response()
         else:
+            if len(self.active) >= self.config.max_in_flight:
+                self.metrics.shed.labels("in_flight").inc()
+                self.metrics.requests.labels(endpoint, "shed").inc()
+                return RouterError(503, f"this router holds {len(self.active)} requests, its limit "
+                                   "(routing.max_in_flight); retry shortly or on another router",
+                                   retry_after=1).response()
             j = Journal(id=new_request_id(kind), kind=kind, body=body, created=self.clock.wall(),
                         deadline=self.clock.wall() + self.config.request_timeout_s)
             self.active[j.id] = Active(j)

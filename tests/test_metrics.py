@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 from fleetward.cli.metricsref import PAGE, catalogue, render
@@ -42,3 +43,22 @@ def test_the_catalogue_covers_what_operators_alert_on() -> None:
                    "fleetward_supervisor_leadership_changes_total", "fleetward_etcd_up", "fleetward_broker_up",
                    "fleetward_autoscaler_desired_workers", "fleetward_autoscaler_workers"):
         assert needed in names, needed
+
+
+def test_an_outbox_that_sheds_events_counts_them_where_prometheus_reads() -> None:
+    """The MQTT outbox is bounded: with the broker away, the oldest events go, and the count is a metric."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from fleetward.fleet.bus import MqttBus
+    from fleetward.fleet.telemetry import link_gauges
+
+    bus = MqttBus("127.0.0.1:1", "drops", outbox_size=2)  # never started: nothing leaves the outbox
+    registry = CollectorRegistry()
+    link_gauges(registry, store=object(), bus=bus)
+    for i in range(5):
+        asyncio.run(_publish(bus, i))
+    assert "fleetward_bus_events_dropped_total 3.0" in generate_latest(registry).decode()
+
+
+async def _publish(bus: object, i: int) -> None:
+    await bus.publish("action", n=i)  # type: ignore[attr-defined]

@@ -399,9 +399,11 @@ async def test_an_unknown_last_event_id_is_refused_clearly(healthy: TestFleet) -
     assert r.status_code == 404 and "unknown, finished" in r.json()["error"]["message"]
 
 
-async def test_event_ids_name_what_a_stalled_client_holds(healthy: TestFleet, wait_until: Any) -> None:
-    """The router reads upstream ahead of a client that stops reading (its socket buffers fill up); the
-    id of every event it then sends must still count that event's tokens, not the journal's."""
+async def test_a_stalled_client_holds_up_no_other_stream_and_its_event_ids_name_what_it_holds(
+        healthy: TestFleet, wait_until: Any) -> None:
+    """The router reads upstream ahead of a client that stops reading (its socket buffers fill up): other
+    streams meanwhile run to their end, exact. The id of every event it then sends must still count that
+    event's tokens, not the journal's."""
     prompt = encode("stalled reader: ")
     url = router(healthy).url
     tokens: list[int] = []
@@ -414,6 +416,10 @@ async def test_event_ids_name_what_a_stalled_client_holds(healthy: TestFleet, wa
         lines = sse_lines(r.aiter_bytes())
         while not (line := await anext(lines)).startswith("data: {"):
             pass
+        others = [encode(f"beside a stalled reader {i}: ") for i in range(4)]
+        got = await asyncio.gather(*(stream_tokens(url, {"model": "sim-tiny", "prompt": p, "max_tokens": 120})
+                                     for p in others))
+        assert [tokens for tokens, _, _ in got] == [reference(p, 120) for p in others]
 
         async def upstream_done() -> bool:
             async with httpx.AsyncClient() as probe:

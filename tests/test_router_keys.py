@@ -1,6 +1,7 @@
-"""API keys on the router's public API (routing.api_keys_file): the official openai client with its key, 401s
-without one, a per-key concurrency limit (429) that frees its slot when a stream ends or its client goes away,
-and keys that never reach the logs. A real router process, real etcd and broker, a simulated worker."""
+"""Who the router lets in. API keys on its public API (routing.api_keys_file): the official openai client with
+its key, 401s without one, a per-key concurrency limit (429) that frees its slot when a stream ends or its client
+goes away, and keys that never reach the logs. And a bound on what one router holds (routing.max_in_flight):
+more is shed with 503, counted. A real router process, real etcd and broker, a simulated worker."""
 
 from __future__ import annotations
 
@@ -118,3 +119,26 @@ async def test_a_keys_file_is_checked_before_the_router_serves(tmp_path: Path) -
     twice = keys_file(tmp_path / "twice.yaml", f"keys:\n  - name: a\n    key: {ONE}\n  - name: b\n    key: {ONE}\n")
     with pytest.raises(ConfigError, match="listed twice"):
         ApiKeys.load(twice)
+
+
+async def test_a_router_at_max_in_flight_sheds_new_requests_with_503_and_counts_them(
+        keyed: tuple[TestFleet, str], wait_until: Any) -> None:
+    fleet, _ = keyed
+    bounded = await fleet.start_router("bounded", max_in_flight=1, detached_grace_s=1.0)
+    url = bounded.url
+    body = {"model": "sim-tiny", "prompt": "a long one", "max_tokens": 4000, "stream": True}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        async with http.stream("POST", "/v1/completions", json=body) as held:
+            assert held.status_code == 200
+            await anext(held.aiter_bytes())
+            r = await http.post("/v1/completions", json={"model": "sim-tiny", "prompt": "x", "max_tokens": 2})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1" and "max_in_flight" in r.text
+        assert await metric(url, 'fleetward_router_shed_total{reason="in_flight"}') == 1
+
+        async def accepted() -> bool:
+            r = await http.post("/v1/completions", json={"model": "sim-tiny", "prompt": "x", "max_tokens": 2})
+            return r.status_code == 200
+
+        # The client left: its stream stays resumable for detached_grace_s, then the router lets it go.
+        await wait_until(accepted, timeout=30, message="room again once the left stream is let go")
+    await fleet.stop_router(bounded)
