@@ -260,6 +260,30 @@ class _Reauthenticated(aex.ClientError):
     """A call was refused for a stale token; the client has a fresh one now (the call is retried)."""
 
 
+class _WatchRefused(aex.ClientError):
+    """etcd answered a watch's creation by cancelling it (``cancel_reason``: with auth on, a stream whose
+    token etcd no longer knows reads as "permission denied")."""
+
+
+class _Watcher(aetcd.watcher.Watcher):  # aetcd is untyped: its attributes are Any
+    """aetcd's watcher, except that a creation etcd cancels fails (aetcd would wait on a watch that never
+    delivers)."""
+
+    async def _handle_response(self, response: Any) -> None:
+        if response.created and response.canceled and not response.compact_revision:  # compacted: aetcd's error
+            async with self._lock:
+                if self._new_callback is not None:
+                    self._new_callback.error = _WatchRefused(response.cancel_reason or "watch cancelled by etcd")
+                    self._new_callback_ready.notify_all()
+            return
+        await super()._handle_response(response)
+
+    async def restart_stream(self) -> None:
+        """End the stream (its watches fail as after a lost connection, and are re-created by their
+        owners); the next watch opens a new stream with the current token."""
+        await self._terminate_stream(aex.ConnectionFailedError("watch stream restarted with a fresh auth token"))
+
+
 class _Client(aetcd.Client):  # aetcd is untyped: its attributes are Any
     """aetcd's client on a TLS channel when ``access`` asks for one (aetcd 1.x opens only insecure channels),
     able to authenticate again when etcd drops its token."""
@@ -305,8 +329,7 @@ class _Client(aetcd.Client):  # aetcd is untyped: its attributes are Any
             self.clusterstub = rpc.ClusterStub(self.channel)
             self.leasestub = rpc.LeaseStub(self.channel)
             self.maintenancestub = rpc.MaintenanceStub(self.channel)
-            self._watcher = aetcd.watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout,
-                                                  metadata=self.metadata)
+            self._watcher = _Watcher(rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata)
             self._connected.set()
         except BaseException:
             if self.channel is not None:
@@ -326,11 +349,15 @@ class _Client(aetcd.Client):  # aetcd is untyped: its attributes are Any
         if self._watcher is not None:  # a watch stream opened from now on carries the new token
             self._watcher._metadata = self.metadata
 
-    async def reauthenticate(self, stale: Any) -> None:
-        """A fresh token, unless another call already replaced the ``stale`` one."""
+    async def reauthenticate(self, stale: Any, *, watch_refused: bool = False) -> None:
+        """A fresh token, unless another call already replaced the ``stale`` one. ``watch_refused``: the watch
+        stream's own token is stale too (etcd reads a stream's token when the stream opens), so the stream
+        is restarted."""
         async with self._auth_lock:
             if self.metadata == stale:
                 await self._authenticate()
+            if watch_refused and self._watcher is not None:
+                await self._watcher.restart_stream()
 
 
 def _stale_token(exc: BaseException) -> bool:
@@ -486,6 +513,7 @@ class EtcdStore:
                     transient: tuple[type[Exception], ...] = _TRANSIENT) -> T:
         """Run ``fn(client)`` with bounded retries; translate aetcd's and gRPC's errors."""
         attempts = 0
+        watch_refused = False  # once per call: refused again after a fresh token and stream, it is meant
         try:
             async for attempt in self._retrying(transient):
                 with attempt:
@@ -506,6 +534,12 @@ class EtcdStore:
                         if self._access.username is not None and _stale_token(exc):
                             log.info("etcd refused this client's token (%s); authenticating again", exc)
                             await client.reauthenticate(stale)
+                            raise _Reauthenticated(str(exc)) from exc
+                        if self._access.username is not None and isinstance(exc, _WatchRefused) \
+                                and not watch_refused:
+                            watch_refused = True
+                            log.info("etcd cancelled a new watch (%s); authenticating again", exc)
+                            await client.reauthenticate(stale, watch_refused=True)
                             raise _Reauthenticated(str(exc)) from exc
                         raise
         except RetryError as exc:

@@ -210,6 +210,33 @@ async def test_etcd_client_authenticates_again_when_its_token_is_dropped(secure_
         assert kv is not None and kv.value == b"after"
 
 
+@on_module_loop
+async def test_a_new_watch_on_a_stream_opened_with_a_dropped_token_still_delivers(
+        secure_etcd: LocalEtcd, pki: Pki) -> None:
+    """etcd reads a watch stream's token when the stream opens: once that token is dropped, a watch created
+    on the stream is cancelled ("permission denied"). The stream is opened again with a fresh token, and the
+    watch already on it resumes without a gap."""
+    async with EtcdStore(secure_etcd.endpoint, access=good_access(pki), attempts=3, retry_budget_s=5.0) as store:
+        rev = await store.put("/fleetward/stream/a", b"1")
+        first = store.watch_prefix("/fleetward/stream/", start_revision=rev)
+        async with contextlib.aclosing(first):
+            assert (await anext(first)).value == b"1"
+            async with EtcdStore(secure_etcd.endpoint, access=replace(good_access(pki), username="root",
+                                                                       password=ROOT_PASSWORD)) as admin:
+                from aetcd import rpc
+
+                root = await admin._connected()
+                await rpc.AuthStub(root.channel).UserChangePassword(
+                    rpc.AuthUserChangePasswordRequest(name="fleetward", password=PASSWORD.get_secret_value()),
+                    metadata=root.metadata, timeout=5)
+            second = store.watch_prefix("/fleetward/stream/", start_revision=rev)
+            async with contextlib.aclosing(second), asyncio.timeout(20):
+                assert (await anext(second)).value == b"1"
+                await store.put("/fleetward/stream/b", b"2")
+                assert (await anext(second)).value == b"2"
+                assert (await anext(first)).value == b"2"
+
+
 # -- the broker -------------------------------------------------------------------------------------------
 
 
@@ -388,3 +415,23 @@ async def test_up_with_tls_serves_through_the_router_and_keeps_etcd_and_the_brok
         assert await up.wait_exit() == 0
     finally:
         await up.stop()
+
+
+@on_module_loop
+async def test_watch_resumes_across_an_etcd_restart_that_dropped_every_token(
+        secure_etcd: LocalEtcd, pki: Pki, tmp_path: Path) -> None:
+    """etcd keeps its simple tokens in memory: after a restart every token is unknown, the watch stream's
+    too. The watch resumes (a new stream, a fresh token) and misses nothing."""
+    async with EtcdStore(secure_etcd.endpoint, access=good_access(pki), attempts=20, retry_budget_s=30.0) as store:
+        rev = await store.put("/fleetward/restart/a", b"1")
+        watch = store.watch_prefix("/fleetward/restart/", start_revision=rev)
+        async with contextlib.aclosing(watch):
+            assert (await anext(watch)).value == b"1"
+            await secure_etcd.stop()
+            secure_etcd.start(tmp_path)
+            await secure_etcd.wait_ready()
+            async with EtcdStore(secure_etcd.endpoint, access=good_access(pki)) as writer:  # not the watcher's
+                await writer.put("/fleetward/restart/b", b"2")
+            async with asyncio.timeout(30):
+                event = await anext(watch)
+        assert (event.key, event.value) == ("/fleetward/restart/b", b"2")
