@@ -118,6 +118,9 @@ def load_trace(path: str | Path, *, speed: float = 1.0, rate_scale: float = 1.0,
     if not raw and fmt != "servegen-rate":
         raise TraceError("the trace has no requests", file=str(path))
     if fmt != "servegen-rate":  # rate traces are made in order, already thinned, from their first window
+        if len(raw) * rate_scale > _MAX_GENERATED:
+            raise TraceError(f"{len(raw):,} requests times {rate_scale:g} is more than the {_MAX_GENERATED:,} this "
+                             "makes; scale the rate down or cut the time (limit_s)", file=str(path), field="rate_scale")
         raw.sort(key=itemgetter(0))  # stable: ties keep the file's order
         origin = raw[0][0]  # before thinning, which must not move the timeline
         raw = [((t - origin) / speed, i, o) for t, i, o in _rescale(raw, rng, rate_scale)]
@@ -183,10 +186,12 @@ def _float(path: Path, line: int, field: str, value: object) -> float:
 def _timestamp(path: Path, line: int, field: str, value: str) -> float:
     try:  # Python < 3.11 takes at most 6 fractional digits; Azure writes 7
         stamp = datetime.fromisoformat(_BEYOND_MICROSECONDS.sub(r"\1", value.strip(), count=1))
+        if stamp.tzinfo is not None:
+            stamp = stamp.astimezone(UTC).replace(tzinfo=None)
     except ValueError:
         raise _error(path, line, f"{value!r} is not a date and time", field) from None
-    if stamp.tzinfo is not None:
-        stamp = stamp.astimezone(UTC).replace(tzinfo=None)
+    except OverflowError:  # within a day of year 1 or 9999, in UTC it is not one datetime can hold
+        raise _error(path, line, f"{value!r} is out of range in UTC", field) from None
     return (stamp - _EPOCH).total_seconds()  # naive times as written: no local time zone, no DST jumps
 
 
@@ -198,7 +203,7 @@ def _mooncake(path: Path, f: IO[str]) -> list[_Raw]:
             continue
         try:
             obj = json.loads(text)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than Python's stack
             raise _error(path, n, f"not JSON ({exc}); a Mooncake JSONL line is one object") from None
         if not isinstance(obj, dict):
             raise _error(path, n, f"a {type(obj).__name__}, not a JSON object")

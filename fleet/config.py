@@ -44,6 +44,7 @@ __all__ = [
     "load_fleet_config",
     "load_model",
     "parse_yaml",
+    "read_text",
     "resolve_access",
     "validation_error",
 ]
@@ -515,33 +516,80 @@ def admin_token_given() -> SecretStr | None:
 class _LineLoader(yaml.SafeLoader):
     """A safe loader that remembers the line of every mapping key and sequence item."""
 
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        # A value that matches a YAML type's pattern but is not one (2001-02-30, 0b_) is a ValueError from
+        # the constructor: make it a YAML error at the value's line.
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise yaml.constructor.ConstructorError(None, None, f"cannot read {node.value!r}: {exc}",
+                                                    node.start_mark) from None
+
+
+# Bounds on what a config or experiment file may be: they hold hundreds of values, a few levels deep.
+_MAX_DEPTH = 64
+_MAX_VALUES = 100_000  # aliases counted as what they stand for (a "billion laughs" file expands past it)
+_OPENING = (yaml.BlockMappingStartToken, yaml.BlockSequenceStartToken, yaml.FlowMappingStartToken,
+            yaml.FlowSequenceStartToken)
+_CLOSING = (yaml.BlockEndToken, yaml.FlowMappingEndToken, yaml.FlowSequenceEndToken)
+
+
+def _yaml_error(exc: yaml.YAMLError, text: str, file: str) -> ConfigError:
+    if isinstance(exc, yaml.reader.ReaderError):  # a character YAML does not allow: a position, no mark
+        return ConfigError(f"not valid YAML: {exc.reason} {exc.character!r}", file=file,
+                           line=text.count("\n", 0, exc.position) + 1)
+    mark = getattr(exc, "problem_mark", None)
+    line = mark.line + 1 if mark is not None else None
+    problem = getattr(exc, "problem", None) or str(exc)
+    return ConfigError(f"not valid YAML: {problem}", file=file, line=line)
+
 
 def parse_yaml(text: str, *, file: str) -> tuple[Any, dict[Path_, int]]:
-    """Parse YAML, returning the data and a map from each path to its 1-based line."""
+    """Parse YAML, returning the data and a map from each path to its 1-based line.
+
+    Whatever the text, the answer is the data or a :class:`ConfigError` with the line: bad YAML, tags the
+    safe loader does not know, keys that cannot be keys, values nested more than ``_MAX_DEPTH`` deep
+    (PyYAML recurses), or more than ``_MAX_VALUES`` of them once aliases are expanded (or an alias within
+    itself).
+    """
     try:
+        depth = 0
+        for token in yaml.scan(text, Loader=_LineLoader):  # the scanner does not recurse; the composer does
+            if isinstance(token, _OPENING):
+                depth += 1
+                if depth > _MAX_DEPTH:
+                    raise ConfigError(f"nested more than {_MAX_DEPTH} levels deep", file=file,
+                                      line=token.start_mark.line + 1)
+            elif isinstance(token, _CLOSING):
+                depth -= 1
         node = yaml.compose(text, Loader=_LineLoader)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"not valid YAML: {problem}", file=file, line=line) from exc
-    lines: dict[Path_, int] = {}
-    if node is None:
-        return {}, lines
-
-    def walk(n: yaml.Node, path: Path_) -> None:
-        lines[path] = n.start_mark.line + 1
+        raise _yaml_error(exc, text, file) from exc
+    if node is None:  # an empty file: what it lacks is reported at line 1
+        return {}, {(): 1}
+    lines: dict[Path_, int] = {(): node.start_mark.line + 1}
+    todo: list[tuple[yaml.Node, Path_]] = [(node, ())]
+    seen = 0
+    while todo:
+        n, path = todo.pop()
+        seen += 1
+        if seen > _MAX_VALUES or len(path) > _MAX_DEPTH:
+            problem = (f"more than {_MAX_VALUES:,} values" if seen > _MAX_VALUES
+                       else f"nested more than {_MAX_DEPTH} levels deep")
+            raise ConfigError(f"{problem} once its aliases are expanded", file=file, line=n.start_mark.line + 1)
         if isinstance(n, yaml.MappingNode):
             for key_node, value_node in n.value:
                 child = (*path, str(key_node.value))
-                walk(value_node, child)
                 lines[child] = key_node.start_mark.line + 1
+                todo.append((value_node, child))
         elif isinstance(n, yaml.SequenceNode):
             for i, item in enumerate(n.value):
-                walk(item, (*path, i))
-
-    walk(node, ())
-    data = yaml.load(text, Loader=_LineLoader)
+                lines[(*path, i)] = item.start_mark.line + 1
+                todo.append((item, (*path, i)))
+    try:
+        data = yaml.load(text, Loader=_LineLoader)
+    except yaml.YAMLError as exc:
+        raise _yaml_error(exc, text, file) from exc
     return data, lines
 
 
@@ -591,17 +639,26 @@ def load_model(model: type[M], path: str | Path, *, overrides: Mapping[str, Any]
     (``routing.port``) sets one key of a section and keeps the section's others.
     """
     file = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read: {exc.strerror}", file=file) from exc
-    data, lines = parse_yaml(text, file=file)
+    data, lines = parse_yaml(read_text(path), file=file)
     if not isinstance(data, dict):
         raise ConfigError("the top level must be a mapping of keys to values", file=file, line=1)
     try:
         return model.model_validate(_merge(data, overrides or {}))
     except ValidationError as exc:
         raise validation_error(exc, file=file, lines=lines) from None
+
+
+def read_text(path: str | Path) -> str:
+    """A config or experiment file's text: UTF-8, or a :class:`ConfigError` with the line of the first bad byte."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror}", file=str(path)) from exc
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", file=str(path),
+                          line=raw.count(b"\n", 0, exc.start) + 1) from None
 
 
 def _merge(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -54,29 +54,50 @@ class Chunk:
     logprobs: Any
 
 
+def _bad(why: str, payload: bytes) -> UpstreamError:
+    return UpstreamError("bad_chunk", f"{why}: {payload[:120]!r}")
+
+
+def _ids(value: Any) -> bool:
+    return type(value) is list and all(type(t) is int for t in value)
+
+
 def _parse(payload: bytes) -> Chunk | None:
+    """One ``data:`` payload: a :class:`Chunk`, None (the usage chunk), or :class:`UpstreamError` whatever it
+    holds (``bad_chunk`` when it is not the shape vLLM sends, ``error_event`` for its in-band error)."""
     try:
         data = orjson.loads(payload)
     except orjson.JSONDecodeError as exc:
         raise UpstreamError("bad_chunk", f"not JSON: {payload[:120]!r}") from exc
+    if type(data) is not dict:
+        raise _bad("not a JSON object", payload)
     if "error" in data:
         err = data["error"]
         message = err.get("message", str(err)) if isinstance(err, dict) else str(err)
-        raise UpstreamError("error_event", message, body=data)
+        raise UpstreamError("error_event", str(message), body=data)
     choices = data.get("choices")
     if not choices:
         return None  # the usage chunk
-    c = choices[0]
+    c = choices[0] if type(choices) is list else None
+    if type(c) is not dict:
+        raise _bad("choices is not a list of objects", payload)
     delta = c.get("delta")
+    if delta is not None and type(delta) is not dict:
+        raise _bad("delta is not an object", payload)
     text = (delta.get("content") or "") if delta is not None else (c.get("text") or "")
     prompt_ids = c.get("prompt_token_ids") or data.get("prompt_token_ids")
     token_ids = c.get("token_ids")
+    finish, stop = c.get("finish_reason"), c.get("stop_reason")
     if token_ids is None:
-        if delta is not None and not text and c.get("finish_reason") is None:
+        if delta is not None and not text and finish is None:
             token_ids = []  # chat's opening role chunk
         else:
             raise UpstreamError("bad_chunk", "chunk without token_ids (worker ignored return_token_ids?)")
-    return Chunk(token_ids, text, c.get("finish_reason"), c.get("stop_reason"), prompt_ids, c.get("logprobs"))
+    if not (type(text) is str and _ids(token_ids) and (prompt_ids is None or _ids(prompt_ids))
+            and (finish is None or type(finish) is str)
+            and (stop is None or type(stop) is str or type(stop) is int)):
+        raise _bad("text, token ids or finish reason of the wrong type", payload)
+    return Chunk(token_ids, text, finish, stop, prompt_ids, c.get("logprobs"))
 
 
 def _data_lines(event: bytes) -> list[bytes]:
