@@ -74,7 +74,8 @@ def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
                    help="of those, how many prefill (the rest decode; docs/pd.md); default 0: all aggregated")
     p.add_argument("--backend", choices=["sim", "vllm"], help="simulated workers (default) or real vLLM")
     p.add_argument("--model", help="vllm backend: model folder (default: the tiny local model, made on demand)")
-    p.add_argument("--host", help="address to bind everything to; default 127.0.0.1")
+    p.add_argument("--host", help="address the router, the controller and the workers bind to; default 127.0.0.1 "
+                   "(not etcd and the broker: --etcd-host, --mqtt-host)")
     p.add_argument("--run-dir", dest="run_dir", type=Path, help="where logs and data go; default .fleetward")
     p.add_argument("--etcd", help="use this etcd (host:port) instead of starting one")
     p.add_argument("--etcd-port", dest="etcd_port", type=int, help="port for the embedded etcd")
