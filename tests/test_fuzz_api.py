@@ -112,18 +112,33 @@ def _fuzz_one(operation: Any, mode: GenerationMode, base_url: str, headers: dict
     return statuses
 
 
-def fuzz_links(schema: Any, base_url: str, headers: dict[str, str], *, examples: int = EXAMPLES) -> None:
-    """The spec's links, followed by schemathesis' state machine (raises on the first failure)."""
+def fuzz_links(schema: Any, base_url: str, headers: dict[str, str], *, examples: int = EXAMPLES) -> int:
+    """The spec's links, followed by schemathesis' state machine (raises on the first failure).
+
+    Returns how many requests used what an earlier answer gave (a request id, a started worker's id).
+    """
     machine: Any = schema.as_state_machine()
+    given_out: set[str] = set()
+    followed = 0
 
     class Links(machine):  # type: ignore[misc, valid-type]
         def get_call_kwargs(self, case: Case) -> dict[str, Any]:
             return {"base_url": base_url, "headers": headers, "timeout": _TIMEOUT_S}
 
         def validate_response(self, response: Any, case: Case, additional_checks: Any = None, **kw: Any) -> None:
+            nonlocal followed
+            resumed = str((case.headers or {}).get("Last-Event-ID", "")).rpartition(":")[0]
+            worker = str((case.path_parameters or {}).get("worker", ""))
+            followed += bool({resumed, worker} & given_out)
+            if response.status_code == 200:
+                answered = {k.lower(): v for k, v in response.headers.items()}
+                given_out.add((answered.get("x-request-id") or [""])[0])
+                if case.operation.label == "POST /v1/workers" and isinstance(case.body, dict):
+                    given_out.add(str(case.body.get("id")))
             check_answer(case, response)
 
     Links.run(settings=_settings(examples, stateful_step_count=6))
+    return followed
 
 
 def load_spec(url: str, edit: Callable[[dict[str, Any]], None] | None = None) -> Any:
@@ -188,7 +203,7 @@ async def test_the_router_answers_any_request_its_spec_allows_or_forbids_without
 async def test_the_router_survives_resumes_along_its_specs_links(fleet: TestFleet) -> None:
     url = fleet.routers[0].url
     schema = load_spec(url, _router_spec_for(SIM.model_name))
-    await asyncio.to_thread(fuzz_links, schema, url, {})
+    assert await asyncio.to_thread(fuzz_links, schema, url, {}) > 0  # resumes of requests the router answered
 
 
 def _on_workers(*workers: str) -> Callable[[dict[str, Any]], None]:
@@ -220,7 +235,8 @@ async def test_the_controller_answers_any_request_with_or_without_the_token_with
 
 async def test_the_controller_survives_commands_along_its_specs_links(fleet: TestFleet) -> None:
     url = await _controller_url(fleet)
-    await asyncio.to_thread(fuzz_links, load_spec(url), url, {"authorization": f"Bearer {TOKEN}"})
+    # Commands on workers it was asked to start (on nodes no agent runs: never started, so refused).
+    assert await asyncio.to_thread(fuzz_links, load_spec(url), url, {"authorization": f"Bearer {TOKEN}"}) > 0
 
 
 @pytest.mark.parametrize("body", [b"[]", b'"cordon"', b"3", b'{"deadline_s": "nan"}', b'{"deadline_s": NaN}',
