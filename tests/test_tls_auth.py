@@ -398,6 +398,21 @@ async def test_up_with_tls_serves_through_the_router_and_keeps_etcd_and_the_brok
                 assert not any(s in cmd for s in secrets_), f"a password on the command line of {cmd[:80]}"
         assert not any(s in (tmp_path / "tlsfleet" / "fleet.json").read_text() for s in secrets_)
 
+        # `fleetward events` reaches the broker through fleet.json too.
+        events = ManagedProcess("fleetward events", [*FLEETWARD, "events", "scale", "--count", "1", *where],
+                                log_path=tmp_path / "events.log", env={"PYTHONSAFEPATH": "1"}).start()
+        try:
+            access = resolve_access(AccessConfig.model_validate(state["mqtt_access"]), field="mqtt_access")
+            async with MqttBus(state["mqtt"], "tlsfleet", access=access) as bus:
+                async def printed() -> bool:  # published until the subscriber, once subscribed, got one
+                    await bus.publish("scale", reason="tls-test")
+                    return not events.is_running
+
+                await wait_until(printed, timeout=60, interval=0.2, message="fleetward events got an event")
+            assert await events.wait_exit() == 0 and "reason=tls-test" in events.log_tail()
+        finally:
+            await events.stop()
+
         # What comes without the certificates and passwords is refused.
         async with short_store(state["etcd"], Access()) as plain:
             with pytest.raises(StoreUnavailable):
