@@ -21,6 +21,7 @@ import psutil
 from fleetward.fleet import handle as fleet_handle
 from fleetward.fleet.backends import Backend
 from fleetward.fleet.bus import MqttBus
+from fleetward.fleet.config import Access, AccessConfig, resolve_access
 from fleetward.fleet.etcd import EtcdStore
 from fleetward.fleet.handle import Fleet, FleetClient, NotOurs, RouterRef
 from fleetward.fleet.keys import Keys
@@ -59,13 +60,17 @@ class AttachedFleet(FleetClient):
         self.workers_urls: dict[str, str] = dict(state.get("workers") or {})
         self.records: dict[str, WorkerRecord] = {}
         self.keys = Keys(self.cluster)
-        self.store = EtcdStore(self.etcd)
+        # TLS and credentials as the fleet's state file names them (files, never a password): `up --tls`.
+        self.etcd_access, self.mqtt_access = (
+            resolve_access(AccessConfig.model_validate(state[f]), field=f) if state.get(f) else Access()
+            for f in ("etcd_access", "mqtt_access"))
+        self.store = EtcdStore(self.etcd, access=self.etcd_access)
         self.admin_token = admin_token
         self._routers: list[_Router] = []
         self._http = httpx.AsyncClient(timeout=10.0, trust_env=False)
 
     async def start(self) -> None:
-        self.bus = await MqttBus(self.mqtt, self.cluster).start()
+        self.bus = await MqttBus(self.mqtt, self.cluster, access=self.mqtt_access).start()
         fleet = await read_fleet(self.store, self.keys)
         self._routers = [_Router(rid, str(r.get("url"))) for rid, r in sorted(fleet.routers.items())]
         self.records = dict(fleet.workers)

@@ -364,7 +364,7 @@ class Runner:
         from fleetward.fleet.bus import MqttBus
 
         endpoint = self.fleet.mqtt_endpoint
-        subscriber = MqttBus(endpoint, self.fleet.cluster)
+        subscriber = MqttBus(endpoint, self.fleet.cluster, access=getattr(self.fleet, "mqtt_access", None))
         subscribed = asyncio.Event()
 
         async def record() -> None:

@@ -28,8 +28,10 @@ import pytest_asyncio
 import trustme
 from pydantic import SecretStr
 
+from fleetward.chaos.attached import AttachedFleet
+from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.bus import MqttBus
-from fleetward.fleet.config import Access, AccessConfig, load_fleet_config, resolve_access
+from fleetward.fleet.config import Access, AccessConfig, SimConfig, load_fleet_config, resolve_access
 from fleetward.fleet.errors import BusUnavailable, ConfigError, StoreError, StoreUnavailable
 from fleetward.fleet.etcd import EtcdStore, enable_auth
 from fleetward.fleet.infra import LocalBroker, LocalEtcd, ServerTls, write_mosquitto_passwords
@@ -412,6 +414,15 @@ async def test_up_with_tls_serves_through_the_router_and_keeps_etcd_and_the_brok
             assert await events.wait_exit() == 0 and "reason=tls-test" in events.log_tail()
         finally:
             await events.stop()
+
+        # A chaos run attached to this fleet reaches its etcd and broker through fleet.json too.
+        attached = AttachedFleet(state, (tmp_path / "tlsfleet" / "admin-token").read_text().strip(),
+                                 SimBackend(SimConfig()))
+        try:
+            await attached.start()
+            assert attached.worker_ids and attached.routers
+        finally:
+            await attached.aclose()
 
         # What comes without the certificates and passwords is refused.
         async with short_store(state["etcd"], Access()) as plain:
