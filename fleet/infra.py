@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from fleetward.fleet.errors import ProcessError
+from fleetward.fleet.errors import ConfigError, ProcessError
 from fleetward.fleet.procs import ManagedProcess, ensure_port, free_port
 
 __all__ = ["LocalBroker", "LocalEtcd", "LocalPki", "ServerTls", "broker_kind", "etcd_binary", "make_local_pki",
@@ -276,7 +276,8 @@ class LocalBroker:
     def __post_init__(self) -> None:
         self.kind = self.kind or broker_kind()
         if (self.tls is not None or self.password_file is not None) and self.kind != "mosquitto":
-            raise ValueError("LocalBroker: TLS and passwords need Mosquitto (`apt-get install mosquitto`)")
+            raise ConfigError("TLS and passwords need Mosquitto (`apt-get install mosquitto`); the embedded amqtt "
+                              "fallback speaks neither", field="tls")
         if self.kind not in ("mosquitto", "amqtt"):
             raise ValueError(f"LocalBroker.kind: {self.kind!r} is neither 'mosquitto' nor 'amqtt'")
         self.port = ensure_port(self.host, self.port, name=f"mqtt broker ({self.kind})")

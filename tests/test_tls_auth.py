@@ -337,6 +337,11 @@ def test_bad_access_in_a_fleet_file_names_file_line_and_field(tmp_path: Path) ->
     assert "key_file" in text
 
 
+def test_tls_on_the_amqtt_fallback_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="need Mosquitto"):
+        LocalBroker(tmp_path / "broker", kind="amqtt", password_file=tmp_path / "passwords")
+
+
 def test_fleet_file_without_access_keeps_working(tmp_path: Path) -> None:
     path = tmp_path / "fleet.yaml"
     path.write_text("cluster: c\netcd: 10.0.0.1:2379\nmqtt: 10.0.0.1:1883\n")
