@@ -8,7 +8,8 @@ resume; a started worker to the commands on it). Every answer must be below 500,
 ``_TIMEOUT_S`` (no hang), and a refusal (4xx) must say why in its body.
 
 Deterministic (``derandomize``) and bounded: ``FLEETWARD_FUZZ_EXAMPLES`` sets the examples per operation
-and mode (default 20; raise it for a longer hunt, e.g. 500).
+and mode (default 20; raise it for a longer hunt, e.g. 500); ``FLEETWARD_FUZZ_RANDOM=1`` draws new inputs
+each run (hypothesis prints the seed of a failure).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from fleetward.fleet.worker import WorkerRecord
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
+DERANDOMIZE = not os.environ.get("FLEETWARD_FUZZ_RANDOM")  # FLEETWARD_FUZZ_RANDOM=1: new inputs each run
 EXAMPLES = int(os.environ.get("FLEETWARD_FUZZ_EXAMPLES", "20"))
 _TIMEOUT_S = 20.0
 # Fast tokens and a short context, so a request the spec allows finishes in milliseconds.
@@ -47,7 +49,7 @@ GHOST = "ghost-w0"  # a registered worker that never answers: the controller's c
 
 
 def _settings(examples: int, **kw: Any) -> settings:
-    return settings(max_examples=examples, deadline=None, derandomize=True, database=None, print_blob=True,
+    return settings(max_examples=examples, deadline=None, derandomize=DERANDOMIZE, database=None, print_blob=True,
                     suppress_health_check=list(HealthCheck),
                     phases=[Phase.explicit, Phase.generate, Phase.shrink], **kw)
 

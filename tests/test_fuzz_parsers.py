@@ -12,7 +12,7 @@
 
 Never a hang: nothing here may take long (the per-test timeout ends one that does). What the fuzzer found
 stays as an ``@example`` of the property that found it. ``FLEETWARD_FUZZ_EXAMPLES`` sets the examples per
-property (default 150; raise it for a longer hunt).
+property (default 150; raise it for a longer hunt), ``FLEETWARD_FUZZ_RANDOM=1`` draws new inputs each run.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ from fleetward.fleet.errors import ConfigError
 from fleetward.fleet.sse import sse_lines
 from fleetward.migration.upstream import Chunk, UpstreamError, UpstreamStream, _parse
 
+DERANDOMIZE = not os.environ.get("FLEETWARD_FUZZ_RANDOM")  # FLEETWARD_FUZZ_RANDOM=1: new inputs each run
 EXAMPLES = int(os.environ.get("FLEETWARD_FUZZ_EXAMPLES", "150"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=DERANDOMIZE, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                        HealthCheck.data_too_large, HealthCheck.filter_too_much])
 ROOT = Path(__file__).resolve().parent.parent
