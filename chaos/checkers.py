@@ -23,6 +23,10 @@ detection           per worker fault of the process/gpu/kv families: time from i
 migration_limit     no request used more attempts than the router's migration limit allows
 quiet_baseline      no detections (or migrations) while no fault was in effect
 fault_verification  every fault verified that it took effect and that it was recovered
+failure_reasons     every workload request ended, and every one that failed says how (a stage) and why
+resources           the RSS and open file descriptors of the run's processes (``resources`` records, see
+                    :mod:`fleetward.chaos.resources`) grew within bounds from after a warm-up to the end, the
+                    run ended with no more processes than it had then, and none of its processes outlived it
 =================== =====================================================================================
 
 Time is the run clock of the history (``t``). A fault is *in effect* from its ``start`` record until its
@@ -875,3 +879,117 @@ def check_fault_verification(view: RunView, ctx: CheckContext, params: NoParams)
                        tuple(problems), {"faults": len(view.faults)})
     return Verdict("fault_verification", "pass", f"{len(view.faults)} fault(s) took effect and were recovered", (),
                    {"faults": len(view.faults)})
+
+
+# -- failure reasons ----------------------------------------------------------------------------------------
+
+
+@_checker("failure_reasons", "every workload request ended, and every failed one says how and why", NoParams)
+def check_failure_reasons(view: RunView, ctx: CheckContext, params: NoParams) -> Verdict:
+    by_stage: dict[str, int] = {}
+    problems = []
+    reqs = view.workload_requests()
+    for r in reqs:
+        if r.end is None:
+            problems.append({"req": r.req, "problem": "never ended (no ok or fail record)"})
+            continue
+        if r.end.type == "ok":
+            continue
+        stage = r.end.get("stage")
+        by_stage[str(stage)] = by_stage.get(str(stage), 0) + 1
+        if not stage or not r.end.get("error"):
+            problems.append({"req": r.req, "problem": f"failed without a reason (stage {stage!r}, error "
+                             f"{r.end.get('error')!r})"})
+    metrics = {"requests": len(reqs), "failed": sum(by_stage.values()), "by_stage": by_stage}
+    if problems:
+        return Verdict("failure_reasons", "fail", f"{len(problems)} request(s) ended without a reason: "
+                       + ", ".join(p["req"] for p in problems[:5]), tuple(problems[:50]), metrics)
+    stages = ", ".join(f"{k} {v}" for k, v in sorted(by_stage.items())) or "none"
+    return Verdict("failure_reasons", "pass", f"{len(reqs)} request(s) ended; failures by stage: {stages}", (),
+                   metrics)
+
+
+# -- resources ----------------------------------------------------------------------------------------------
+
+
+class ResourceParams(Frozen):
+    warmup_s: float = Field(60.0, ge=0, description="growth counts from this many seconds into the method (or into "
+                            "a process's life, for one started later: a restarted router)")
+    max_rss_growth_mb: float | None = Field(None, gt=0, description="the most a process's RSS may grow from after "
+                                            "the warm-up to the end (null: reported, not judged)")
+    max_fd_growth: int | None = Field(None, ge=0, description="the most a process's open file descriptors may grow "
+                                      "from after the warm-up to the end (null: reported, not judged)")
+    max_process_growth: int = Field(0, ge=0, description="how many more processes the run may have at its end "
+                                    "than after the warm-up")
+    roles: tuple[str, ...] = Field(("router", "controller", "agent", "runner"), description="the processes whose "
+                                   "RSS and fds are judged (every process is reported)")
+
+
+@dataclass
+class _Series:
+    role: str
+    ident: str
+    pid: int
+    points: list[tuple[float, float, int]] = field(default_factory=list)  # (t, rss MB, fds)
+
+
+@_checker("resources", "RSS and fds grow within bounds after the warm-up; no process leaks or outlives the run",
+          ResourceParams)
+def check_resources(view: RunView, ctx: CheckContext, params: ResourceParams) -> Verdict:
+    samples = [r for r in view.records if r.type == "resources" and r.get("phase") in ("sample", "end")]
+    after = next((r for r in reversed(view.records) if r.type == "resources" and r.get("phase") == "after"), None)
+    if not samples:
+        return Verdict("resources", "unknown", "no resource samples in the history")
+    t_warm = (view.method[0] if view.method else samples[0].t) + params.warmup_s
+    series: dict[tuple[str, str, int], _Series] = {}
+    for r in samples:
+        for p in r.get("procs") or ():
+            key = (str(p["role"]), str(p["id"]), int(p["pid"]))
+            s = series.setdefault(key, _Series(*key))
+            s.points.append((r.t, float(p["rss_mb"]), int(p["fds"])))
+    problems: list[dict[str, Any]] = []
+    per: dict[str, dict[str, Any]] = {}
+    for s in series.values():
+        pts = s.points
+        base = next((pt for pt in pts if pt[0] >= max(t_warm, pts[0][0] + params.warmup_s)), None)
+        end = pts[-1]
+        name = f"{s.role} {s.ident} (pid {s.pid})" if s.role != "runner" else f"runner (pid {s.pid})"
+        row: dict[str, Any] = {"role": s.role, "id": s.ident, "pid": s.pid, "from_s": _r(pts[0][0], 1),
+                               "to_s": _r(end[0], 1), "rss_start_mb": pts[0][1], "rss_end_mb": end[1],
+                               "rss_peak_mb": max(pt[1] for pt in pts), "fds_start": pts[0][2], "fds_end": end[2],
+                               "fds_peak": max(pt[2] for pt in pts)}
+        if base is not None and base is not end:
+            row.update(rss_after_warmup_mb=base[1], rss_growth_mb=_r(end[1] - base[1], 2), fds_after_warmup=base[2],
+                       fd_growth=end[2] - base[2])
+            if s.role in params.roles:
+                if params.max_rss_growth_mb is not None and end[1] - base[1] > params.max_rss_growth_mb:
+                    problems.append({"process": name, "text": f"{name}: RSS grew {end[1] - base[1]:.1f} MB after the "
+                                     f"warm-up ({base[1]:.1f} -> {end[1]:.1f} MB), over {params.max_rss_growth_mb:g}"})
+                if params.max_fd_growth is not None and end[2] - base[2] > params.max_fd_growth:
+                    problems.append({"process": name, "text": f"{name}: open fds grew {end[2] - base[2]} after the "
+                                     f"warm-up ({base[2]} -> {end[2]}), over {params.max_fd_growth}"})
+        per[name] = row
+    counts = [(r.t, sum(1 for p in r.get("procs") or () if p.get("role") != "runner")) for r in samples]
+    warm_count = next((n for t, n in counts if t >= t_warm), None)
+    end_count = counts[-1][1]
+    if warm_count is not None and end_count > warm_count + params.max_process_growth:
+        problems.append({"text": f"the run had {end_count} processes at its end, {warm_count} after the warm-up "
+                         f"(allowed: {params.max_process_growth} more)"})
+    left = list(after.get("left") or ()) if after is not None else None
+    if left:
+        problems.append({"text": f"{len(left)} process(es) of the run outlived it: " + ", ".join(
+            f"{p.get('role')} {p.get('id')} (pid {p.get('pid')}: {p.get('cmdline')})" for p in left)})
+    metrics = {"processes": per, "process_count": {"after_warmup": warm_count, "end": end_count},
+               "left_after_run": left, "warmup_s": params.warmup_s, "samples": len(samples),
+               "bounds": {"max_rss_growth_mb": params.max_rss_growth_mb, "max_fd_growth": params.max_fd_growth}}
+    if problems:
+        return Verdict("resources", "fail", "; ".join(p["text"] for p in problems[:4]), tuple(problems), metrics)
+    judged = [r for r in per.values() if r["role"] in params.roles and "rss_growth_mb" in r]
+    worst = max(judged, key=lambda r: r["rss_growth_mb"], default=None)
+    growth = (f"largest RSS growth after the warm-up {worst['rss_growth_mb']:+.1f} MB ({worst['role']} {worst['id']})"
+              if worst else "no process lived past the warm-up")
+    if after is None:
+        return Verdict("resources", "unknown", f"{growth}; whether a process outlived the run is not recorded", (),
+                       metrics)
+    return Verdict("resources", "pass", f"{growth}; {end_count} process(es) at the end ({warm_count} after the "
+                   "warm-up); none outlived the run", (), metrics)

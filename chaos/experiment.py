@@ -15,7 +15,7 @@ The format (a commented example is in ``docs/chaos.md``)::
     fleet:       backend, workers, routers, etcd members, proxies, sim/vllm/routing/supervisor settings
     workload:    duration_s, arrival (poisson | constant | trace), isl, osl, api, temperature, ...
     steady-state-hypothesis: {title, probes: [{name, probe, args, tolerance}]}
-    method:      [{name, fault, at | after (+ delay), duration, target, params}]
+    method:      [{name, fault, at | after (+ delay), duration, every (+ until, times), target, params}]
     rollbacks:   [{action, args}]
     checkers:    [name | {name, params}]
     safety:      {max_fault_share, per_kind}
@@ -275,7 +275,13 @@ class Hypothesis(Frozen):
 
 class Activity(Frozen):
     """One scheduled fault: inject at ``at`` seconds into the method (or ``delay`` seconds after the
-    activity named by ``after`` has stopped), hold ``duration`` seconds, then recover."""
+    activity named by ``after`` has stopped), hold ``duration`` seconds, then recover.
+
+    With ``every``, the fault is injected again every ``every`` seconds after its first start, while the start
+    is before ``until`` (default: the end of the workload) and, with ``times``, at most that many times. Each
+    occurrence is its own activity in the history (``<name>:<k>``, k from 0), its target resolved again; an
+    occurrence never overlaps the one before (when a recovery runs late, the next starts once it is done).
+    ``after:`` an activity that repeats follows its last occurrence."""
 
     name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.#:-]{0,62}$")
     fault: str
@@ -287,6 +293,11 @@ class Activity(Frozen):
     params: dict[str, Any] = Field(default_factory=dict)
     verify_timeout_s: float | None = Field(None, gt=0, description="how long verify() and verify_recovered() may "
                                            "take; default: the fault's own timeouts plus 5 s, else 30 s")
+    every: float | None = Field(None, gt=0, description="inject again every this many seconds after the first "
+                                "start (each occurrence held `duration`, then recovered)")
+    until: float | None = Field(None, gt=0, description="with every: no occurrence starts at or after this many "
+                                "seconds into the method (default: workload.duration_s)")
+    times: int | None = Field(None, ge=1, description="with every: at most this many occurrences")
 
     @model_validator(mode="after")
     def _when(self) -> Activity:
@@ -294,7 +305,21 @@ class Activity(Frozen):
             raise ValueError("give exactly one of `at` (seconds into the method) and `after` (an activity name)")
         if self.at is not None and self.delay:
             raise ValueError("`delay` goes with `after`; with `at`, put the time in `at`")
+        if self.every is None and (self.until is not None or self.times is not None):
+            raise ValueError("`until` and `times` go with `every` (a repeated fault)")
         return self
+
+    def occurrences(self, first: float, horizon: float) -> list[float]:
+        """The planned starts (seconds into the method) of this activity when its first start is ``first``:
+        one, or with ``every`` each ``every`` seconds while before ``until`` (default ``horizon``), ``times`` at
+        most."""
+        if self.every is None:
+            return [first]
+        end = self.until if self.until is not None else horizon
+        out = [first]
+        while (self.times is None or len(out) < self.times) and first + len(out) * self.every < end - 1e-9:
+            out.append(first + len(out) * self.every)
+        return out
 
 
 class Rollback(Frozen):
@@ -455,6 +480,11 @@ class Experiment(Frozen):
 
     def activity_names(self) -> list[str]:
         return [a.name or f"{a.fault}#{i}" for i, a in enumerate(self.method)]
+
+    @staticmethod
+    def occurrence_name(name: str, act: Activity, k: int) -> str:
+        """The history's name of occurrence ``k`` of an activity (``<name>:<k>`` when it repeats)."""
+        return f"{name}:{k}" if act.every is not None else name
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True)
@@ -718,10 +748,22 @@ def _meaning(exp: Experiment, *, base: Path | None) -> list[InitErrorDetails]:
                                          f"earlier activity ({', '.join(names[:i]) or 'none yet'})", act.after))
                 continue
             start = starts[act.after] + act.delay
-        starts[name] = start + act.duration
+        occurrences = act.occurrences(start, exp.workload.duration_s)
+        if act.every is not None:
+            if act.every < act.duration:
+                problems.append(_problem((*here, "every"), f"every {act.every:g} s is shorter than duration "
+                                         f"{act.duration:g} s: an occurrence would start while the one before "
+                                         "holds", act.every))
+            if act.until is not None and act.until <= start:
+                problems.append(_problem((*here, "until"), f"until {act.until:g} s is not after the first start "
+                                         f"({start:g} s): nothing would repeat", act.until))
+            if act.until is not None and act.until > exp.workload.duration_s:
+                problems.append(_problem((*here, "until"), f"until {act.until:g} s is after the workload ends "
+                                         f"(workload.duration_s {exp.workload.duration_s:g})", act.until))
+        starts[name] = occurrences[-1] + act.duration
         if counts_toward_share(spec, target):
-            windows.append(_Window(i, target.kind, _target_size(target, declared, candidates), start,
-                                   start + act.duration))
+            size = _target_size(target, declared, candidates)
+            windows.extend(_Window(i, target.kind, size, t, t + act.duration) for t in occurrences)
     problems.extend(_safety(exp, windows))
     problems.extend(_workload_meaning(exp, base=base))
     for i, probe in enumerate(exp.hypothesis().probes if exp.steady_state_hypothesis else ()):

@@ -64,21 +64,23 @@ class Record:
 
 
 class History:
-    """An append-only JSONL recorder with a shared monotonic origin."""
+    """An append-only JSONL recorder with a shared monotonic origin.
+
+    Records go to the file only, never into a list kept in memory: a long run (the soak) would otherwise grow
+    the runner's memory with every token, which is the process whose memory the run measures. Read them back
+    with :func:`read_history` (after :meth:`flush`)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: TextIO = path.open("a", encoding="utf-8")
         self._t0 = time.monotonic()
-        self.records: list[Record] = []
 
     def now(self) -> float:
         return time.monotonic() - self._t0
 
     def add(self, type_: str, **data: Any) -> Record:
         rec = Record(type_, self.now(), time.time(), data)
-        self.records.append(rec)
         self._file.write(json.dumps({"type": type_, "t": round(rec.t, 6), "wall": rec.wall, **data},
                                     separators=(",", ":")) + "\n")
         return rec

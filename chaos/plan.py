@@ -101,7 +101,10 @@ def _steps(exp: Experiment) -> tuple[Step, ...]:
             start = stops[act.after] + act.delay
             when = f"{act.delay:g} s after {act.after}" if act.delay else f"after {act.after}"
             when += " has recovered"
-        stops[names[i]] = start + act.duration
+        starts = act.occurrences(start, exp.workload.duration_s)
+        if act.every is not None:
+            when += f", then every {act.every:g} s: {len(starts)} time(s), the last at {starts[-1]:g} s"
+        stops[names[i]] = starts[-1] + act.duration
         declared = declared_ids(exp.fleet, target.kind)
         if target.ids:
             hits = tuple(match_ids(target.ids, declared)[0] if declared is not None else target.ids)

@@ -3,7 +3,8 @@
 What it shows: the verdict and exit code, the steady-state probes before and after, the fault schedule as
 it happened (targets, verified, recovered), every checker's verdict with its details, and plots: token
 throughput over time with the fault windows shaded and migrations marked, TTFT and ITL distributions
-(fault-free baseline against requests that overlapped a fault), and recovery and detection times.
+(fault-free baseline against requests that overlapped a fault), recovery and detection times, and the RSS and
+open file descriptors of the routers, controllers and the runner (which hosts the node agent) over time.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from fleetward.chaos.checkers import RunView, Verdict, token_times
-from fleetward.chaos.history import Record
+from fleetward.chaos.history import Record, read_history
 
-__all__ = ["write_report"]
+__all__ = ["save_plots", "write_report"]
 
 _COLORS = {"pass": "#1a7f37", "unknown": "#9a6700", "fail": "#cf222e", "completed": "#1a7f37",
            "failed": "#cf222e", "aborted": "#cf222e", "interrupted": "#9a6700"}
-_FAULT_COLORS = ["#fd8c73", "#a475f9", "#54aeff", "#4ac26b", "#d4a72c", "#ff80c8"]
+_FAULT_COLORS = ["#fd8c73", "#a475f9", "#54aeff", "#4ac26b", "#d4a72c", "#ff80c8", "#8c959f", "#0d9488"]
 
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;max-width:1100px;
@@ -63,7 +64,69 @@ def _svg(fig: Any) -> str:
     return text[text.index("<svg"):]
 
 
+def _shade(ax: Any, view: RunView, t0: float, width: float) -> None:
+    """Fault windows as shaded spans: one legend entry each, or one per fault when there are many (a soak)."""
+    windows = [f for f in view.faults if not f.refused]
+    grouped = len(windows) > len(_FAULT_COLORS)
+    kinds = list(dict.fromkeys(w.fault for w in windows))
+    labelled: set[str] = set()
+    for i, w in enumerate(windows):
+        color = _FAULT_COLORS[(kinds.index(w.fault) if grouped else i) % len(_FAULT_COLORS)]
+        if grouped:
+            times = sum(1 for x in windows if x.fault == w.fault)
+            label = None if w.fault in labelled else f"{w.fault} ({times} times)"
+            labelled.add(w.fault)
+        else:
+            label = f"{w.activity} ({', '.join(w.targets)[:30]})"
+        ax.axvspan(w.start - t0, max(w.end - t0, w.start - t0 + width / 3), color=color, alpha=0.25, label=label)
+
+
+def _resource_series(view: RunView) -> dict[str, list[tuple[float, float, int]]]:
+    """(t, RSS MB, fds) over time of the router(s), controller(s), agent and runner (a restart continues the line)."""
+    out: dict[str, list[tuple[float, float, int]]] = {}
+    for r in view.records:
+        if r.type != "resources" or r.get("phase") not in ("sample", "end"):
+            continue
+        for p in r.get("procs") or ():
+            if p.get("role") in ("router", "controller", "agent", "runner"):
+                name = "runner (agent)" if p["role"] == "runner" else f"{p['role']} {p['id']}"
+                out.setdefault(name, []).append((r.t, float(p["rss_mb"]), int(p["fds"])))
+    return out
+
+
+def _resources(view: RunView) -> Any:
+    """RSS and open fds over time (a matplotlib figure), fault windows shaded; None without samples."""
+    import matplotlib.pyplot as plt
+
+    series = _resource_series(view)
+    if not series or view.method is None:
+        return None
+    t0, t1 = view.method
+    last = max(t for pts in series.values() for t, *_ in pts)
+    span = max(last - t0, t1 - t0, 1e-3)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 5.6), sharex=True)
+    for k, (name, pts) in enumerate(sorted(series.items())):
+        color = f"C{k % 10}"
+        top.plot([t - t0 for t, *_ in pts], [m for _, m, _ in pts], color=color, lw=1.2, label=name)
+        bottom.plot([t - t0 for t, *_ in pts], [f for *_, f in pts], color=color, lw=1.2, label=name)
+    for ax in (top, bottom):
+        _shade(ax, view, t0, span / 150)
+        ax.grid(alpha=0.3)
+        ax.set_ylim(bottom=0)
+    top.set_ylabel("RSS (MB)")
+    bottom.set_ylabel("open fds")
+    bottom.set_xlabel("seconds into the method (after its end: the after-hypothesis and rollbacks)")
+    top.set_xlim(min(0.0, min(t for pts in series.values() for t, *_ in pts) - t0), span)
+    bottom.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), fontsize=8, ncol=4, frameon=False)
+    return fig
+
+
 def _throughput(view: RunView) -> str | None:
+    fig = _throughput_figure(view)
+    return None if fig is None else _svg(fig)
+
+
+def _throughput_figure(view: RunView) -> Any:
     import matplotlib.pyplot as plt
 
     if view.method is None:
@@ -81,9 +144,7 @@ def _throughput(view: RunView) -> str | None:
     fig, ax = plt.subplots(figsize=(10, 3.4))
     ax.plot([i * width for i in range(n)], bins, drawstyle="steps-post", color="#0969da", lw=1.2,
             label="tokens/s delivered")
-    for i, w in enumerate(f for f in view.faults if not f.refused):
-        ax.axvspan(w.start - t0, max(w.end - t0, w.start - t0 + width / 3), color=_FAULT_COLORS[i % 6], alpha=0.25,
-                   label=f"{w.activity} ({', '.join(w.targets)[:30]})")
+    _shade(ax, view, t0, width)
     # Markers sit in axes coordinates (x in seconds, y as a share of the height): never clipped.
     along = ax.get_xaxis_transform()
     migrations = [t - t0 for t, ev in view.events if ev.get("kind") == "migration" and t0 <= t <= t1]
@@ -101,7 +162,7 @@ def _throughput(view: RunView) -> str | None:
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize=8, ncol=4, frameon=False)
-    return _svg(fig)
+    return fig
 
 
 def _split(view: RunView, settle: float = 1.0) -> tuple[list[Any], list[Any]]:
@@ -173,12 +234,39 @@ def _plots(view: RunView, verdicts: Sequence[Verdict]) -> str:
     except ImportError:
         return '<p class="muted">plots need matplotlib (pip install matplotlib)</p>'
     parts = []
+    def resources() -> str | None:
+        fig = _resources(view)
+        return None if fig is None else _svg(fig)
+
     for title, make in (("Token throughput", lambda: _throughput(view)), ("Latency distributions", lambda: _cdfs(view)),
-                        ("Recovery and detection times", lambda: _times(verdicts))):
+                        ("Recovery and detection times", lambda: _times(verdicts)),
+                        ("Memory (RSS) and open file descriptors of the fleet's processes", resources)):
         svg = make()
         if svg:
             parts.append(f"<figure><figcaption><b>{_e(title)}</b></figcaption>{svg}</figure>")
     return "".join(parts) or '<p class="muted">no data to plot</p>'
+
+
+def save_plots(run_dir: Path, out: Path, prefix: str) -> list[Path]:
+    """The run's token throughput and resources plots as PNG files ``<out>/<prefix>-throughput.png`` and
+    ``<prefix>-resources.png`` (for documentation: the report itself inlines them as SVG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    view = RunView.of(read_history(run_dir / "history.jsonl"))
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, make in (("throughput", _throughput_figure), ("resources", _resources)):
+        fig = make(view)
+        if fig is None:
+            continue
+        path = out / f"{prefix}-{name}.png"
+        fig.savefig(path, format="png", dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        written.append(path)
+    return written
 
 
 # -- the page -----------------------------------------------------------------------------------------------

@@ -71,6 +71,7 @@ from fleetward.chaos.probes import PROBES, ProbeContext
 from fleetward.chaos.provision import Provisioned, attached_fleet, given_fleet, own_fleet, worker_backend
 from fleetward.chaos.radius import capacity_breach, live_fleet_refusal, out_of_service
 from fleetward.chaos.reference import record_reference
+from fleetward.chaos.resources import ResourceSampler, existing, left_over, sample
 from fleetward.chaos.rollbacks import ROLLBACKS, RollbackContext
 from fleetward.chaos.targets import TargetError, resolve
 from fleetward.chaos.workload import Workload
@@ -218,6 +219,7 @@ class Runner:
         }
         reason = ""
         ran = False  # the steady-state hypothesis was checked: from here on, a run with a journal
+        started_with = existing()  # processes that are not the run's (a test session's etcd, ...)
         self._say("phase", f"run folder {run_dir}")
         try:
             async with self._fleet(run_dir) as provisioned:
@@ -236,24 +238,28 @@ class Runner:
                     self.services.update(workload=workload, history=self.history, bus=fleet.bus)
                     self.services.update(self.opts.services)
                     ran = True
-                    before = await self._hypothesis("before")
-                    journal["steady_states"]["before"] = before
-                    if not before["steady_state_met"]:
-                        reason = "the steady-state hypothesis did not hold before the method"
-                        status = "failed"
-                    else:
-                        status, reason = await self._method()
-                        if status != "interrupted":
-                            after = await self._hypothesis("after")
-                            journal["steady_states"]["after"] = after
-                            journal["deviated"] = not after["steady_state_met"]
-                    journal["rollbacks"] = await self._rollbacks()
+                    sampler = ResourceSampler(self.history)
+                    async with _background(sampler.run()):
+                        before = await self._hypothesis("before")
+                        journal["steady_states"]["before"] = before
+                        if not before["steady_state_met"]:
+                            reason = "the steady-state hypothesis did not hold before the method"
+                            status = "failed"
+                        else:
+                            status, reason = await self._method()
+                            if status != "interrupted":
+                                after = await self._hypothesis("after")
+                                journal["steady_states"]["after"] = after
+                                journal["deviated"] = not after["steady_state_met"]
+                        journal["rollbacks"] = await self._rollbacks()
+                    sampler.record("end")  # the fleet at rest, as the rollbacks left it
                     journal["status"] = status
                     journal["workload"] = {"planned": len(workload.plan), "sent": workload.sent, "ok": workload.ok,
                                            "failed": workload.failed, "cancelled": workload.cancelled,
                                            "shed": workload.shed, "tokens": workload.tokens,
                                            "by_source": dict(workload.by_source)}
                     journal["reference"] = await self._reference(run_dir)
+            await self._left_over(started_with)
         except Stopped as exc:
             journal["status"], reason = "interrupted", str(exc)
             self.history.add("note", text=reason)
@@ -286,6 +292,19 @@ class Runner:
 
             write_report(run_dir, journal, records, verdicts)
         return RunResult(run_dir, journal, verdicts)
+
+    async def _left_over(self, before: set[tuple[int, float]], *, patience_s: float = 10.0) -> None:
+        """Record the processes the run started that outlive its fleet (given ``patience_s`` to finish exiting)."""
+        deadline = time.monotonic() + patience_s
+        left = left_over(before)
+        while left and time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+            left = left_over(before)
+        runner = [s.as_json() for s in sample() if s.role == "runner"]
+        self.history.add("resources", phase="after", procs=runner, left=left)
+        if left:
+            self._say("note", f"{len(left)} process(es) of the run outlived it: "
+                      + ", ".join(f"{p['role']} {p['id']} (pid {p['pid']})" for p in left))
 
     def _refuse_root_faults(self) -> None:
         if os.geteuid() == 0:
@@ -490,11 +509,21 @@ class Runner:
                 assert act.after is not None
                 await done[act.after].wait()
                 await asyncio.sleep(act.delay)
-            await self._drive(i, act, name)
+            assert self.method_started is not None
+            first = self.history.now() - self.method_started
+            # A repeated fault: each occurrence at its planned time, or as soon as the one before has stopped.
+            for k, t in enumerate(act.occurrences(first, self.exp.workload.duration_s)):
+                if k:
+                    late = self.history.now() - self.method_started - t
+                    if late > 0:
+                        self.history.add("note", text=f"{name}: occurrence {k} starts {late:.1f} s late (the one "
+                                         "before took that long to recover)", activity=name)
+                    await self._sleep_until(t)
+                await self._drive(i, act, Experiment.occurrence_name(name, act, k), occurrence=k)
         finally:
             done[name].set()
 
-    async def _drive(self, i: int, act: Activity, name: str) -> None:
+    async def _drive(self, i: int, act: Activity, name: str, *, occurrence: int = 0) -> None:
         h = self.history
         spec: FaultSpec = self.catalogue[act.fault]
         params = spec.params.model_validate(act.params)
@@ -504,9 +533,10 @@ class Runner:
         self.activities.append(entry)
         base = {"activity": name, "fault": act.fault, "family": spec.family, "target": target.model_dump(mode="json"),
                 "params": params.model_dump(mode="json")}
+        seed = f"{self.exp.seed}:target:{i}" + (f":{occurrence}" if occurrence else "")
         try:
             try:
-                ids = self.resolve(target, rng=random.Random(f"{self.exp.seed}:target:{i}"))
+                ids = self.resolve(target, rng=random.Random(seed))
             except SafetyAbort as exc:
                 raise SafetyAbort(f"{name} ({act.fault}): {exc}") from None
             self._check_share(spec, target, ids, name)
@@ -696,7 +726,8 @@ class Runner:
             return {"kind": "none", "reason": "the workload samples (temperature > 0): streams are not determined"}
         assert self.workload is not None
         self.phase = "reference run"
-        return await record_reference(self.history.records, self.workload, self.exp.workload, run_dir,
+        self.history.flush()
+        return await record_reference(read_history(self.history.path), self.workload, self.exp.workload, run_dir,
                                       say=lambda text: self._say("phase", text))
 
 

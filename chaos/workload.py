@@ -52,6 +52,7 @@ __all__ = [
     "Outcome",
     "Planned",
     "Recorder",
+    "SlowRead",
     "StreamClient",
     "Workload",
     "make_prompt",
@@ -183,6 +184,28 @@ def plan_arrivals(spec: WorkloadSpec, *, seed: int, base: Path | None = None) ->
 # -- one client request -------------------------------------------------------------------------------------
 
 @dataclass
+class SlowRead:
+    """A slow client (``load.slow_clients``): it waits ``delay_s`` after each event it reads and, once it holds
+    ``stall_after`` tokens, stops reading for ``stall_s`` (the router's writes then back up on its socket)."""
+
+    tag: str
+    delay_s: float
+    stall_after: int | None
+    stall_s: float
+    clock: Clock = SYSTEM_CLOCK
+    stalled: bool = False
+
+    async def pause(self, tokens: int) -> None:
+        """After an event: the time this client takes before it reads the next one."""
+        wait = self.delay_s
+        if self.stall_after is not None and not self.stalled and tokens >= self.stall_after:
+            self.stalled = True
+            wait += self.stall_s
+        if wait > 0:
+            await self.clock.sleep(wait)
+
+
+@dataclass
 class Live:
     """A request in flight, as the workload sees it."""
 
@@ -194,6 +217,7 @@ class Live:
     cancel_after: int | None = None  # disconnect once this many tokens arrived
     cancel_stage: str | None = None  # set before the workload cancels the request's task
     cancel_tag: str = ""  # the load fault that disconnects it
+    slow: SlowRead | None = None  # the client reads slowly or stalls (load.slow_clients)
     task: asyncio.Task[Any] | None = None
 
 
@@ -239,7 +263,7 @@ class StreamClient:
         rec.add("invoke", req=live.req, client=p.source, api=self.spec.api, prompt=self.reference_prompt(p),
                 params={"max_tokens": p.max_tokens, "temperature": self.spec.temperature,
                         "ignore_eos": self.spec.ignore_eos}, router=router, t_sched=round(p.t, 6),
-                **({"retry_of": p.retry_of} if p.retry_of else {}))
+                **({"retry_of": p.retry_of} if p.retry_of else {}), **({"slow": live.slow.tag} if live.slow else {}))
         got: list[int] = []
         state: dict[str, Any] = {"finish": None, "usage": None, "last_id": None}
         try:
@@ -340,6 +364,8 @@ class StreamClient:
                         state["finish"] = finish
                     if live.cancel_after is not None and len(got) >= live.cancel_after:
                         return "cancelled", "the client disconnected mid-stream", None
+                    if live.slow is not None:
+                        await live.slow.pause(len(got))
         except httpx.HTTPError as exc:
             kind = "connect" if not opened and isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)) \
                 else "transport"
@@ -360,6 +386,9 @@ class _Modes:
     cancel_tag: str = ""
     retries: int = 0
     retry_tag: str = ""
+    slow_share: float = 0.0
+    slow_rng: random.Random = field(default_factory=random.Random)
+    slow: SlowRead | None = None  # the pattern a new slow client follows (its tag names the fault)
 
 
 class Workload:
@@ -386,6 +415,7 @@ class Workload:
         self.by_source: collections.Counter[str] = collections.Counter()
         self.cancelled_by: collections.Counter[str] = collections.Counter()
         self.retried_by: collections.Counter[str] = collections.Counter()
+        self.slowed_by: collections.Counter[str] = collections.Counter()
         self.recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
         self.modes = _Modes()
         self.running = False
@@ -482,6 +512,9 @@ class Workload:
         m = self.modes
         if m.cancel_share and m.cancel_rng.random() < m.cancel_share:
             live.cancel_after, live.cancel_tag = m.cancel_after, m.cancel_tag
+        if m.slow is not None and p.source != "probe" and m.slow_rng.random() < m.slow_share:
+            live.slow = dataclasses.replace(m.slow)
+            self.slowed_by[m.slow.tag] += 1
         self.live[req] = live
         self._idle.clear()
         self.sent += 1

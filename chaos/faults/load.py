@@ -7,6 +7,9 @@ fault                        what the clients do
 ``load.long_prompt_storm``   long prompts arrive at ``rate`` while the fault holds (prefill pressure)
 ``load.mass_cancel``         a share of open streams, and of new ones while the fault holds, disconnects
 ``load.retry_storm``         every failed request is retried at once, up to ``max_retries`` times
+``load.slow_clients``        a share of the clients (open streams, and new ones while the fault holds) read
+                             slowly (``read_delay_ms`` after each event) or stop reading for ``stall_s``
+                             once they hold ``stall_after_tokens`` tokens; no other stream may wait on them
 ===========================  ===========================================================================
 
 Load faults target the fleet as a whole and do not count towards the safety share.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -24,10 +28,10 @@ from pydantic import Field
 
 from fleetward.chaos.experiment import Lengths
 from fleetward.chaos.fault import CATALOGUE, FaultContext, FaultSpec, Target, register
-from fleetward.chaos.workload import Workload
+from fleetward.chaos.workload import SlowRead, Workload
 from fleetward.fleet.config import Frozen
 
-__all__ = ["BurstFault", "LongPromptStorm", "MassCancel", "RetryStorm"]
+__all__ = ["BurstFault", "LongPromptStorm", "MassCancel", "RetryStorm", "SlowClients"]
 
 
 class BurstParams(Frozen):
@@ -51,6 +55,16 @@ class MassCancelParams(Frozen):
 
 class RetryStormParams(Frozen):
     max_retries: int = Field(5, ge=1, le=100, description="immediate retries per failed request")
+
+
+class SlowClientParams(Frozen):
+    share: float = Field(0.2, gt=0, le=1, description="share of the open streams and, while the fault holds, of new "
+                         "ones whose client reads slowly")
+    read_delay_ms: float = Field(50.0, ge=0, le=60_000, description="a slow client waits this long after each "
+                                 "event before it reads the next")
+    stall_after_tokens: int | None = Field(8, ge=1, description="once it holds this many tokens, it stops reading "
+                                           "for stall_s (null: it never stalls)")
+    stall_s: float = Field(5.0, ge=0, le=600, description="how long a stalled client reads nothing")
 
 
 class _LoadFault:
@@ -212,6 +226,39 @@ class RetryStorm(_LoadFault):
         return {**super().describe(), "retries": done}
 
 
+class SlowClients(_LoadFault):
+    name = "load.slow_clients"
+
+    async def inject(self, ctx: FaultContext) -> None:
+        w = self._workload(ctx)
+        self.workload = w
+        p = self.params
+        pattern = SlowRead(self.tag, p.read_delay_ms / 1000, p.stall_after_tokens, p.stall_s, clock=w.clock)
+        rng = random.Random(f"{w.seed}:{self.tag}")
+        w.modes.slow, w.modes.slow_share, w.modes.slow_rng = pattern, p.share, rng
+        for live in sorted(w.live.values(), key=lambda lv: lv.req):
+            if live.source != "probe" and live.slow is None and rng.random() < p.share:
+                live.slow = dataclasses.replace(pattern)
+                w.slowed_by[self.tag] += 1
+
+    async def verify(self, ctx: FaultContext) -> bool:
+        return await self._until(ctx, lambda: self.running.slowed_by[self.tag] >= 1)
+
+    async def recover(self, ctx: FaultContext) -> None:
+        # New clients read normally again; those already slow stay slow until their stream ends.
+        m = self.running.modes
+        if m.slow is not None and m.slow.tag == self.tag:
+            m.slow, m.slow_share = None, 0.0
+
+    async def verify_recovered(self, ctx: FaultContext) -> bool:
+        m = self.running.modes
+        return m.slow is None or m.slow.tag != self.tag
+
+    def describe(self) -> dict[str, Any]:
+        done = self.workload.slowed_by[self.tag] if self.workload is not None else 0
+        return {**super().describe(), "slowed": done}
+
+
 _LOAD = {"counts_toward_share": False, "target_kinds": ("fleet",)}
 
 
@@ -228,6 +275,8 @@ for _spec in (
               "new ones while the fault holds", MassCancelParams, _factory(MassCancel), extra=_LOAD),
     FaultSpec("load.retry_storm", "load", "clients retry every failed request at once while the fault holds",
               RetryStormParams, _factory(RetryStorm), extra=_LOAD),
+    FaultSpec("load.slow_clients", "load", "a share of the clients read their streams slowly or stall for a while "
+              "(no other stream may wait on them)", SlowClientParams, _factory(SlowClients), extra=_LOAD),
 ):
     if _spec.name not in CATALOGUE:
         register(_spec)

@@ -90,6 +90,10 @@ def clean() -> H:
     h = H().method()
     for i in range(6):
         h.request(f"r{i}", t=0.2 + i * 0.3)
+    for t in (0.0, 5.0, 10.0):  # what the runner samples of its processes (the resources checker)
+        h.add("resources", t, phase="sample", procs=[{"role": "router", "id": "router-0", "pid": 2, "rss_mb": 50.0,
+                                                      "fds": 20}])
+    h.add("resources", 11.0, phase="after", procs=[], left=[])
     return h
 
 

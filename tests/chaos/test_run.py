@@ -166,7 +166,7 @@ def test_chaos_faults_lists_the_catalogue_by_family_with_parameters() -> None:
     assert burst["family"] == "load" and burst["targets"] == ["fleet"]
     assert {p["name"]: p["default"] for p in burst["params"]}["count"] == 50
     text = chaos("faults", "--family", "load")
-    assert text.returncode == 0 and "load.mass_cancel" in text.stdout and "load (4)" in text.stdout
+    assert text.returncode == 0 and "load.mass_cancel" in text.stdout and "load (5)" in text.stdout
 
 
 def test_the_safety_rule_is_enforced_again_on_the_targets_a_run_resolves() -> None:
