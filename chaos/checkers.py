@@ -986,8 +986,9 @@ def check_resources(view: RunView, ctx: CheckContext, params: ResourceParams) ->
         return Verdict("resources", "fail", "; ".join(p["text"] for p in problems[:4]), tuple(problems), metrics)
     judged = [r for r in per.values() if r["role"] in params.roles and "rss_growth_mb" in r]
     worst = max(judged, key=lambda r: r["rss_growth_mb"], default=None)
-    growth = (f"largest RSS growth after the warm-up {worst['rss_growth_mb']:+.1f} MB ({worst['role']} {worst['id']})"
-              if worst else "no process lived past the warm-up")
+    who = "" if worst is None else worst["role"] if worst["role"] == worst["id"] else f"{worst['role']} {worst['id']}"
+    growth = (f"largest RSS growth after the warm-up {worst['rss_growth_mb']:+.1f} MB ({who})" if worst
+              else "no process lived past the warm-up")
     if after is None:
         return Verdict("resources", "unknown", f"{growth}; whether a process outlived the run is not recorded", (),
                        metrics)

@@ -9,7 +9,8 @@ type       fields
 invoke     ``req`` (client-side id), ``client`` (who sent it: ``workload``, ``probe``, a load fault such as
            ``load.burst``), ``api`` (completion or chat), ``prompt`` (the token ids the engine sees; chat: the
            rendered template), ``params`` (max_tokens, temperature, ignore_eos), ``router``, ``t_sched``
-           (the planned arrival, seconds into the workload: open loop), ``retry_of`` (retries)
+           (the planned arrival, seconds into the workload: open loop), ``retry_of`` (retries), ``slow`` (the
+           ``load.slow_clients`` fault whose slow client this is)
 chunk      ``req``, ``tokens`` (ids in this chunk), ``text``, ``event_id`` (the SSE id, ``<rid>:<n>``), ``rid``
            and ``n`` (its parts: the router's request id and its count of tokens so far), ``worker`` and
            ``attempt`` (from the router's trace header), ``finish_reason``
@@ -32,6 +33,9 @@ event      ``kind``, ``id``, ``ts`` (the publisher's wall clock) and the MQTT ev
 phase      ``name`` (steady-state-before, method, steady-state-after, rollbacks), ``state`` (start, end)
 probe      a steady-state probe: ``name``, ``probe``, ``when`` (before, after), ``value``, ``ok``, ``error``
 note       ``text``: anything the runner wants in the record (client cap reached, rollbacks)
+resources  ``phase`` (sample, end, after), ``procs`` (``role``, ``id``, ``pid``, ``rss_mb``, ``fds`` of the runner
+           and each process it started), ``left`` (after: the run's processes still alive); see
+           :mod:`fleetward.chaos.resources`
 ========== ==================================================================================================
 
 Checkers run afterwards, on the saved file (``fleetward chaos check RUN``), never during the run.

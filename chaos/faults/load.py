@@ -240,6 +240,8 @@ class SlowClients(_LoadFault):
             if live.source != "probe" and live.slow is None and rng.random() < p.share:
                 live.slow = dataclasses.replace(pattern)
                 w.slowed_by[self.tag] += 1
+                ctx.record("note", text=f"{self.name}: the client of {live.req} reads slowly from now on",
+                           req=live.req, slow=self.tag)
 
     async def verify(self, ctx: FaultContext) -> bool:
         return await self._until(ctx, lambda: self.running.slowed_by[self.tag] >= 1)

@@ -52,6 +52,14 @@ def test_the_short_soak_passes_every_checker(tmp_path: Path) -> None:
     assert all(not exact.get(kind) for kind in ("lost", "duplicated", "corrupted")), exact
     assert {a["activity"]["fault"] for a in journal["run"]} == KINDS
     assert all(a["status"] == "succeeded" for a in journal["run"]), journal["run"]
+    # Slow clients read slowly and stall, and no other stream waits on them: none of those times out or hangs.
+    (slow,) = [a["output"]["fault"] for a in journal["run"] if a["activity"]["fault"] == "load.slow_clients"]
+    assert slow["slowed"] >= 1
+    records = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    slowed = {r["req"] for r in records if r["type"] in ("invoke", "note") and r.get("slow")}
+    stuck = [r for r in records if r["type"] == "fail" and r["req"] not in slowed
+             and r["stage"] in ("timeout", "abandoned")]
+    assert len(slowed) == slow["slowed"] and not stuck, stuck
     resources = verdicts["resources"]["metrics"]
     assert resources["left_after_run"] == []
     assert {r["role"] for r in resources["processes"].values()} >= {"router", "controller", "runner"}
