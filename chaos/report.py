@@ -74,7 +74,7 @@ def _shade(ax: Any, view: RunView, t0: float, width: float) -> None:
         color = _FAULT_COLORS[(kinds.index(w.fault) if grouped else i) % len(_FAULT_COLORS)]
         if grouped:
             times = sum(1 for x in windows if x.fault == w.fault)
-            label = None if w.fault in labelled else f"{w.fault} ({times} times)"
+            label = None if w.fault in labelled else f"{w.fault} ({'once' if times == 1 else f'{times} times'})"
             labelled.add(w.fault)
         else:
             label = f"{w.activity} ({', '.join(w.targets)[:30]})"
