@@ -101,7 +101,10 @@ class Detokenizer:
 
         self._tok = vocab.tokenizer
         self._skip = skip_special_tokens
-        self._stream = DecodeStream(ids=list(prompt_ids), skip_special_tokens=skip_special_tokens)
+        try:
+            self._stream = DecodeStream(ids=list(prompt_ids), skip_special_tokens=skip_special_tokens)
+        except (OverflowError, TypeError):  # an id no vocabulary holds (negative, beyond 2^32): primed with none
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         # vLLM honours spaces_between_special_tokens=False only when special tokens are kept, and then
         # only for added tokens that follow another added token.
         self._spaces = skip_special_tokens or spaces_between_special_tokens or not vocab.added

@@ -404,3 +404,24 @@ def test_a_trace_is_a_trace_or_an_error_naming_the_file(tmp_path: Path, content:
     assert isinstance(trace, Trace) and trace.requests
     arrivals = [r.arrival_s for r in trace.requests]
     assert arrivals == sorted(arrivals) and arrivals[0] >= 0 and all(math.isfinite(a) for a in arrivals)
+
+
+@pytest.fixture(scope="module")
+def vocabularies() -> list[Any]:
+    from fleetward.fleet.vocab import load_vocabulary
+
+    return [load_vocabulary(name) for name in ("byte", "bpe", "sp")]
+
+
+IDS = st.lists(st.one_of(st.integers(0, 300), st.integers(-2**40, 2**40)), max_size=6)
+
+
+@FUZZ
+@given(prompt=IDS, generated=IDS, which=st.integers(0, 2))
+@example(prompt=[-1], generated=[1], which=0)  # found: a negative prompt id was an OverflowError in the router
+@example(prompt=[2**40], generated=[2], which=1)  # found: so was one beyond 2^32
+def test_any_ids_a_worker_reports_are_turned_into_text_without_an_error(vocabularies: list[Any], prompt: list[int],
+                                                                       generated: list[int], which: int) -> None:
+    """What a worker's chunks carry (prompt ids, generated ids) reaches the router's detokenizer as is."""
+    text = vocabularies[which].detokenizer(prompt).feed(generated)
+    assert isinstance(text, str)
