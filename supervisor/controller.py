@@ -708,6 +708,8 @@ class Controller:
 
         @app.post("/v1/workers/{worker}/drain", operation_id="drain", openapi_extra=_openapi_drain())
         async def drain(worker: str, request: Request) -> Response:
+            if not authorised(request):  # before the body: a caller without the token learns nothing of it
+                return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
             try:
                 body = await request.json() if await request.body() else {}
                 if not isinstance(body, dict):

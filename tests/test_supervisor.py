@@ -319,6 +319,10 @@ async def test_a_command_that_cannot_apply_is_409_with_why(healthy: TestFleet) -
 async def test_the_control_api_needs_the_token(healthy: TestFleet) -> None:
     r = await command(healthy, healthy.worker_ids[0], "drain", token="wrong")
     assert r.status_code == 401
+    r = await command(healthy, healthy.worker_ids[0], "drain", {"then": "later"}, token="wrong")
+    assert r.status_code == 401, "the token first: a bad body from a caller without it is no 400"
+    for what in ("undrain", "restart", "quarantine/clear"):
+        assert (await command(healthy, healthy.worker_ids[0], what, token="wrong")).status_code == 401
 
 
 async def test_a_crash_loop_quarantines_the_worker(etcd_endpoint: str, broker_endpoint: str, tmp_path: Path,
