@@ -6,10 +6,11 @@ profiler, tests) reads events here, so a line is ended the way the SSE spec says
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import AsyncIterator
 from typing import Any
+
+import orjson
 
 __all__ = ["sse_data", "sse_lines"]
 
@@ -36,8 +37,11 @@ async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
 
 
 async def sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[Any]:
-    """The ``data:`` payloads of an SSE body (:func:`sse_lines`), parsed: a JSON value, or ``"[DONE]"``."""
+    """The ``data:`` payloads of an SSE body (:func:`sse_lines`), parsed: a JSON value, or ``"[DONE]"``.
+
+    A payload that is not JSON raises :class:`json.JSONDecodeError` (orjson's is one), nesting too deep included.
+    """
     async for line in sse_lines(chunks):
         if line.startswith("data: "):
             payload = line[len("data: "):]
-            yield payload if payload == "[DONE]" else json.loads(payload)
+            yield payload if payload == "[DONE]" else orjson.loads(payload)

@@ -38,7 +38,7 @@ from fleetward.autoscale.traces import FORMATS, Trace, TraceError, load_trace
 from fleetward.chaos.experiment import load_experiment
 from fleetward.fleet.config import FleetConfig, load_fleet_config
 from fleetward.fleet.errors import ConfigError
-from fleetward.fleet.sse import sse_lines
+from fleetward.fleet.sse import sse_data, sse_lines
 from fleetward.migration.upstream import Chunk, UpstreamError, UpstreamStream, _parse
 
 DERANDOMIZE = not os.environ.get("FLEETWARD_FUZZ_RANDOM")  # FLEETWARD_FUZZ_RANDOM=1: new inputs each run
@@ -425,3 +425,16 @@ def test_any_ids_a_worker_reports_are_turned_into_text_without_an_error(vocabula
     """What a worker's chunks carry (prompt ids, generated ids) reaches the router's detokenizer as is."""
     text = vocabularies[which].detokenizer(prompt).feed(generated)
     assert isinstance(text, str)
+
+
+def test_a_payload_nested_too_deep_is_a_json_error_not_a_recursion_error() -> None:
+    """A worker (or anything in the path) that sends a deeply nested JSON payload: the workload's reader says
+    it is not JSON it can read, as for any malformed payload (json's own parser raised RecursionError)."""
+    async def body() -> AsyncIterator[bytes]:
+        yield b"data: " + b"[" * 100_000 + b"]" * 100_000 + b"\n\ndata: [DONE]\n\n"
+
+    async def read() -> list[Any]:
+        return [x async for x in sse_data(body())]
+
+    with pytest.raises(json.JSONDecodeError):
+        asyncio.run(read())
