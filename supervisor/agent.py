@@ -442,7 +442,7 @@ class NodeAgent:
                 with p.oneshot():
                     cpu = p.cpu_times()
                     procs.append((p.pid, p.name(), p.status(), cpu.user + cpu.system))
-                    switches += sum(p.num_ctx_switches())
+                    switches += _switches(p)
             except psutil.Error:
                 continue
         wid = handle.spec.id
@@ -823,6 +823,26 @@ def exiting(pid: int) -> tuple[str, int | None] | None:
         raw = int(rest[49])
         code = -(raw & 0x7F) if raw & 0x7F else raw >> 8
     return ("zombie" if state == b"Z" else "exiting"), code
+
+
+def _switches(p: psutil.Process) -> int:
+    """Context switches of every thread of ``p``. psutil counts the main thread's only, and an engine can wait
+    there (vLLM's EngineCore on its Worker, a Worker on its KV files) while other threads do the work: one
+    that runs at all must show."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{p.pid}/task")
+    except OSError:
+        return sum(p.num_ctx_switches())
+    for tid in tasks:
+        try:
+            with open(f"/proc/{p.pid}/task/{tid}/status", "rb") as f:
+                for line in f:
+                    if line.startswith((b"voluntary_ctxt_switches", b"nonvoluntary_ctxt_switches")):
+                        total += int(line.split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
 
 
 def _is_engine(p: psutil.Process) -> bool:

@@ -100,13 +100,18 @@ async def test_the_vllm_kill_and_hang_experiment_passes_on_the_session_workers(v
     """The library's vLLM experiment end to end (kill, then freeze, the busiest worker), on this session's
     two workers instead of two more: a greedy reference run after the method, every checker passes."""
     data = yaml.safe_load((LIBRARY / "vllm-kill-and-hang.yaml").read_text())
-    data["fleet"]["node"] = "cpu"  # the session fleet's node
+    data["fleet"]["node"] = "cpu"  # the session fleet's node, and so its workers' names
+    data["blast_radius"]["workers"] = ["cpu-w*"]
     # The freeze starts 5 s after the killed worker is back (a vLLM restart takes 30-60 s here) and lasts 10 s.
     data["workload"]["duration_s"] = 100
     result = await Runner(validate_experiment(data), RunOptions(out=tmp_path / "run", fleet=vllm_fleet,
                                                                 report=False)).run()
     assert result.ok, result.failures()
-    assert {v.checker: v.status for v in result.verdicts} == dict.fromkeys(
-        ["stream_exactness", "sse_ids", "availability", "detection", "migration_limit", "fault_verification"],
-        "pass")
+    statuses = {v.checker: v.status for v in result.verdicts}
+    assert {c: statuses.get(c) for c in ("stream_exactness", "sse_ids", "availability", "detection",
+                                         "migration_limit", "fault_verification", "failure_reasons")} == dict.fromkeys(
+        ["stream_exactness", "sse_ids", "availability", "detection", "migration_limit", "fault_verification",
+         "failure_reasons"], "pass")
+    # The session's workers are not the run's own processes: their memory is not the run's to judge.
+    assert statuses.get("resources") in ("pass", "unknown"), statuses
     assert [a["activity"]["name"] for a in result.journal["run"]] == ["kill", "freeze"]
