@@ -41,6 +41,7 @@ __all__ = [
     "admin_token_from_env",
     "admin_token_from_file",
     "admin_token_given",
+    "check_private_file",
     "load_fleet_config",
     "load_model",
     "parse_yaml",
@@ -400,14 +401,23 @@ def resolve_access(config: AccessConfig, *, field: str) -> Access:
                   username=config.username, password=password)
 
 
-def _secret_file(path: Path, *, field: str, what: str) -> SecretStr:
+def check_private_file(path: Path, *, field: str, what: str) -> None:
+    """:class:`ConfigError` naming ``field`` when the ``what`` file at ``path`` cannot be read or is readable by
+    others (a file of secrets: the admin token, a password, API keys)."""
     try:
         mode = path.stat().st_mode
-        raw = path.read_text().strip()
     except OSError as exc:
         raise ConfigError(f"cannot read the {what} file: {exc.strerror}", file=str(path), field=field) from exc
     if mode & 0o077:
         raise ConfigError(f"the {what} file is readable by others (chmod 600 it)", file=str(path), field=field)
+
+
+def _secret_file(path: Path, *, field: str, what: str) -> SecretStr:
+    check_private_file(path, field=field, what=what)
+    try:
+        raw = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the {what} file: {exc.strerror}", file=str(path), field=field) from exc
     if not raw:
         raise ConfigError(f"the {what} file is empty", file=str(path), field=field)
     return SecretStr(raw)
@@ -483,18 +493,7 @@ def admin_token_from_env() -> SecretStr:
 
 def admin_token_from_file(path: Path) -> SecretStr:
     """The admin token in ``path``; :class:`ConfigError` when it is missing, empty, or readable by others."""
-    try:
-        mode = path.stat().st_mode
-        raw = path.read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the admin token file: {exc.strerror}", file=str(path),
-                          field="admin_token_file") from exc
-    if mode & 0o077:
-        raise ConfigError("the admin token file is readable by others (chmod 600 it)", file=str(path),
-                          field="admin_token_file")
-    if not raw:
-        raise ConfigError("the admin token file is empty", file=str(path), field="admin_token_file")
-    return SecretStr(raw)
+    return _secret_file(path, field="admin_token_file", what="admin token")
 
 
 def admin_token_for(config: FleetConfig) -> SecretStr:

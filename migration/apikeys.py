@@ -28,8 +28,7 @@ from pathlib import Path
 
 from pydantic import Field, SecretStr, model_validator
 
-from fleetward.fleet.config import ID_PATTERN, Frozen, load_model
-from fleetward.fleet.errors import ConfigError
+from fleetward.fleet.config import ID_PATTERN, Frozen, check_private_file, load_model
 
 __all__ = ["ApiKey", "ApiKeys", "ApiKeysFile"]
 
@@ -98,14 +97,7 @@ class ApiKeys:
     def load(cls, path: Path, *, default_limit: int = 0) -> ApiKeys:
         """The keys in ``path``; :class:`ConfigError` (file, line, field) when it is unreadable, readable by
         others, or malformed."""
-        try:
-            mode = path.stat().st_mode
-        except OSError as exc:
-            raise ConfigError(f"cannot read the API keys file: {exc.strerror}", file=str(path),
-                              field="routing.api_keys_file") from exc
-        if mode & 0o077:
-            raise ConfigError("the API keys file is readable by others (chmod 600 it)", file=str(path),
-                              field="routing.api_keys_file")
+        check_private_file(path, field="routing.api_keys_file", what="API keys")
         return cls(load_model(ApiKeysFile, path), default_limit=default_limit)
 
     @property
