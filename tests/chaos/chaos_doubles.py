@@ -9,6 +9,8 @@ every fault: ``<family>.<name>``).
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import Field
@@ -106,3 +108,17 @@ for _spec in (
 ):
     if _spec.name not in CATALOGUE:
         register(_spec)
+
+
+async def attachable(fleet: Any, root: Path, **state: Any) -> Path:
+    """A router for ``fleet``, and the state file and admin token ``fleetward up`` would write for it under
+    ``root`` (``state``: more fields of the state file): what ``chaos run --attach`` finds (test_run,
+    test_chaos_safety)."""
+    router = await fleet.start_router("router-0")
+    state_dir = root / fleet.cluster
+    state_dir.mkdir(parents=True)
+    (state_dir / "admin-token").write_text(fleet.admin_token)
+    (state_dir / "fleet.json").write_text(json.dumps({
+        "cluster": fleet.cluster, "etcd": fleet.etcd_endpoints[0], "mqtt": fleet.mqtt, "router": router.url,
+        "workers": {w: fleet.url(w) for w in fleet.worker_ids}, **state}))
+    return root

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
+from chaos_doubles import attachable
 
 from fleetward.chaos.experiment import validate_experiment
 from fleetward.chaos.fault import Target
@@ -111,18 +112,6 @@ def test_a_run_that_corrupts_streams_exits_1_and_chaos_check_agrees(tmp_path: Pa
     checked = chaos("check", str(run), env=doubles_env)
     assert checked.returncode == 1
     assert check_run(run).journal["checks"]["verdicts"] == journal["checks"]["verdicts"]
-
-
-async def attachable(fleet: Any, root: Path, **state: Any) -> Path:
-    """A router for ``fleet``, and the state file ``fleetward up`` would write for it under ``root``."""
-    router = await fleet.start_router("router-0")
-    state_dir = root / fleet.cluster
-    state_dir.mkdir(parents=True)
-    (state_dir / "admin-token").write_text(fleet.admin_token)
-    (state_dir / "fleet.json").write_text(json.dumps({
-        "cluster": fleet.cluster, "etcd": fleet.etcd_endpoints[0], "mqtt": fleet.mqtt, "router": router.url,
-        "workers": {w: fleet.url(w) for w in fleet.worker_ids}, **state}))
-    return root
 
 
 async def test_an_attached_run_uses_the_fleet_that_is_already_running(fleetward_fleet: Any, tmp_path: Path) -> None:

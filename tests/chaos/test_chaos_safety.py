@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
+from chaos_doubles import attachable
 from pydantic import Field
 
 from fleetward.chaos.experiment import DEFAULT_RADIUS, load_experiment, validate_experiment
@@ -35,18 +36,8 @@ from fleetward.fleet.errors import ConfigError
 from fleetward.fleet.registry import FleetSnapshot, read_fleet
 from fleetward.fleet.worker import HealthRecord, HealthState, WorkerRecord
 
-LIBRARY = Path(__file__).resolve().parents[1] / "chaos" / "experiments"
+LIBRARY = Path(__file__).resolve().parents[2] / "chaos" / "experiments"
 SIM = {"decode_step_ms": 3, "decode_ms_per_seq": 0.05, "prefill_ms_per_token": 0.01, "seed": 11}
-
-
-@pytest.fixture(scope="session")
-def fleetward_etcd(etcd_endpoint: str) -> str:
-    return etcd_endpoint
-
-
-@pytest.fixture(scope="session")
-def fleetward_mqtt(broker_endpoint: str) -> str:
-    return broker_endpoint
 
 
 # -- the collateral double ------------------------------------------------------------------------------------
@@ -130,18 +121,6 @@ def chaos(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
 
 def env_without_token() -> dict[str, str]:
     return {k: v for k, v in {**os.environ, "PYTHONSAFEPATH": "1"}.items() if k != "FLEETWARD_ADMIN_TOKEN"}
-
-
-async def attachable(fleet: Any, root: Path) -> Path:
-    """A router for ``fleet``, and the state file and admin token ``fleetward up`` would write under ``root``."""
-    router = await fleet.start_router("router-0")
-    state_dir = root / fleet.cluster
-    state_dir.mkdir(parents=True)
-    (state_dir / "admin-token").write_text(fleet.admin_token)
-    (state_dir / "fleet.json").write_text(json.dumps({
-        "cluster": fleet.cluster, "etcd": fleet.etcd_endpoints[0], "mqtt": fleet.mqtt, "router": router.url,
-        "workers": {w: fleet.url(w) for w in fleet.worker_ids}}))
-    return root
 
 
 @contextlib.asynccontextmanager
