@@ -198,18 +198,23 @@ async def test_etcd_client_authenticates_again_when_its_token_is_dropped(secure_
         client = store._client
         assert client is not None
         token = client.metadata
-        async with EtcdStore(secure_etcd.endpoint, access=replace(good_access(pki), username="root",
-                                                                   password=ROOT_PASSWORD)) as admin:
-            from aetcd import rpc
-
-            root = await admin._connected()
-            await rpc.AuthStub(root.channel).UserChangePassword(
-                rpc.AuthUserChangePasswordRequest(name="fleetward", password=PASSWORD.get_secret_value()),
-                metadata=root.metadata, timeout=5)
+        await drop_tokens(secure_etcd, pki)
         await store.put("/fleetward/tls/token", b"after")
         assert client.metadata != token  # it did authenticate again, on the same connection
         kv = await store.get("/fleetward/tls/token")
         assert kv is not None and kv.value == b"after"
+
+
+async def drop_tokens(secure_etcd: LocalEtcd, pki: Pki) -> None:
+    """etcd drops the fleetward user's tokens: its password set again, to the same value (as root)."""
+    from aetcd import rpc
+
+    async with EtcdStore(secure_etcd.endpoint, access=replace(good_access(pki), username="root",
+                                                               password=ROOT_PASSWORD)) as admin:
+        root = await admin._connected()
+        await rpc.AuthStub(root.channel).UserChangePassword(
+            rpc.AuthUserChangePasswordRequest(name="fleetward", password=PASSWORD.get_secret_value()),
+            metadata=root.metadata, timeout=5)
 
 
 @on_module_loop
@@ -223,14 +228,7 @@ async def test_a_new_watch_on_a_stream_opened_with_a_dropped_token_still_deliver
         first = store.watch_prefix("/fleetward/stream/", start_revision=rev)
         async with contextlib.aclosing(first):
             assert (await anext(first)).value == b"1"
-            async with EtcdStore(secure_etcd.endpoint, access=replace(good_access(pki), username="root",
-                                                                       password=ROOT_PASSWORD)) as admin:
-                from aetcd import rpc
-
-                root = await admin._connected()
-                await rpc.AuthStub(root.channel).UserChangePassword(
-                    rpc.AuthUserChangePasswordRequest(name="fleetward", password=PASSWORD.get_secret_value()),
-                    metadata=root.metadata, timeout=5)
+            await drop_tokens(secure_etcd, pki)
             second = store.watch_prefix("/fleetward/stream/", start_revision=rev)
             async with contextlib.aclosing(second), asyncio.timeout(20):
                 assert (await anext(second)).value == b"1"
