@@ -527,6 +527,15 @@ class EtcdStore:
                     except transient:
                         await self._rotate(client)
                         raise
+                    except asyncio.CancelledError as exc:
+                        task = asyncio.current_task()
+                        if self._closed or (task is not None and task.cancelling()):
+                            raise
+                        # Not this task's cancellation: another call moved to the next endpoint and closed this
+                        # client, and gRPC cancels every call in flight on a closed channel. Raised on, it
+                        # would end the caller's task as if cancelled (a lease keepalive loop stopped
+                        # silently, and the agent's workers vanished with its lease: the soak found it).
+                        raise aex.ConnectionFailedError(f"client closed while in use ({what})") from exc
                     except _FOREIGN as exc:
                         if client is not self._client and not self._closed:
                             # Another call moved to the next endpoint and closed this client under us.

@@ -130,6 +130,34 @@ async def test_a_closed_store_refuses_calls_and_ends_its_watches(etcd_endpoint: 
         await store.get(keys.worker("x"))
 
 
+async def test_a_call_in_flight_when_the_store_moves_to_the_next_endpoint_is_retried_not_cancelled(
+        etcd_endpoint: str, keys: Keys) -> None:
+    # The first endpoint is a black hole (it accepts and never answers, as a member cut off or stopped). When
+    # one call gives up on it, the store closes its client and moves on; gRPC then cancels the other calls in
+    # flight on that channel. Such a call must be retried on the next endpoint: a CancelledError out of it
+    # ended the agent's lease keepalive loop as if cancelled, and its workers vanished with the lease.
+    connected = asyncio.Event()
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connected.set()
+        await reader.read()  # until the client hangs up
+        writer.close()
+
+    hole = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = hole.sockets[0].getsockname()[1]
+    async with hole, EtcdStore([f"127.0.0.1:{port}", etcd_endpoint], timeout_s=30.0) as store:
+        put = asyncio.create_task(store.put(keys.worker("x"), b"1"))
+        async with asyncio.timeout(10):
+            await connected.wait()
+        assert not put.done()
+        # What the first failed call of several does (EtcdStore._call): give up on this client.
+        await store._rotate(store._client)  # type: ignore[arg-type]
+        async with asyncio.timeout(10):
+            await put
+        assert (await store.get(keys.worker("x"))).value == b"1"  # type: ignore[union-attr]
+        assert store.endpoint == etcd_endpoint
+
+
 # -- watches ---------------------------------------------------------------------------------------------
 
 
