@@ -279,11 +279,12 @@ class Checkpointer:
             if rid not in self.live:  # it finished while this write was on its way: delete it next
                 self._deleting.add(rid)
 
-    async def claim(self, request_id: str) -> Journal | None:
-        """Take over a request another router checkpointed (a client resuming here); None if gone. Its
-        deltas are compacted into one base, written as this router's: the old owner's next write fails."""
+    async def claim(self, request_id: str, *, owner: str | None = None) -> Journal | None:
+        """Take over a request another router checkpointed (a client resuming here); None if gone, or if it
+        belongs to another API key than ``owner`` (then it is left as it is). Its deltas are compacted into
+        one base, written as this router's: the old owner's next write fails."""
         found = await read_checkpoint(self.store, self.keys, request_id)
-        if found is None or self.lease is None:
+        if found is None or self.lease is None or found[0].owner != owner:
             return None
         journal, mod = found
         key = self.keys.request(request_id)

@@ -251,6 +251,7 @@ class Journal:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     blocker: str | None = None
+    owner: str | None = None  # the API key (its name) that started it: only that key may resume it
     dirty: bool = True
     logprob_chars: int = 0  # characters of the logprobs' token strings so far (the next text_offset)
     vocab: Vocabulary | None = field(default=None, repr=False)  # None: the workers' text is passed on
@@ -429,7 +430,8 @@ class Journal:
         static_key = (*self.static_key, router)
         if self._static is None or self._static[0] != static_key:
             head = orjson.dumps({"v": 1, "id": self.id, "kind": self.kind.value, "router": router, "body": self.body,
-                                 "prompt_ids": self.prompt_ids, "deadline": self.deadline, "created": self.created})
+                                 "prompt_ids": self.prompt_ids, "deadline": self.deadline, "created": self.created,
+                                 "owner": self.owner})
             self._static = (static_key, head[:-1] + b",")
         dynamic = orjson.dumps({
             "emitted": self.emitted, "text": self.text, "text_ends": self.text_ends, "stop_held": self.stop.held,
@@ -472,6 +474,7 @@ class Journal:
             "stop_held": self.stop.held, "logprob_chars": self.logprob_chars,
             "worker": self.worker, "attempts": self.attempts, "migrations": self.migrations,
             "deadline": self.deadline, "created": self.created, "finish_reason": self.finish_reason,
+            "owner": self.owner,
         }
 
     @classmethod
@@ -479,6 +482,7 @@ class Journal:
         j = cls(id=data["id"], kind=Kind(data["kind"]), body=data["body"], created=data.get("created", 0.0),
                 deadline=data.get("deadline", 0.0))
         j.prompt_ids = data.get("prompt_ids")
+        j.owner = data.get("owner")
         j.emitted = list(data.get("emitted") or [])
         j.text = data.get("text") or ""
         j.text_ends = list(data.get("text_ends") or [])

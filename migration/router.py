@@ -734,7 +734,7 @@ class Router:
         when the key has ``max_concurrency`` requests in flight; its slot is held until the answer (or the
         stream) ends, or the client goes away."""
         if self.api_keys is None:
-            return await self._handle(request, kind)
+            return await self._handle(request, kind, owner=None)
         key = self._api_key(request)
         if isinstance(key, RouterError):
             return key.response()
@@ -744,7 +744,7 @@ class Router:
                                "when one ends", retry_after=1).response()
         self.metrics.key_requests.labels(key.name, "accepted").inc()
         try:
-            response = await self._handle(request, kind)
+            response = await self._handle(request, kind, owner=key.name)
         except BaseException:
             key.release()
             raise
@@ -770,7 +770,9 @@ class Router:
         response.background = BackgroundTask(release)
         return response
 
-    async def _handle(self, request: Request, kind: Kind) -> Response:
+    async def _handle(self, request: Request, kind: Kind, *, owner: str | None) -> Response:
+        """A generation request; ``owner`` is the name of the API key it came with (None: no keys), and only
+        a request with the same key may resume it."""
         endpoint = kind.value
         if not self._accepting:
             self.metrics.requests.labels(endpoint, "unavailable").inc()
@@ -791,7 +793,7 @@ class Router:
         skip = 0
         if last_event:
             try:
-                j, skip = await self._resume(last_event, kind)
+                j, skip = await self._resume(last_event, kind, owner)
             except RouterError as exc:
                 self.metrics.requests.labels(endpoint, "resume_failed").inc()
                 return exc.response()
@@ -803,7 +805,7 @@ class Router:
                                    "(routing.max_in_flight); retry shortly or on another router",
                                    retry_after=1).response()
             j = Journal(id=new_request_id(kind), kind=kind, body=body, created=self.clock.wall(),
-                        deadline=self.clock.wall() + self.config.request_timeout_s)
+                        deadline=self.clock.wall() + self.config.request_timeout_s, owner=owner)
             self.active[j.id] = Active(j)
             self.metrics.received.labels(endpoint).inc()
             if self.config.checkpoints:
@@ -813,22 +815,27 @@ class Router:
             return await self._stream(j, skip, trace=request.headers.get("x-fleetward-trace") == "1")
         return await self._complete(j, request)
 
-    async def _resume(self, last_event: str, kind: Kind) -> tuple[Journal, int]:
+    async def _resume(self, last_event: str, kind: Kind, owner: str | None) -> tuple[Journal, int]:
+        """The request ``Last-Event-ID`` names, taken over by this stream. Another key's request is unknown
+        here (404, as for a wrong id: its existence is not revealed), and its stream is left alone."""
         rid, _, n = last_event.rpartition(":")
         if not rid or not n.isdigit():
             raise RouterError(400, f"Last-Event-ID must be <request id>:<token index>, got {last_event!r}")
         if not self.config.checkpoints:
             raise RouterError(409, "this router does not checkpoint requests (checkpoints are off)")
+        unknown = RouterError(404, f"request {rid} is unknown, finished, or its checkpoint expired")
         a = self.active.get(rid)
+        if a is not None and a.journal.owner != owner:
+            raise unknown
         if a is not None:  # the same router still holds it (the client came back before we let go)
             for t in list(a.tasks):
                 t.cancel()
             j = a.journal
             self.active[rid] = Active(j)
         else:
-            claimed = await self.checkpointer.claim(rid)
+            claimed = await self.checkpointer.claim(rid, owner=owner)
             if claimed is None:
-                raise RouterError(404, f"request {rid} is unknown, finished, or its checkpoint expired")
+                raise unknown
             j = claimed
             self.active[rid] = Active(j)
             self.orphans.discard(rid)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -108,9 +109,10 @@ def test_stop_checking_in_chunks_equals_checking_the_whole_text(text: str, cuts:
 def test_a_checkpoint_round_trips() -> None:
     j = journal({"model": "m", "prompt": [1, 2], "max_tokens": 9, "stop": ["zz"]})
     j.record([40, 41], "ab", None, None)
-    j.worker, j.attempts = "w1", 2
+    j.worker, j.attempts, j.owner = "w1", 2, "team-a"
     back = Journal.from_checkpoint(j.checkpoint("router-a"))
     assert (back.id, back.emitted, back.prompt_ids, back.attempts) == (j.id, [40, 41], [1, 2], 2)
+    assert back.owner == "team-a" == Journal.from_checkpoint(orjson.loads(j.checkpoint_bytes("r"))).owner
     assert (back.text, back.stop.held) == ("a", "b"), "text that might start a stop string is held back"
     assert back.text_after(0) == "a" and back.text_after(2) == ""
     assert back.upstream_request() == j.upstream_request()
@@ -129,8 +131,6 @@ def test_affinity_keeps_a_prefix_on_one_worker_until_it_is_overloaded() -> None:
 
 
 def test_checkpoint_bytes_encode_the_same_record_and_follow_changes() -> None:
-    import orjson
-
     j = journal({"model": "m", "prompt": [1, 2, 3], "max_tokens": 9})
     j.record([40, 41], "ab", None, None)
     assert orjson.loads(j.checkpoint_bytes("r")) == orjson.loads(orjson.dumps(j.checkpoint("r")))

@@ -21,6 +21,7 @@ from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.config import SimConfig
 from fleetward.fleet.errors import ConfigError
 from fleetward.migration.apikeys import ApiKeys
+from fleetward.migration.checkpoint import read_checkpoint
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -99,6 +100,48 @@ async def test_a_key_at_its_concurrency_limit_gets_429_and_its_slot_comes_back(k
 
         await wait_until(accepted, timeout=10, message="the key's slot freed once its client went away")
     assert await metric(url, 'fleetward_router_api_key_requests_total{key="one",result="over_limit"}') >= 1
+
+
+async def _events(lines: AsyncIterator[str], n: int | None = None) -> list[str]:
+    """The next SSE ids in a response's ``lines`` (``<request id>:<tokens held>``): ``n`` of them, or all."""
+    ids: list[str] = []
+    async for line in lines:
+        if line.startswith("id: "):
+            ids.append(line[4:])
+            if len(ids) == n:
+                break
+    return ids
+
+
+async def test_only_the_key_that_started_a_stream_may_resume_it(keyed: tuple[TestFleet, str], wait_until: Any) -> None:
+    fleet, url = keyed
+    body = {"model": "sim-tiny", "prompt": "whose stream is it", "max_tokens": 400, "stream": True}
+    owner, other = {"Authorization": f"Bearer {MANY}"}, {"Authorization": f"Bearer {ONE}"}
+    other_router = (await fleet.start_router("keyed-2", api_keys_file=fleet.run_dir / "keys.yaml")).url
+    async with httpx.AsyncClient(timeout=60) as http:
+        # On the router that holds it, while its client still reads: another key cannot take it over.
+        async with http.stream("POST", url + "/v1/completions", json=body, headers=owner) as held:
+            assert held.status_code == 200
+            lines = held.aiter_lines()
+            last = (await _events(lines, 2))[-1]
+            r = await http.post(url + "/v1/completions", json=body, headers={**other, "Last-Event-ID": last})
+            assert r.status_code == 404 and "unknown" in r.json()["error"]["message"], r.text
+            rest = await _events(lines)
+            assert rest[-1].endswith(":400"), "the owner's stream ran to its end, not taken over"
+        # Through another router, from the checkpoint, after the owner's client went away.
+        async with http.stream("POST", url + "/v1/completions", json=body, headers=owner) as gone:
+            last = (await _events(gone.aiter_lines(), 2))[-1]
+
+        async def checkpointed() -> bool:
+            return await read_checkpoint(fleet.store, fleet.keys, last.rpartition(":")[0]) is not None
+
+        await wait_until(checkpointed, timeout=10, message="the request checkpointed")
+        for headers, status in (({}, 401), (other, 404), (owner, 200)):
+            async with http.stream("POST", other_router + "/v1/completions", json=body,
+                                   headers={**headers, "Last-Event-ID": last}) as r:
+                assert r.status_code == status, (headers, await r.aread())
+                if status == 200:
+                    assert (await _events(r.aiter_lines()))[-1].endswith(":400"), "the owner resumed it to its end"
 
 
 async def test_a_keys_file_is_checked_before_the_router_serves(tmp_path: Path) -> None:
