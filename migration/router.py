@@ -716,6 +716,16 @@ class Router:
         async def chat(request: Request) -> Response:
             return await self._keyed(request, Kind.CHAT)
 
+        if self.api_keys is not None:  # the spec says which operations take a key, and what a key adds
+            spec = app.openapi()
+            spec.setdefault("components", {})["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+            for path, method in (("/v1/completions", "post"), ("/v1/chat/completions", "post"), ("/v1/models", "get")):
+                operation = spec["paths"][path][method]
+                operation["security"] = [{"apiKey": []}]
+                operation["responses"]["401"] = {"description": "a missing or unknown API key"}
+                if method == "post":
+                    operation["responses"]["429"] = {"description": "the key has max_concurrency requests in flight"}
+                    operation["responses"]["404"]["description"] += " (or another key's request)"
         return app
 
     def _api_key(self, request: Request) -> ApiKey | RouterError:

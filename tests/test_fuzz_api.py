@@ -45,6 +45,7 @@ _TIMEOUT_S = 20.0
 # Fast tokens and a short context, so a request the spec allows finishes in milliseconds.
 SIM = SimConfig(decode_step_ms=0.2, decode_ms_per_seq=0.0, prefill_ms_per_token=0.0, max_model_len=64, seed=5)
 TOKEN = "fuzz-admin-token"
+API_KEY = "sk-fuzz-" + "k" * 24  # the keyed router's one key
 GHOST = "ghost-w0"  # a registered worker that never answers: the controller's commands reach its state machine
 
 
@@ -206,6 +207,29 @@ async def test_the_router_survives_resumes_along_its_specs_links(fleet: TestFlee
     url = fleet.routers[0].url
     schema = load_spec(url, _router_spec_for(SIM.model_name))
     assert await asyncio.to_thread(fuzz_links, schema, url, {}) > 0  # resumes of requests the router answered
+
+
+async def test_a_keyed_router_answers_with_or_without_its_key_without_a_server_error(fleet: TestFleet) -> None:
+    keys = fleet.run_dir / "keys.yaml"
+    keys.write_text(f"keys:\n  - name: fuzz\n    key: {API_KEY}\n    max_concurrency: 4\n")
+    keys.chmod(0o600)
+    router = await fleet.start_router("r-keyed", api_keys_file=keys)
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            spec = (await client.get(router.url + "/openapi.json")).json()
+        assert spec["components"]["securitySchemes"]["apiKey"] == {"type": "http", "scheme": "bearer"}
+        assert {p for p, item in spec["paths"].items() for op in item.values() if "security" in op} == {
+            "/v1/completions", "/v1/chat/completions", "/v1/models"}, "health, metrics and progress stay open"
+        schema = load_spec(router.url, _router_spec_for(SIM.model_name))
+        key = {"authorization": f"Bearer {API_KEY}"}
+        labels, failures = await asyncio.to_thread(
+            fuzz_operations, schema, router.url, examples=max(5, EXAMPLES // 4),
+            auth={"key": key, "no key": {}, "wrong key": {"authorization": "Bearer sk-" + "0" * 24}})
+        assert "POST /v1/completions" in labels
+        assert not failures, "\n\n".join(failures)
+        assert await asyncio.to_thread(fuzz_links, schema, router.url, key) > 0  # resumes under the same key
+    finally:
+        await fleet.stop_router(router)
 
 
 def _on_workers(*workers: str) -> Callable[[dict[str, Any]], None]:
