@@ -132,17 +132,20 @@ class EventBus(Protocol):
 class MqttBus:
     """:class:`EventBus` on an MQTT broker at ``host:port``.
 
-    ``outbox_size`` bounds the events waiting for the broker; ``connect_attempts`` bounds the first
-    connection made by :meth:`start`. ``access``: TLS and credentials (none by default).
+    ``outbox_size`` bounds the events waiting for the broker; ``inbox_size`` the events each subscriber has
+    received and not yet taken (a consumer that falls behind sheds the newest: ``dropped_in``);
+    ``connect_attempts`` bounds the first connection made by :meth:`start`. ``access``: TLS and credentials
+    (none by default).
     """
 
-    def __init__(self, endpoint: str, cluster: str, *, outbox_size: int = 10_000, clock: Clock = SYSTEM_CLOCK,
-                 client_id: str | None = None, connect_attempts: int = 5, access: Access | None = None) -> None:
+    def __init__(self, endpoint: str, cluster: str, *, outbox_size: int = 10_000, inbox_size: int = 10_000,
+                 clock: Clock = SYSTEM_CLOCK, client_id: str | None = None, connect_attempts: int = 5,
+                 access: Access | None = None) -> None:
         host, sep, port = endpoint.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"MQTT endpoint {endpoint!r} is not host:port")
-        if outbox_size < 1 or connect_attempts < 1:
-            raise ValueError("outbox_size and connect_attempts must be at least 1")
+        if outbox_size < 1 or inbox_size < 1 or connect_attempts < 1:
+            raise ValueError("outbox_size, inbox_size and connect_attempts must be at least 1")
         self.endpoint = endpoint
         self._host, self._port = host, int(port)
         self.cluster = cluster
@@ -157,8 +160,10 @@ class MqttBus:
         self._attempts = connect_attempts
         self._access = access or Access()
         self._tls = _tls_context(self._access, endpoint) if self._access.tls else None
-        self.dropped = 0
+        self.dropped = 0  # events the outbox shed
+        self.dropped_in = 0  # events a subscriber's inbox shed
         self.published = 0
+        self._inbox_size = inbox_size
 
     # -- publishing -------------------------------------------------------------------------------------
 
@@ -290,6 +295,21 @@ class MqttBus:
 
     # -- subscribing ------------------------------------------------------------------------------------
 
+    def _inbox_type(self) -> type[asyncio.Queue[aiomqtt.Message]]:
+        """The queue aiomqtt puts received messages in, counting what it sheds when full (aiomqtt drops the
+        message and logs a warning)."""
+        bus = self
+
+        class Inbox(asyncio.Queue[aiomqtt.Message]):
+            def put_nowait(self, item: aiomqtt.Message) -> None:
+                try:
+                    super().put_nowait(item)
+                except asyncio.QueueFull:
+                    bus.dropped_in += 1
+                    raise
+
+        return Inbox
+
     async def subscribe(self, kinds: Sequence[str] = ("#",), *, session: str | None = None,
                         subscribed: asyncio.Event | None = None) -> AsyncGenerator[Event, None]:
         """Events of ``kinds`` (``"#"`` for all) of this bus's cluster, across broker restarts.
@@ -304,7 +324,8 @@ class MqttBus:
         while True:
             try:
                 async with _session(self._client(identifier, clean_session=session is None, timeout=5,
-                                                 keepalive=10)) as client:
+                                                 keepalive=10, queue_type=self._inbox_type(),
+                                                 max_queued_incoming_messages=self._inbox_size)) as client:
                     for t in topics:
                         await _to_the_end(client.subscribe(t, qos=1))
                     if subscribed is not None:

@@ -2,9 +2,9 @@
 
 ``fleetward_etcd_up`` is 1 while the service's last etcd call got through (0 once one gave up after its
 bounded retries) and ``fleetward_broker_up`` is 1 while its MQTT publisher is connected. Its outbox of events
-waiting for the broker is bounded: ``fleetward_bus_events_dropped_total`` counts the oldest events it shed
-when full (events are never the only copy of state: etcd is). Each service adds them to its own registry with
-:func:`link_gauges`; they are read when Prometheus scrapes, never polled.
+waiting for the broker and its subscribers' inboxes are bounded: ``fleetward_bus_events_dropped_total{queue}``
+counts what they shed when full (events are never the only copy of state: etcd is). Each service adds them
+to its own registry with :func:`link_gauges`; they are read when Prometheus scrapes, never polled.
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ class _Dropped(Collector):
         self.bus = bus
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily("fleetward_bus_events_dropped", "Events this process's MQTT outbox shed "
-                                     "(the oldest first) because it was full while the broker was away.")
-        family.add_metric([], float(getattr(self.bus, "dropped", 0)))
+        family = CounterMetricFamily("fleetward_bus_events_dropped", "Events this process's MQTT client shed: "
+                                     "queue=outbox, the oldest first because it was full while the broker was "
+                                     "away; queue=inbox, received while a consumer had fallen that far behind.",
+                                     labels=["queue"])
+        family.add_metric(["outbox"], float(getattr(self.bus, "dropped", 0)))
+        family.add_metric(["inbox"], float(getattr(self.bus, "dropped_in", 0)))
         yield family

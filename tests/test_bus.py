@@ -147,6 +147,25 @@ async def test_the_outbox_is_bounded_and_drops_the_oldest(broker_endpoint: str, 
     assert [e.id for e in received] == [e.id for e in events[2:]]
 
 
+async def test_a_subscriber_that_falls_behind_sheds_into_a_bounded_inbox_and_counts_it(
+        broker_endpoint: str, cluster: str, wait_until) -> None:
+    listener = MqttBus(broker_endpoint, cluster, inbox_size=3)
+    subscribed = asyncio.Event()
+    events = listener.subscribe(subscribed=subscribed)
+    first = asyncio.create_task(anext(events))
+    await subscribed.wait()
+    async with MqttBus(broker_endpoint, cluster) as publisher:
+        sent = [await publisher.publish("scale", n=i) for i in range(10)]
+        assert await publisher.flush(10)
+    assert (await first).id == sent[0].id  # then nobody reads: the rest wait in the inbox, three at most
+    # Six or seven shed (seven when all ten arrived before the first was taken), every one counted.
+    await wait_until(lambda: listener.dropped_in >= 6, message="the inbox shed what did not fit")
+    kept = [(await anext(events)).id for _ in range(10 - 1 - listener.dropped_in)]
+    order = [e.id for e in sent]
+    assert len(kept) in (2, 3) and sorted(kept, key=order.index) == kept, "what was kept, in order"
+    await events.aclose()
+
+
 async def test_start_raises_bus_unavailable_when_no_broker_listens() -> None:
     endpoint = f"127.0.0.1:{free_port()}"
     with pytest.raises(BusUnavailable) as err:

@@ -57,7 +57,9 @@ def test_an_outbox_that_sheds_events_counts_them_where_prometheus_reads() -> Non
     link_gauges(registry, store=object(), bus=bus)
     for i in range(5):
         asyncio.run(_publish(bus, i))
-    assert "fleetward_bus_events_dropped_total 3.0" in generate_latest(registry).decode()
+    text = generate_latest(registry).decode()
+    assert 'fleetward_bus_events_dropped_total{queue="outbox"} 3.0' in text
+    assert 'fleetward_bus_events_dropped_total{queue="inbox"} 0.0' in text
 
 
 async def _publish(bus: object, i: int) -> None:
