@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fleetward.chaos.fault import CATALOGUE, Family, FaultContext, FaultSpec, Target, register
 from fleetward.fleet.errors import FleetwardError
-from fleetward.fleet.handle import Fleet
+from fleetward.fleet.handle import AgentWorkers, Fleet, NotOurs
 
 __all__ = ["BaseFault", "FaultCheckFailed", "FaultParams", "FaultUnavailable", "catalogued", "cycle", "eventually"]
 
@@ -107,6 +107,9 @@ def running_tree(fleet: Fleet, worker: str) -> list[psutil.Process]:
     """``worker``'s process tree, root first; :class:`FaultUnavailable` while it does not run (e.g. the
     supervisor is restarting it)."""
     tree = fleet.processes(worker)
+    if not tree and not isinstance(fleet, AgentWorkers):  # attached: someone else runs its processes
+        raise FaultUnavailable(f"{NotOurs(f'a process fault on worker {worker}')}: run the experiment on a fleet "
+                               "it starts, or use the faults that act over the network (network, worker switches)")
     if not tree:
         raise FaultUnavailable(f"worker {worker} is not running")
     return tree

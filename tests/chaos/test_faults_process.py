@@ -11,7 +11,8 @@ import pytest
 import pytest_asyncio
 
 from fleetward.chaos.fault import CATALOGUE, Target
-from fleetward.chaos.faults import cycle
+from fleetward.chaos.faults import FaultUnavailable, cycle
+from fleetward.chaos.faults._base import running_tree
 from fleetward.chaos.faults.process import FreezerGroup, MemoryGroup
 from fleetward.chaos.harness import FleetContext, TestFleet
 from fleetward.chaos.workload import sse_lines
@@ -146,3 +147,12 @@ def leftover_groups(fault: Any) -> list[str]:
     from pathlib import Path
 
     return [g["path"] for g in fault.detail["groups"].values() if Path(g["path"]).exists()]
+
+
+async def test_a_process_fault_on_an_attached_fleet_says_its_processes_are_not_ours() -> None:
+    class Attached:  # what a fleet reached through its etcd answers: no process of it is here
+        def processes(self, worker: str) -> list[Any]:
+            return []
+
+    with pytest.raises(FaultUnavailable, match=r"worker w0 is not available on an attached fleet .* not ours"):
+        running_tree(Attached(), "w0")  # type: ignore[arg-type]
