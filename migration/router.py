@@ -835,9 +835,9 @@ class Router:
             raise RouterError(409, "this router does not checkpoint requests (checkpoints are off)")
         unknown = RouterError(404, f"request {rid} is unknown, finished, or its checkpoint expired")
         a = self.active.get(rid)
-        if a is not None and a.journal.owner != owner:
-            raise unknown
         if a is not None:  # the same router still holds it (the client came back before we let go)
+            if a.journal.owner != owner:
+                raise unknown
             for t in list(a.tasks):
                 t.cancel()
             j = a.journal
