@@ -95,6 +95,15 @@ class _Item:
     static: tuple[int, float] | None = None
 
 
+class NotResumable(Exception):
+    """A checkpointed request that cannot be continued exactly (tokens sent, and a parameter that forbids a
+    resume: see :meth:`Journal.resumable`). Its checkpoint was left as it was."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
 class Checkpointer:
     def __init__(self, store: StateStore, keys: Keys, router_id: str, *, interval_s: float = 0.075,
                  ttl_s: int = 30, max_ops: int = 64, incremental: bool = True, max_deltas: int = 512,
@@ -280,13 +289,18 @@ class Checkpointer:
                 self._deleting.add(rid)
 
     async def claim(self, request_id: str, *, owner: str | None = None) -> Journal | None:
-        """Take over a request another router checkpointed (a client resuming here); None if gone, or if it
-        belongs to another API key than ``owner`` (then it is left as it is). Its deltas are compacted into
-        one base, written as this router's: the old owner's next write fails."""
+        """Take over a request another router checkpointed (a client resuming here); None if gone, if this
+        router finished it (its checkpoint is deleted at the next flush), or if it belongs to another API key
+        than ``owner``; :class:`NotResumable` if it cannot be continued exactly. In those cases it is left as
+        it is. Its deltas are compacted into one base, written as this router's: the old owner's next write
+        fails."""
         found = await read_checkpoint(self.store, self.keys, request_id)
-        if found is None or self.lease is None or found[0].owner != owner:
+        if found is None or self.lease is None or found[0].owner != owner or request_id in self._deleting:
             return None
         journal, mod = found
+        why = None if journal.is_done else journal.resumable()
+        if why is not None:
+            raise NotResumable(why)
         key = self.keys.request(request_id)
         value = journal.checkpoint_bytes(self.router_id)
         result = await self.store.txn([Compare(key, "mod", "==", mod)],

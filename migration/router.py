@@ -49,7 +49,7 @@ from fleetward.fleet.telemetry import link_gauges
 from fleetward.fleet.worker import HealthState
 from fleetward.migration import wire
 from fleetward.migration.apikeys import ApiKey, ApiKeys
-from fleetward.migration.checkpoint import Checkpointer
+from fleetward.migration.checkpoint import Checkpointer, NotResumable
 from fleetward.migration.journal import Journal, Kind, RequestRefused, new_request_id, request_schema, validate_body
 from fleetward.migration.policy import RoutingPolicy, make_policy, prefix_key
 from fleetward.migration.progress import ProgressModel
@@ -834,16 +834,27 @@ class Router:
         if not self.config.checkpoints:
             raise RouterError(409, "this router does not checkpoint requests (checkpoints are off)")
         unknown = RouterError(404, f"request {rid} is unknown, finished, or its checkpoint expired")
+
+        def cannot(why: str) -> RouterError:
+            return RouterError(409, f"request {rid} cannot be resumed exactly: {why}. It was left as it was; send "
+                               "it again without Last-Event-ID to start over")
+
         a = self.active.get(rid)
         if a is not None:  # the same router still holds it (the client came back before we let go)
             if a.journal.owner != owner:
                 raise unknown
+            why = None if a.journal.is_done else a.journal.resumable()
+            if why is not None:  # a new attempt would be a migration it cannot have; its stream goes on
+                raise cannot(why)
             for t in list(a.tasks):
                 t.cancel()
             j = a.journal
             self.active[rid] = Active(j)
         else:
-            claimed = await self.checkpointer.claim(rid, owner=owner)
+            try:
+                claimed = await self.checkpointer.claim(rid, owner=owner)
+            except NotResumable as exc:
+                raise cannot(exc.why) from None
             if claimed is None:
                 raise unknown
             j = claimed
@@ -1027,6 +1038,7 @@ def _openapi_post(kind: Kind) -> dict[str, Any]:
                                          "parameters": {"header.Last-Event-ID": "{$response.header.X-Request-Id}:0"}}}},
             "400": {"description": "a malformed request, the parameter named"},
             "404": {"description": "an unknown model, or a resume of an unknown request"},
+            "409": {"description": "a resume of a request that cannot be continued exactly (it is left alone)"},
             "503": {"description": "no worker can take it now, or the router is starting or stopping"},
         },
     }

@@ -4,12 +4,13 @@ grow; read back as one journal; claimed by another router. Against the session's
 from __future__ import annotations
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleetward.fleet.etcd import EtcdStore
 from fleetward.fleet.keys import Keys
-from fleetward.migration.checkpoint import Checkpointer, read_checkpoint
+from fleetward.migration.checkpoint import Checkpointer, NotResumable, read_checkpoint
 from fleetward.migration.journal import Journal, Kind
 
 BODY = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 100_000, "stop": ["zz"]}
@@ -121,6 +122,55 @@ async def test_a_claim_compacts_and_the_old_owner_lets_go(store: EtcdStore, keys
         await new.flush()
         found = await read_checkpoint(store, keys, j.id)
         assert found is not None and found[0].emitted == claimed.emitted
+    finally:
+        await old.aclose()
+        await new.aclose()
+
+
+async def test_a_request_this_router_finished_is_not_claimed_back_before_its_checkpoint_goes(
+        store: EtcdStore, keys: Keys) -> None:
+    """Between a request's end and the flush that deletes its checkpoint, a resume of it here is of a finished
+    request (CI: a keyed fuzz run resumed one in that window and had it generated again)."""
+    cp = Checkpointer(store, keys, "r1")
+    await cp.start()
+    try:
+        j = journal("cmpl-fwfinishedhere")
+        cp.track(j)
+        j.record([4, 5], "ab", None, None)
+        await cp.flush()
+        cp.done(j)
+        assert await read_checkpoint(store, keys, j.id) is not None, "the delete waits for the next flush"
+        assert await cp.claim(j.id) is None
+        await cp.flush()
+        assert await read_checkpoint(store, keys, j.id) is None
+    finally:
+        await cp.aclose()
+
+
+async def test_a_request_that_cannot_be_continued_exactly_is_not_claimed_and_its_checkpoint_stays(
+        store: EtcdStore, keys: Keys) -> None:
+    old = Checkpointer(store, keys, "r-old")
+    new = Checkpointer(store, keys, "r-new")
+    await old.start()
+    await new.start()
+    try:
+        j = Journal(id="cmpl-fwconstrained", kind=Kind.COMPLETION, body={**BODY, "guided_regex": "[a-z]+"})
+        j.prompt_ids = [1, 2, 3]
+        old.track(j)
+        await old.flush()
+        assert await new.claim(j.id) is not None, "nothing sent yet: it may start over anywhere"
+        await new.flush()
+        k = Journal(id="cmpl-fwconstrainedsent", kind=Kind.COMPLETION, body={**BODY, "guided_regex": "[a-z]+"})
+        k.prompt_ids = [1, 2, 3]
+        old.track(k)
+        k.record([7], "x", None, None)
+        await old.flush()
+        before = await store.get(keys.request(k.id))
+        with pytest.raises(NotResumable, match="guided_regex"):
+            await new.claim(k.id)
+        after = await store.get(keys.request(k.id))
+        assert before is not None and after is not None and after.mod_revision == before.mod_revision
+        assert k.id not in new.live
     finally:
         await old.aclose()
         await new.aclose()

@@ -247,6 +247,35 @@ async def test_a_non_resumable_request_fails_with_a_clear_error_instead_of_diver
     assert "guided_regex" in error["message"]
 
 
+async def test_a_resume_of_a_request_that_cannot_be_continued_exactly_is_refused_and_leaves_it_alone(
+        healthy: TestFleet, wait_until: Any) -> None:
+    """The client of a constrained stream goes away and comes back with Last-Event-ID: a new attempt could
+    diverge, so the resume is refused (409, saying why) on the router that holds it and on another one."""
+    body = {"model": "sim-tiny", "prompt": encode("constrained, resumed: "), "max_tokens": 400, "stream": True,
+            "guided_regex": "[a-z ]+"}
+    last_id = ""
+    async with httpx.AsyncClient(timeout=30) as client, client.stream(
+            "POST", router(healthy).url + "/v1/completions", json=body) as r:
+        async for line in sse_lines(r.aiter_bytes()):
+            if line.startswith("id: "):
+                last_id = line[4:]
+                if int(last_id.rpartition(":")[2]) >= 5:
+                    break
+    rid = last_id.rpartition(":")[0]
+    await wait_until(lambda: _checkpointed(healthy, rid, 5), timeout=15)
+    second = await healthy.start_router("r-second-look")
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            for url in (second.url, router(healthy).url):  # a claim from the checkpoint; the router holding it
+                r = await client.post(url + "/v1/completions", json=body, headers={"Last-Event-ID": last_id})
+                assert r.status_code == 409, r.text
+                assert "cannot be resumed exactly" in r.text and "guided_regex" in r.text
+        found = await read_checkpoint(healthy.store, healthy.keys, rid)
+        assert found is not None and found[0].owner is None and len(found[0].emitted) >= 5, "left as it was"
+    finally:
+        await healthy.stop_router(second)
+
+
 async def test_the_migration_limit_is_respected(healthy: TestFleet) -> None:
     for wid in healthy.worker_ids:
         await healthy.fault(wid, reset_after_tokens=3)
