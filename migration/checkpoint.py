@@ -298,7 +298,7 @@ class Checkpointer:
         if found is None or self.lease is None or found[0].owner != owner or request_id in self._deleting:
             return None
         journal, mod = found
-        why = None if journal.is_done else journal.resumable()
+        why = journal.resumable()
         if why is not None:
             raise NotResumable(why)
         key = self.keys.request(request_id)

@@ -297,9 +297,9 @@ class Journal:
         return self.finish_reason is not None
 
     def resumable(self) -> str | None:
-        """None if a failed attempt may be resumed elsewhere; otherwise why not."""
-        if not self.emitted:
-            return None  # nothing sent yet: any worker can start over
+        """None if the request may be resumed (a new attempt, or a replay of a finished one); otherwise why not."""
+        if not self.emitted or self.is_done:
+            return None  # nothing sent yet, any worker can start over; or nothing is left to generate
         if self.blocker:
             return self.blocker
         if self.prompt_ids is None:

@@ -843,7 +843,7 @@ class Router:
         if a is not None:  # the same router still holds it (the client came back before we let go)
             if a.journal.owner != owner:
                 raise unknown
-            why = None if a.journal.is_done else a.journal.resumable()
+            why = a.journal.resumable()
             if why is not None:  # a new attempt would be a migration it cannot have; its stream goes on
                 raise cannot(why)
             for t in list(a.tasks):
