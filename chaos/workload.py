@@ -63,7 +63,8 @@ __all__ = [
     "sse_lines",
 ]
 
-TRACE_HEADER = {"X-Fleetward-Trace": "1"}
+# Every chunk says which worker made it, and every event carries its SSE id (the point a resume starts from).
+TRACE_HEADER = {"X-Fleetward-Trace": "1", "X-Fleetward-Event-Ids": "1"}
 
 
 class Recorder(Protocol):

@@ -87,7 +87,7 @@ def _collected(process: str, registry: CollectorRegistry, skip: Iterable[str] = 
 def catalogue() -> list[MetricRow]:
     from fleetward.autoscale.daemon import _Metrics as AutoscalerMetrics
     from fleetward.fleet.telemetry import link_gauges
-    from fleetward.migration.router import _Metrics as RouterMetrics
+    from fleetward.migration.metrics import RouterMetrics
     from fleetward.sim.engine import EngineStats
     from fleetward.sim.server import _Metrics as WorkerMetrics
     from fleetward.supervisor.agent import _Metrics as AgentMetrics

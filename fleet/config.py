@@ -93,6 +93,9 @@ class SimConfig(Frozen):
                                     "(fleetward.fleet.kv)")
     kv_latency_ms: float = Field(0.5, ge=0, description="prefill/decode: the KV link's latency per transfer")
     kv_bandwidth_gbps: float = Field(10.0, gt=0, description="prefill/decode: the KV link's bandwidth")
+    responses_store: bool = Field(False, description="keep Responses API answers (``store``) for GET "
+                                  "/v1/responses/{id} and ``previous_response_id``, as vLLM with "
+                                  "VLLM_ENABLE_RESPONSES_API_STORE=1")
     kv_lease_s: float = Field(30.0, gt=0, description="prefill/decode: how long a prefill worker keeps a prompt's "
                               "KV for the decode worker to pull, before it frees the blocks")
     kv_timeout_s: float = Field(1.0, gt=0, description="prefill/decode: how long a decode worker waits for a KV "
@@ -132,6 +135,10 @@ class RouterConfig(Frozen):
     request_timeout_s: float = Field(600.0, gt=0, description="a request's deadline, migrations included")
     checkpoints: bool = Field(True, description="checkpoint journals to etcd (off only to measure their cost)")
     checkpoint_interval_ms: float = Field(75.0, gt=0, description="one etcd transaction per interval")
+    event_ids: bool = Field(False, description="every SSE event carries ``id: <request id>:<tokens>``, the point a "
+                            "``Last-Event-ID`` resume starts from; off: streams are byte for byte vLLM's, and a "
+                            "client asks for ids per request with the header ``X-Fleetward-Event-Ids: 1`` "
+                            "(docs/operations.md, \"Resuming a stream\")")
     processes: int = Field(1, ge=1, le=64, description="router processes on the one port (SO_REUSEPORT; each one "
                            "event loop, one core at most; they share state through etcd as replicas do)")
     api_keys_file: Path | None = Field(None, description="require an API key (``Authorization: Bearer``) on the "

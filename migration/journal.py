@@ -149,7 +149,8 @@ def request_schema(kind: Kind) -> dict[str, Any]:
     props: dict[str, Any] = {
         "model": {"type": "string", "minLength": 1, "description": "a model the fleet serves (GET /v1/models)"},
         "stream": {"type": "boolean"},
-        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"},
+                                                             "continuous_usage_stats": {"type": "boolean"}}},
         "max_tokens": {"type": "integer", "minimum": 1},
         "min_tokens": {"type": "integer", "minimum": 0},
         "n": {"type": "integer", "minimum": 1, "maximum": 1, "description": "more than 1 is refused"},
@@ -194,15 +195,23 @@ def migration_blocker(body: dict[str, Any], kind: Kind) -> str | None:
 class StopChecker:
     """Stop-string matching over a text stream, holding back what might be the start of a stop string.
 
-    Mirrors vLLM: the stop string itself is not emitted (unless ``include``), and text that could be the
-    beginning of a stop string is delayed until it is known not to be.
+    Mirrors vLLM (its incremental detokenizer's ``stop_buffer_length``): without
+    ``include_stop_str_in_output`` the stop string is not emitted and the last ``len(longest stop) - 1``
+    characters are held back until more text shows they are not part of one; with it, nothing is held back
+    and a stop string may begin in text already emitted (kept in ``tail`` to be searched).
     """
 
     def __init__(self, stops: list[str], *, include: bool = False) -> None:
         self.stops = [s for s in stops if s]
         self.include = include
-        self.held = ""
+        self.held = ""  # text not emitted yet (always empty with ``include``)
+        self.tail = ""  # with ``include``: the last characters emitted, where a stop string may have begun
         self._keep = max((len(s) for s in self.stops), default=1) - 1
+
+    def restore(self, held: str, text: str) -> None:
+        """The state after a checkpoint: ``held`` back, ``text`` emitted."""
+        self.held = held
+        self.tail = text[len(text) - self._keep:] if self.include and self._keep else ""
 
     def feed(self, delta: str, *, check: bool = True) -> tuple[str, str | None]:
         """Text that is safe to emit now, and the stop string that matched (generation ends) if any.
@@ -212,17 +221,21 @@ class StopChecker:
         """
         if not self.stops:
             return delta, None
-        full = self.held + delta
+        prior = self.tail if self.include else self.held
+        full = prior + delta
         best: tuple[int, str] | None = None
         if check and delta:
             for s in self.stops:
-                i = full.find(s, max(0, len(self.held) - len(s) + 1))
+                i = full.find(s, max(0, len(prior) - len(s) + 1))
                 if i >= 0 and (best is None or i + len(s) < best[0] + len(best[1])):
                     best = (i, s)
         if best is not None:
             i, s = best
-            self.held = ""
-            return full[: i + len(s)] if self.include else full[:i], s
+            self.held = self.tail = ""
+            return (full[len(prior): i + len(s)], s) if self.include else (full[:i], s)
+        if self.include:
+            self.tail = full[len(full) - self._keep:] if self._keep else ""
+            return delta, None
         cut = max(0, len(full) - self._keep)
         self.held = full[cut:]
         return full[:cut], None
@@ -252,6 +265,7 @@ class Journal:
     stop_reason: str | int | None = None
     blocker: str | None = None
     owner: str | None = None  # the API key (its name) that started it: only that key may resume it
+    fingerprint: str | None = None  # the last worker's system_fingerprint, passed on as vLLM sends it
     dirty: bool = True
     logprob_chars: int = 0  # characters of the logprobs' token strings so far (the next text_offset)
     vocab: Vocabulary | None = field(default=None, repr=False)  # None: the workers' text is passed on
@@ -286,6 +300,12 @@ class Journal:
     @property
     def wants_token_ids(self) -> bool:
         return bool(self.body.get("return_token_ids"))
+
+    @property
+    def wants_continuous_usage(self) -> bool:
+        """Usage in every chunk (``stream_options.continuous_usage_stats``, with ``include_usage`` as in vLLM)."""
+        opts = self.body.get("stream_options") or {}
+        return bool(opts.get("include_usage")) and bool(opts.get("continuous_usage_stats"))
 
     @property
     def wants_usage(self) -> bool:
@@ -459,7 +479,7 @@ class Journal:
         self.emitted += d["emitted"][skip:]
         self.text_ends += d["text_ends"][skip:]
         self.text += d["text"][len(self.text) - c:]
-        self.stop.held = d.get("stop_held") or ""
+        self.stop.restore(d.get("stop_held") or "", self.text)
         self.logprob_chars = int(d.get("logprob_chars") or 0)
         self.worker = d.get("worker")
         self.attempts = int(d.get("attempts", 0))
@@ -487,7 +507,7 @@ class Journal:
         j.text = data.get("text") or ""
         j.text_ends = list(data.get("text_ends") or [])
         j.finish_reason = data.get("finish_reason")
-        j.stop.held = data.get("stop_held") or ""
+        j.stop.restore(data.get("stop_held") or "", j.text)
         j.logprob_chars = int(data.get("logprob_chars") or 0)
         j.worker = data.get("worker")
         j.attempts = int(data.get("attempts", 0))

@@ -8,13 +8,12 @@ request's deadline. Journals are checkpointed
 to etcd by :class:`~fleetward.migration.checkpoint.Checkpointer`; a client that lost its connection (or
 its router) reconnects to any replica with ``Last-Event-ID`` and continues from the checkpoint.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
-``GET /metrics``, and ``GET /fleetward/v1/progress`` (the per-worker token progress the supervisor's
-stream-progress detector reads). Every error, an unknown route (404) or method (405) included, has the
-OpenAI shape ``{"error": {"message", "type", "param", "code"}}``.
+Endpoints (the app is :mod:`~fleetward.migration.http`): ``POST /v1/completions`` and
+``POST /v1/chat/completions`` are served here; every other vLLM endpoint is passed through to a worker
+(:mod:`~fleetward.migration.passthrough`).
 
-One module (over 600 lines) because the request life reads as one story: validation, routing,
-streaming, stitching and migration share the journal and the upstream attempt.
+One module because the request life reads as one story: validation, routing, streaming, stitching and
+migration share the journal and the upstream attempt.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ import contextlib
 import gc
 import logging
 import os
-import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -33,24 +31,22 @@ from typing import Any
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from starlette.background import BackgroundTask
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fleetward.fleet.bus import EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import RouterConfig
 from fleetward.fleet.etcd import LeaseKeeper, StateStore
 from fleetward.fleet.keys import Keys
-from fleetward.fleet.kv import KV_ERROR_KINDS, KV_ERROR_TYPE
+from fleetward.fleet.kv import KV_ERROR_TYPE
 from fleetward.fleet.registry import FleetView
 from fleetward.fleet.telemetry import link_gauges
 from fleetward.fleet.worker import HealthState
 from fleetward.migration import wire
-from fleetward.migration.apikeys import ApiKey, ApiKeys
+from fleetward.migration.apikeys import ApiKeys
 from fleetward.migration.checkpoint import Checkpointer, NotResumable
-from fleetward.migration.journal import Journal, Kind, RequestRefused, new_request_id, request_schema, validate_body
+from fleetward.migration.journal import Journal, Kind, RequestRefused, new_request_id, validate_body
+from fleetward.migration.metrics import RouterMetrics
+from fleetward.migration.passthrough import Passthrough, Route
 from fleetward.migration.policy import RoutingPolicy, make_policy, prefix_key
 from fleetward.migration.progress import ProgressModel
 from fleetward.migration.text import TextSources
@@ -106,81 +102,6 @@ class Active:
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
 
-class _Metrics:
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        self.requests = Counter("fleetward_router_requests", "Requests by endpoint and outcome.",
-                                ["endpoint", "outcome"], registry=r)
-        self.tokens = Counter("fleetward_router_tokens", "Completion tokens delivered to clients.", registry=r)
-        self.received = Counter("fleetward_router_requests_received", "New requests accepted (resumes not counted): "
-                                "the arrival rate the autoscaler plans for.", ["endpoint"], registry=r)
-        self.migrations = Counter("fleetward_router_migrations", "Streams resumed on another worker, by trigger.",
-                                  ["reason"], registry=r)
-        self.upstream_errors = Counter("fleetward_router_upstream_errors", "Failed upstream attempts by kind.",
-                                       ["kind"], registry=r)
-        self.prefills = Counter("fleetward_router_prefills", "Prefill/decode: prompts prefilled on a prefill worker "
-                                "before their decode, by outcome (failed: the decode worker computed the prompt "
-                                "itself).", ["outcome"], registry=r)
-        for outcome in ("ok", "failed"):
-            self.prefills.labels(outcome)
-        self.prefill_seconds = Histogram("fleetward_router_prefill_seconds",
-                                         "Prefill/decode: how long the prefill step took (successful ones).",
-                                         buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r)
-        self.kv_failures = Counter("fleetward_router_kv_transfer_failures", "Prefill/decode: KV transfers a decode "
-                                   "worker refused, by what its checks found (handled by routing.kv_failure_policy)",
-                                   ["kind"], registry=r)
-        for kind in KV_ERROR_KINDS:
-            self.kv_failures.labels(kind)
-        self.in_flight = Gauge("fleetward_router_in_flight_requests", "Requests being served.", registry=r)
-        self.key_requests = Counter("fleetward_router_api_key_requests", "Requests by API key (its name in "
-                                    "routing.api_keys_file) and whether its concurrency limit let them in.",
-                                    ["key", "result"], registry=r)
-        self.auth_failures = Counter("fleetward_router_auth_failures", "Requests refused for a missing or wrong "
-                                     "API key (401).", ["reason"], registry=r)
-        for reason in ("missing", "wrong"):
-            self.auth_failures.labels(reason)
-        self.shed = Counter("fleetward_router_shed", "New requests refused (503) because the router holds "
-                            "routing.max_in_flight already.", ["reason"], registry=r)
-        self.shed.labels("in_flight")
-        self.stall = Histogram("fleetward_router_migration_stall_seconds",
-                               "Client-visible gap between the last token before a failure and the first after it.",
-                               buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5, 10, 30), registry=r)
-        self.ttft = Histogram("fleetward_router_time_to_first_token_seconds", "Time to first token at the router.",
-                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
-        self.itl = Histogram("fleetward_router_time_per_output_token_seconds",
-                             "A streamed request's mean inter-token latency after its first token, at the router.",
-                             buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5),
-                             registry=r)
-        self.checkpoint_flush = Histogram("fleetward_router_checkpoint_flush_seconds",
-                                          "Duration of a checkpoint flush (every live journal's changes, one etcd "
-                                          "transaction per batch).",
-                                          buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
-                                          registry=r)
-        self.checkpoint_slice = Histogram("fleetward_router_checkpoint_slice_seconds",
-                                          "How long a checkpoint flush held the event loop at a stretch (it "
-                                          "encodes in slices and lets tokens through in between).",
-                                          buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025),
-                                          registry=r)
-        self.checkpoint_bytes = Counter("fleetward_router_checkpoint_bytes",
-                                        "Bytes of checkpoint values written to etcd (whole bases and deltas).",
-                                        registry=r)
-        self.checkpoint_lag = Gauge("fleetward_router_checkpoint_lag_seconds",
-                                    "Seconds since a checkpoint flush last succeeded (0 with checkpoints off).",
-                                    registry=r)
-        self.migration_failures = Counter("fleetward_router_migration_failures",
-                                          "Streams that could not be resumed after a worker failed, by why "
-                                          "(limit: migration_limit exhausted; not_resumable; deadline; no_worker).",
-                                          ["reason"], registry=r)
-        for reason in ("limit", "not_resumable", "deadline", "no_worker"):  # at 0, so increase() sees the first
-            self.migration_failures.labels(reason)
-        self.checkpoint_flushes = Counter("fleetward_router_checkpoint_flushes",
-                                          "Checkpoint flushes that wrote something.", registry=r)
-        self.checkpoint_txns = Counter("fleetward_router_checkpoint_txns", "etcd transactions for checkpoints.",
-                                       registry=r)
-        self.workers_routable = Gauge("fleetward_router_workers_routable", "Workers new requests may go to.",
-                                      registry=r)
-
-
 class Router:
     def __init__(self, config: RouterConfig, *, store: StateStore, bus: EventBus, keys: Keys,
                  router_id: str | None = None, url: str = "", public_url: str | None = None,
@@ -206,7 +127,7 @@ class Router:
         self.checkpointer.enabled = config.checkpoints
         self.active: dict[str, Active] = {}
         self.texts = TextSources(config.tokenizers)
-        self.metrics = _Metrics()
+        self.metrics = RouterMetrics()
         link_gauges(self.metrics.registry, store=store, bus=bus)
         # API keys on the public API (routing.api_keys_file): None when it is open.
         self.api_keys = ApiKeys.load(config.api_keys_file, default_limit=config.api_key_max_concurrency) \
@@ -215,6 +136,8 @@ class Router:
             for name in self.api_keys.names:
                 self.metrics.key_requests.labels(name, "accepted")
                 self.metrics.key_requests.labels(name, "over_limit")
+        self.passthrough = Passthrough(self, lambda: self.upstream.session, metrics=self.metrics,
+                                       attempts=config.migration_limit + 1)
         self.metrics.checkpoint_lag.set_function(lambda: self.checkpointer.lag_s)
         self.checkpointer.on_flush = self.metrics.checkpoint_flush.observe
         self.checkpointer.on_slice = self.metrics.checkpoint_slice.observe
@@ -335,6 +258,7 @@ class Router:
         for a in self.active.values():
             if a.worker == worker and a.stream is not None:
                 a.stream.abort(reason)
+        self.passthrough.abort(worker, reason)
 
     def _on_lost(self, request_id: str) -> None:
         a = self.active.get(request_id)
@@ -353,6 +277,7 @@ class Router:
                     if a.worker == worker and a.stream is not None and a.stream.abort_reason is None:
                         a.stream.abort(reason)
                         aborted += 1
+                aborted += self.passthrough.abort(worker, reason)
                 if aborted:
                     log.warning("worker %s %s; migrating %d stream(s)", worker, reason, aborted)
                     self.progress.stall_acted_on(worker)
@@ -471,7 +396,7 @@ class Router:
                               f"failed ({kind}: {exc.message}) and routing.kv_failure_policy is fail")
         return policy == "retry" and retries < self.config.kv_retries
 
-    def _text_status(self, model: str) -> dict[str, Any]:
+    def text_status(self, model: str) -> dict[str, Any]:
         if not self.config.detokenize:
             return {"detokenizer": "worker", "why": "routing.detokenize is off"}
         return self.texts.status(model)
@@ -480,6 +405,26 @@ class Router:
         models = {rec.model for rec in self.view.fleet.workers.values()}
         self._seen_models |= models
         return sorted(models)
+
+    def _load(self) -> dict[str, int]:
+        """Requests in flight per worker: streams and passed-through requests."""
+        load = {w: p.in_flight for w, p in self.progress.workers.items()}
+        for w, k in self.passthrough.load().items():
+            load[w] = load.get(w, 0) + k
+        return load
+
+    def pick(self, model: str | None, tried: list[str]) -> tuple[str, str] | None:
+        """A worker for a passed-through request (:class:`~fleetward.migration.passthrough.Picker`)."""
+        models = [model] if model is not None else self.models()
+        candidates = [w for m in models for w in self._candidates(m, tried)[0] if w not in tried]
+        if not candidates:
+            return None
+        worker = self.policy.choose(candidates, self._load(), None)
+        return worker, self.view.fleet.workers[worker].url
+
+    def routable(self) -> list[tuple[str, str]]:
+        fleet = self.view.fleet
+        return [(w, fleet.workers[w].url) for m in self.models() for w in self._candidates(m, [])[0]]
 
     # -- generation -------------------------------------------------------------------------------------
 
@@ -577,7 +522,7 @@ class Router:
                 raise RouterError(503, "no healthy worker can take this request now"
                                   + (f" (last failure: {reason})" if reason else ""),
                                   retry_after=self.config.retry_after_s)
-            load = {w: p.in_flight for w, p in self.progress.workers.items()}
+            load = self._load()
             key = None
             if self.config.affinity_tokens:
                 prompt = j.prompt_ids if j.prompt_ids is not None else j.body.get("prompt") or str(
@@ -623,6 +568,8 @@ class Router:
                             await asyncio.sleep(0)
                         if chunk.prompt_token_ids is not None and j.prompt_ids is None:
                             j.prompt_ids = list(chunk.prompt_token_ids)
+                        if chunk.fingerprint is not None:
+                            j.fingerprint = chunk.fingerprint
                         if not chunk.token_ids and chunk.finish_reason is None:
                             continue
                         self.progress.token(worker, j.id, len(chunk.token_ids))
@@ -666,121 +613,36 @@ class Router:
                 active.stream = None
                 self.progress.finished(worker, j.id)
 
-    # -- HTTP -------------------------------------------------------------------------------------------
+    # -- HTTP (the app and API keys: migration/http.py) ---------------------------------------------------
+
+    @property
+    def accepting(self) -> bool:
+        """Serving requests: started, and not shutting down."""
+        return self._accepting
 
     def app(self) -> FastAPI:
-        # The OpenAPI spec (/openapi.json) describes the bodies the handlers parse themselves (_openapi_post).
-        app = FastAPI(title="fleetward router", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+        from fleetward.migration.http import router_app
 
-        @app.exception_handler(StarletteHTTPException)
-        async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-            # Starlette's own refusals (no such route: 404; a route without this method: 405) in the OpenAI
-            # error shape of every other answer here, instead of FastAPI's {"detail": ...}.
-            method, path = request.method, request.url.path
-            if exc.status_code == 404:
-                message = f"no route {method} {path} on this router"
-            elif exc.status_code == 405:
-                message = f"{path} does not take {method}; it takes {(exc.headers or {}).get('Allow', 'nothing')}"
-            else:
-                message = str(exc.detail)
-            return RouterError(exc.status_code, message, headers=exc.headers).response()
+        return router_app(self)
 
-        @app.get("/health")
-        async def health() -> Response:
-            return Response(status_code=200 if self._accepting else 503)
+    async def relay(self, route: Route, request: Request) -> Response:
+        """Any other vLLM endpoint: passed through to a worker (:mod:`~fleetward.migration.passthrough`)."""
+        if not self._accepting:
+            self.metrics.requests.labels(route.label, "unavailable").inc()
+            return RouterError(503, "router is starting or shutting down", retry_after=1).response()
+        return self._shed(route.label) or await self.passthrough.handle(route, request)
 
-        @app.get("/metrics")
-        async def metrics() -> Response:
-            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    def _shed(self, endpoint: str) -> Response | None:
+        """The 503 for a new request when the router holds ``routing.max_in_flight`` already, else None."""
+        held = len(self.active) + sum(self.passthrough.load().values())
+        if held < self.config.max_in_flight:
+            return None
+        self.metrics.shed.labels("in_flight").inc()
+        self.metrics.requests.labels(endpoint, "shed").inc()
+        return RouterError(503, f"this router holds {held} requests, its limit (routing.max_in_flight); retry "
+                           "shortly or on another router", retry_after=1).response()
 
-        @app.get("/v1/models")
-        async def models(request: Request) -> Response:
-            if self.api_keys is not None:
-                key = self._api_key(request)
-                if isinstance(key, RouterError):
-                    return key.response()
-            now = int(time.time())
-            data = [{"id": m, "object": "model", "created": now, "owned_by": "fleetward", "root": m, "parent": None,
-                     "fleetward": self._text_status(m)} for m in self.models()]
-            return JSONResponse({"object": "list", "data": data})
-
-        @app.get("/fleetward/v1/progress")
-        async def progress() -> JSONResponse:
-            return JSONResponse({"router": self.id, "ts": self.clock.wall(), **self.progress.view()})
-
-        @app.post("/v1/completions", operation_id="completions", openapi_extra=_openapi_post(Kind.COMPLETION))
-        async def completions(request: Request) -> Response:
-            return await self._keyed(request, Kind.COMPLETION)
-
-        @app.post("/v1/chat/completions", operation_id="chat_completions", openapi_extra=_openapi_post(Kind.CHAT))
-        async def chat(request: Request) -> Response:
-            return await self._keyed(request, Kind.CHAT)
-
-        if self.api_keys is not None:  # the spec says which operations take a key, and what a key adds
-            spec = app.openapi()
-            spec.setdefault("components", {})["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
-            for path, method in (("/v1/completions", "post"), ("/v1/chat/completions", "post"), ("/v1/models", "get")):
-                operation = spec["paths"][path][method]
-                operation["security"] = [{"apiKey": []}]
-                operation["responses"]["401"] = {"description": "a missing or unknown API key"}
-                if method == "post":
-                    operation["responses"]["429"] = {"description": "the key has max_concurrency requests in flight"}
-                    operation["responses"]["404"]["description"] += " (or another key's request)"
-        return app
-
-    def _api_key(self, request: Request) -> ApiKey | RouterError:
-        """The API key the request carries, or the 401 that refuses it."""
-        assert self.api_keys is not None
-        key = self.api_keys.check(request.headers.get("authorization"))
-        if isinstance(key, ApiKey):
-            return key
-        self.metrics.auth_failures.labels(key).inc()
-        message = ("missing API key: send it as Authorization: Bearer <key>" if key == "missing"
-                   else "incorrect API key provided")
-        return RouterError(401, message, headers={"WWW-Authenticate": "Bearer"})
-
-    async def _keyed(self, request: Request, kind: Kind) -> Response:
-        """A generation request under its API key, when the router takes keys: 401 without a known key, 429
-        when the key has ``max_concurrency`` requests in flight; its slot is held until the answer (or the
-        stream) ends, or the client goes away."""
-        if self.api_keys is None:
-            return await self._handle(request, kind, owner=None)
-        key = self._api_key(request)
-        if isinstance(key, RouterError):
-            return key.response()
-        if not key.acquire():
-            self.metrics.key_requests.labels(key.name, "over_limit").inc()
-            return RouterError(429, f"API key {key.name!r} has {key.limit} requests in flight, its limit; retry "
-                               "when one ends", retry_after=1).response()
-        self.metrics.key_requests.labels(key.name, "accepted").inc()
-        try:
-            response = await self._handle(request, kind, owner=key.name)
-        except BaseException:
-            key.release()
-            raise
-        if not isinstance(response, StreamingResponse):
-            key.release()
-            return response
-        inner, released = response.body_iterator, False
-
-        def release() -> None:  # once: when the stream ends, or after the response if it never started
-            nonlocal released
-            if not released:
-                released = True
-                key.release()
-
-        async def held() -> AsyncIterator[Any]:
-            try:
-                async for chunk in inner:
-                    yield chunk
-            finally:
-                release()
-
-        response.body_iterator = held()
-        response.background = BackgroundTask(release)
-        return response
-
-    async def _handle(self, request: Request, kind: Kind, *, owner: str | None) -> Response:
+    async def handle(self, request: Request, kind: Kind, *, owner: str | None) -> Response:
         """A generation request; ``owner`` is the name of the API key it came with (None: no keys), and only
         a request with the same key may resume it."""
         endpoint = kind.value
@@ -808,12 +670,9 @@ class Router:
                 self.metrics.requests.labels(endpoint, "resume_failed").inc()
                 return exc.response()
         else:
-            if len(self.active) >= self.config.max_in_flight:
-                self.metrics.shed.labels("in_flight").inc()
-                self.metrics.requests.labels(endpoint, "shed").inc()
-                return RouterError(503, f"this router holds {len(self.active)} requests, its limit "
-                                   "(routing.max_in_flight); retry shortly or on another router",
-                                   retry_after=1).response()
+            shed = self._shed(endpoint)
+            if shed is not None:
+                return shed
             j = Journal(id=new_request_id(kind), kind=kind, body=body, created=self.clock.wall(),
                         deadline=self.clock.wall() + self.config.request_timeout_s, owner=owner)
             self.active[j.id] = Active(j)
@@ -822,7 +681,8 @@ class Router:
                 self.checkpointer.track(j)
         self.metrics.in_flight.set(len(self.active))
         if j.body.get("stream"):
-            return await self._stream(j, skip, trace=request.headers.get("x-fleetward-trace") == "1")
+            ids = self.config.event_ids or request.headers.get("x-fleetward-event-ids") == "1"
+            return await self._stream(j, skip, trace=request.headers.get("x-fleetward-trace") == "1", ids=ids)
         return await self._complete(j, request)
 
     async def _resume(self, last_event: str, kind: Kind, owner: str | None) -> tuple[Journal, int]:
@@ -865,10 +725,10 @@ class Router:
         j.deadline = max(j.deadline, self.clock.wall() + 1)
         return j, int(n)
 
-    async def _stream(self, j: Journal, skip: int, *, trace: bool = False) -> Response:
-        agen = self._client_events(j, skip, trace)
+    async def _stream(self, j: Journal, skip: int, *, trace: bool = False, ids: bool = False) -> Response:
+        agen = self._client_events(j, skip, trace=trace, ids=ids)
         try:
-            first = await agen.__anext__()
+            first = await agen.__anext__()  # b"" once a worker took it: the answer is a stream from here on
         except RouterError as exc:
             self._release(j.id)
             self.metrics.requests.labels(j.kind.value, f"http_{exc.status}").inc()
@@ -881,7 +741,8 @@ class Router:
                 active.tasks.add(task)
             finished = False
             try:
-                yield first
+                if first:
+                    yield first
                 async for chunk in agen:
                     yield chunk
                 finished = True
@@ -900,40 +761,50 @@ class Router:
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": j.id})
 
-    async def _client_events(self, j: Journal, skip: int, trace: bool = False) -> AsyncGenerator[bytes, None]:
-        """SSE bytes for the client: replay (on resume), then live tokens, then usage and ``[DONE]``.
+    async def _client_events(self, j: Journal, skip: int, *, trace: bool = False,
+                             ids: bool = False) -> AsyncGenerator[bytes, None]:
+        """SSE bytes for the client: replay (on resume), then live tokens, then usage and ``[DONE]``; the
+        events vLLM would send for the request (:mod:`~fleetward.migration.wire`). Before its first event,
+        ``b""`` once a worker accepted the request (the response starts; later failures are in-band).
 
         With ``trace`` (request header ``X-Fleetward-Trace: 1``) every chunk also carries
-        ``"fleetward": {"worker", "attempt"}``: which worker produced it (chaos histories use this).
+        ``"fleetward": {"worker", "attempt"}``: which worker produced it (chaos histories use this). With
+        ``ids`` every event carries ``id: <request id>:<tokens the client holds>``.
         """
         started = self.clock.monotonic()
-        first_sent = False
+        encoder = wire.StreamEncoder(j, ids=ids)
+        continuous = j.wants_continuous_usage
+        include_usage = bool((j.body.get("stream_options") or {}).get("include_usage"))
+        chat = j.kind is Kind.CHAT
+
+        def opening() -> bytes:  # a chat stream opens with the role, before any content (as vLLM's)
+            return encoder.wrap(0, wire.role_chunk(j, usage=wire.usage(j, 0) if continuous else None)) \
+                if chat else b""
+
+        opened = False  # the client has its stream's first event
         n = len(j.emitted)
         if skip < n:  # replay what the checkpoint has and the client lacks
-            chunk = wire.stream_chunk(j, tokens=j.emitted[skip:], text=j.text_after(skip),
-                                      finish_reason=j.finish_reason, stop_reason=j.stop_reason, first=skip == 0)
-            yield wire.event(chunk, f"{j.id}:{n}")
-            first_sent = True
+            fin = j.finish_reason
+            yield (opening() if skip == 0 else b"") + encoder.event(
+                n, tokens=j.emitted[skip:], text=j.text_after(skip), finish_reason=fin, stop_reason=j.stop_reason,
+                first=skip == 0, usage=wire.usage(j, n) if continuous else None,
+                fingerprint=j.fingerprint if fin is not None and not include_usage else None)
+            opened = True
         to_skip = max(0, skip - n)  # the client has tokens the checkpoint lacks: regenerate, don't resend
-        encoder = wire.StreamEncoder(j)
         gen = self.batches(j)
         # What the client holds so far. Ids come from each chunk's own count (``Out.n``), never from the
         # journal, which the upstream reader may already have advanced past what this event carries.
         delivered = max(skip, n)
         first_at, first_n = 0.0, -1  # when and at which count this stream's first token went out
+        signalled = opened
         try:
             async for batch in gen:
                 parts: list[bytes] = []  # the batch's events, written to the client at once
                 for out in batch:
                     if out is None:
-                        if not first_sent and j.kind is Kind.CHAT:
-                            # vLLM opens a chat stream with the assistant role before any token.
-                            parts.append(wire.event(wire.stream_chunk(j, tokens=[], text="", finish_reason=None,
-                                                                      stop_reason=None, first=True),
-                                                    f"{j.id}:{delivered}"))
-                            first_sent = True
-                        elif not first_sent:
-                            parts.append(b": opened\n\n")
+                        if not signalled:
+                            signalled = True
+                            yield b""
                         continue
                     tokens, text = out.tokens, out.text
                     if to_skip:
@@ -949,25 +820,31 @@ class Router:
                         first_at, first_n = self.clock.monotonic(), out.n
                         if out.n == len(tokens):  # and the request's first: not a resume's
                             self.metrics.ttft.observe(first_at - started)
+                    first = not opened and delivered == 0
+                    if first:
+                        parts.append(opening())
+                    fin = out.finish_reason
                     extra = {"fleetward": {"worker": out.worker, "attempt": out.attempt}} if trace else None
-                    parts.append(encoder.event(out.n, tokens=tokens, text=text, finish_reason=out.finish_reason,
-                                               stop_reason=out.stop_reason, logprobs=out.logprobs,
-                                               first=not first_sent, extra=extra))
+                    parts.append(encoder.event(out.n, tokens=tokens, text=text, finish_reason=fin,
+                                               stop_reason=out.stop_reason, logprobs=out.logprobs, first=first,
+                                               usage=wire.usage(j, out.n) if continuous else None,
+                                               fingerprint=j.fingerprint if fin is not None and not include_usage
+                                               else None, extra=extra))
                     delivered = out.n
-                    first_sent = True
+                    opened = signalled = True
                 if parts:
                     yield parts[0] if len(parts) == 1 else b"".join(parts)
         except RouterError as exc:
-            if not first_sent:
+            if not signalled:
                 raise
             self.metrics.requests.labels(j.kind.value, f"failed_{exc.status}").inc()
-            yield wire.event(wire.error_body(exc.status, exc.message), f"{j.id}:{delivered}")
+            yield encoder.error(delivered, exc.status, exc.message)
             yield wire.DONE
             return
         finally:
             await gen.aclose()
-        if j.wants_usage and (j.body.get("stream_options") or {}).get("include_usage"):
-            yield wire.event(wire.usage_chunk(j), f"{j.id}:{delivered}")
+        if include_usage:
+            yield encoder.wrap(delivered, wire.usage_chunk(j, j.fingerprint))
         if first_n >= 0 and delivered > first_n:
             self.metrics.itl.observe((self.clock.monotonic() - first_at) / (delivered - first_n))
         self.metrics.requests.labels(j.kind.value, "ok").inc()
@@ -1013,32 +890,4 @@ class Router:
             active.tasks.discard(work)
             self._release(j.id)
         self.metrics.requests.labels(j.kind.value, "ok").inc()
-        return JSONResponse(wire.final_response(j), headers={"X-Request-Id": j.id})
-
-
-def _openapi_post(kind: Kind) -> dict[str, Any]:
-    """What the OpenAPI spec says of a generation request the handler parses itself: body, headers, the resume.
-
-    The link says a 200's ``X-Request-Id`` resumes the request: the same body with ``Last-Event-ID``.
-    """
-    operation = "completions" if kind is Kind.COMPLETION else "chat_completions"
-    return {
-        "requestBody": {"required": True, "content": {"application/json": {"schema": request_schema(kind)}}},
-        "parameters": [
-            {"name": "Last-Event-ID", "in": "header", "required": False,
-             "description": "resume a request: <request id>:<tokens the client holds>",
-             "schema": {"type": "string", "pattern": "^[^:]+:[0-9]+$"}},
-            {"name": "X-Fleetward-Trace", "in": "header", "required": False,
-             "description": "1: every chunk says which worker made it", "schema": {"type": "string", "enum": ["1"]}},
-        ],
-        "responses": {
-            "200": {"description": "the completion, or its server-sent events with `stream`",
-                    "headers": {"X-Request-Id": {"schema": {"type": "string"}}},
-                    "links": {"Resume": {"operationId": operation, "requestBody": "$request.body",
-                                         "parameters": {"header.Last-Event-ID": "{$response.header.X-Request-Id}:0"}}}},
-            "400": {"description": "a malformed request, the parameter named"},
-            "404": {"description": "an unknown model, or a resume of an unknown request"},
-            "409": {"description": "a resume of a request that cannot be continued exactly (it is left alone)"},
-            "503": {"description": "no worker can take it now, or the router is starting or stopping"},
-        },
-    }
+        return JSONResponse(wire.final_response(j, j.fingerprint), headers={"X-Request-Id": j.id})

@@ -52,6 +52,7 @@ class Chunk:
     stop_reason: str | int | None
     prompt_token_ids: list[int] | None
     logprobs: Any
+    fingerprint: str | None = None  # the worker's system_fingerprint (vLLM sends it on the last chunk)
 
 
 def _bad(why: str, payload: bytes) -> UpstreamError:
@@ -97,7 +98,9 @@ def _parse(payload: bytes) -> Chunk | None:
             and (finish is None or type(finish) is str)
             and (stop is None or type(stop) is str or type(stop) is int)):
         raise _bad("text, token ids or finish reason of the wrong type", payload)
-    return Chunk(token_ids, text, finish, stop, prompt_ids, c.get("logprobs"))
+    fingerprint = data.get("system_fingerprint")
+    return Chunk(token_ids, text, finish, stop, prompt_ids, c.get("logprobs"),
+                 fingerprint if type(fingerprint) is str else None)
 
 
 def _data_lines(event: bytes) -> list[bytes]:
@@ -176,6 +179,12 @@ class Upstream:
         connector = aiohttp.TCPConnector(limit=self._limit, keepalive_timeout=30, enable_cleanup_closed=True)
         timeout = aiohttp.ClientTimeout(total=None, connect=self._connect_timeout, sock_read=None)
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The pooled session (for requests relayed as they are: :mod:`~fleetward.migration.passthrough`)."""
+        assert self._session is not None, "Upstream.start() first"
+        return self._session
 
     async def aclose(self) -> None:
         if self._session is not None:

@@ -1,19 +1,29 @@
-"""What the client sees: OpenAI/vLLM-shaped chunks and responses, SSE framing with resumable ids.
+"""What the client sees: vLLM's chunks and responses, byte for byte, and the SSE framing around them.
 
-Each SSE event carries ``id: <request id>:<n>`` where ``n`` is the number of completion tokens the
-client has after that event; a client that reconnects with ``Last-Event-ID: <request id>:<n>`` gets
-everything after token ``n``.
+The router is a drop-in front door for vLLM, so what a client reads from it equals what it would read from
+a vLLM 0.32 server for the same request (``tests/data/vllm-0.32``, ``tests/test_router_wire.py``): the same
+keys in the same order, ``null`` where vLLM writes ``null`` (``token_ids`` without ``return_token_ids``),
+the opening chat chunk with the assistant's role, usage in every chunk with
+``stream_options.continuous_usage_stats``, the worker's ``system_fingerprint`` on the last chunk, vLLM's
+in-band error, ``data: [DONE]``. Only the response's ``id`` and ``created`` are the router's own.
+
+SSE event ids are opt-in (a request header ``X-Fleetward-Event-Ids: 1``, or ``routing.event_ids``): then each event also carries ``id: <request id>:<n>``, where ``n`` is the number
+of completion tokens the client has after that event; a client that reconnects with
+``Last-Event-ID: <request id>:<n>`` gets everything after token ``n``. vLLM sends no ``id:`` lines, and
+clients that strip ``data: `` from every line (vLLM's benchmark) break on them, so they are off by default.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import orjson
 
 from fleetward.migration.journal import Journal, Kind
 
-__all__ = ["DONE", "StreamEncoder", "error_body", "event", "final_response", "stream_chunk", "usage_chunk"]
+__all__ = ["DONE", "StreamEncoder", "chat_role", "error_body", "error_event", "event", "final_response",
+           "role_chunk", "stream_chunk", "usage", "usage_chunk"]
 
 DONE = b"data: [DONE]\n\n"
 
@@ -35,35 +45,71 @@ def event(data: dict[str, Any] | bytes, event_id: str | None = None) -> bytes:
     return head + b"data: " + payload + b"\n\n"
 
 
-def _choice(j: Journal, tokens: list[int], text: str, finish_reason: str | None, stop_reason: str | int | None,
-            logprobs: Any, first: bool, wants_token_ids: bool) -> dict[str, Any]:
-    if j.kind is Kind.COMPLETION:
-        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-                                  "stop_reason": stop_reason}
-        if wants_token_ids:
-            choice["prompt_token_ids"] = j.prompt_ids if first else None
-            choice["token_ids"] = tokens
-        return choice
-    delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-    if finish_reason is not None:
-        choice["stop_reason"] = stop_reason
-    if wants_token_ids:
-        choice["token_ids"] = tokens
-    return choice
+def error_event(status: int, message: str, event_id: str | None = None) -> bytes:
+    """The in-band error of a stream that cannot go on, as vLLM writes its own (``json.dumps``' separators)."""
+    return event(json.dumps(error_body(status, message), ensure_ascii=False).encode(), event_id)
 
 
 def _object(j: Journal) -> str:
     return "text_completion" if j.kind is Kind.COMPLETION else "chat.completion.chunk"
 
 
+def usage(j: Journal, completion: int) -> dict[str, int]:
+    """A stream's usage as vLLM writes it in chunks: after ``completion`` generated tokens."""
+    prompt = len(j.prompt_ids) if j.prompt_ids is not None else 0
+    return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+
+
+def chat_role(j: Journal) -> str:
+    """The role of the answer, as vLLM chooses it: the assistant's, or the last message's without a
+    generation prompt (the model continues that message)."""
+    messages = j.body.get("messages")
+    if j.body.get("add_generation_prompt", True) is False and isinstance(messages, list) and messages \
+            and isinstance(messages[-1], dict) and isinstance(messages[-1].get("role"), str):
+        return str(messages[-1]["role"])
+    return "assistant"
+
+
+def _choice(j: Journal, tokens: list[int], text: str, finish_reason: str | None, stop_reason: str | int | None,
+            logprobs: Any, first: bool, wants_token_ids: bool) -> dict[str, Any]:
+    if j.kind is Kind.COMPLETION:
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": stop_reason, "prompt_token_ids": j.prompt_ids if first and wants_token_ids else None,
+                "token_ids": tokens if wants_token_ids else None}
+    choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": logprobs,
+                              "finish_reason": finish_reason}
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
+    choice["token_ids"] = tokens if wants_token_ids else None
+    return choice
+
+
+def _head(j: Journal) -> dict[str, Any]:
+    return {"id": j.id, "object": _object(j), "created": int(j.created), "model": j.model}
+
+
 def stream_chunk(j: Journal, *, tokens: list[int], text: str, finish_reason: str | None,
-                 stop_reason: str | int | None, logprobs: Any = None, first: bool = False) -> dict[str, Any]:
-    wants = j.wants_token_ids
-    chunk = {"id": j.id, "object": _object(j), "created": int(j.created), "model": j.model,
-             "choices": [_choice(j, tokens, text, finish_reason, stop_reason, logprobs, first, wants)]}
-    if j.kind is Kind.CHAT and first and wants:
-        chunk["prompt_token_ids"] = j.prompt_ids
+                 stop_reason: str | int | None, logprobs: Any = None, first: bool = False,
+                 usage: dict[str, int] | None = None, fingerprint: str | None = None) -> dict[str, Any]:
+    """One chunk of tokens. ``first``: the first of a completion (it carries the prompt's ids);
+    ``usage``: with ``continuous_usage_stats``; ``fingerprint``: on the last chunk when no usage chunk follows."""
+    chunk = {**_head(j), "choices": [_choice(j, tokens, text, finish_reason, stop_reason, logprobs, first,
+                                             j.wants_token_ids)]}
+    if usage is not None:
+        chunk["usage"] = usage
+    if fingerprint is not None:
+        chunk["system_fingerprint"] = fingerprint
+    return chunk
+
+
+def role_chunk(j: Journal, *, usage: dict[str, int] | None = None) -> dict[str, Any]:
+    """The chunk a chat stream opens with: the role, no content yet, the prompt's ids."""
+    chunk: dict[str, Any] = {**_head(j), "choices": [{"index": 0, "delta": {"role": chat_role(j), "content": ""},
+                                                      "logprobs": None, "finish_reason": None}]}
+    if usage is not None:
+        chunk["usage"] = usage
+    chunk["prompt_token_ids"] = j.prompt_ids if j.wants_token_ids else None
+    chunk["prompt_text"] = None
     return chunk
 
 
@@ -72,60 +118,71 @@ class StreamEncoder:
 
     What never changes within a response (id, object, created, model) is encoded once, not per token.
     ``extra`` keys are appended to the chunk after the standard ones (e.g. the router's trace).
+    ``ids``: whether events carry ``id:`` lines (opt-in, see the module docstring).
     """
 
-    def __init__(self, j: Journal) -> None:
+    def __init__(self, j: Journal, *, ids: bool = False) -> None:
         self.j = j
+        self.ids = ids
         self._wants = j.wants_token_ids
-        self._chat = j.kind is Kind.CHAT
-        head = orjson.dumps({"id": j.id, "object": _object(j), "created": int(j.created), "model": j.model})
+        head = orjson.dumps(_head(j))
         self._head = head[:-1] + b',"choices":['
         self._id = b"id: " + j.id.encode() + b":"
 
     def event(self, n: int, *, tokens: list[int], text: str, finish_reason: str | None,
               stop_reason: str | int | None, logprobs: Any = None, first: bool = False,
+              usage: dict[str, int] | None = None, fingerprint: str | None = None,
               extra: dict[str, Any] | None = None) -> bytes:
         """The event for a chunk after which the client holds ``n`` tokens."""
         j = self.j
-        parts = [self._id, str(n).encode(), b"\ndata: ", self._head,
-                 orjson.dumps(_choice(j, tokens, text, finish_reason, stop_reason, logprobs, first, self._wants)),
-                 b"]"]
-        if self._chat and first and self._wants:
-            parts += (b',"prompt_token_ids":', orjson.dumps(j.prompt_ids))
+        parts = [self._id, str(n).encode(), b"\n"] if self.ids else []
+        parts += [b"data: ", self._head,
+                  orjson.dumps(_choice(j, tokens, text, finish_reason, stop_reason, logprobs, first, self._wants)),
+                  b"]"]
+        if usage is not None:
+            parts += (b',"usage":', orjson.dumps(usage))
+        if fingerprint is not None:
+            parts += (b',"system_fingerprint":', orjson.dumps(fingerprint))
         for key, value in (extra or {}).items():
             parts += (b"," + orjson.dumps(key) + b":", orjson.dumps(value))
         parts.append(b"}\n\n")
         return b"".join(parts)
 
+    def wrap(self, n: int, chunk: dict[str, Any]) -> bytes:
+        """Any other event of this stream (the role chunk, usage, an error): with its id when ids are on."""
+        return event(chunk, f"{self.j.id}:{n}" if self.ids else None)
 
-def _usage(j: Journal) -> dict[str, int]:
-    prompt = len(j.prompt_ids) if j.prompt_ids is not None else 0
-    return {"prompt_tokens": prompt, "total_tokens": prompt + len(j.emitted), "completion_tokens": len(j.emitted)}
-
-
-def usage_chunk(j: Journal) -> dict[str, Any]:
-    obj = "text_completion" if j.kind is Kind.COMPLETION else "chat.completion.chunk"
-    return {"id": j.id, "object": obj, "created": int(j.created), "model": j.model, "choices": [],
-            "usage": _usage(j)}
+    def error(self, n: int, status: int, message: str) -> bytes:
+        return error_event(status, message, f"{self.j.id}:{n}" if self.ids else None)
 
 
-def final_response(j: Journal) -> dict[str, Any]:
-    """The non-streamed response, assembled from the journal."""
+def usage_chunk(j: Journal, fingerprint: str | None = None) -> dict[str, Any]:
+    chunk: dict[str, Any] = {**_head(j), "choices": [], "usage": usage(j, len(j.emitted))}
+    if fingerprint is not None:
+        chunk["system_fingerprint"] = fingerprint
+    return chunk
+
+
+def _full_usage(j: Journal) -> dict[str, Any]:
+    return {**usage(j, len(j.emitted)), "prompt_tokens_details": None, "completion_tokens_details": None}
+
+
+def final_response(j: Journal, fingerprint: str | None = None) -> dict[str, Any]:
+    """The non-streamed response, assembled from the journal, as vLLM 0.32 writes it."""
+    wants = j.wants_token_ids
+    tail = {"service_tier": None, "system_fingerprint": fingerprint, "usage": _full_usage(j)}
     if j.kind is Kind.COMPLETION:
         choice: dict[str, Any] = {"index": 0, "text": j.text, "logprobs": None, "finish_reason": j.finish_reason,
-                                  "stop_reason": j.stop_reason}
-        if j.wants_token_ids:
-            choice["token_ids"] = j.emitted
-            choice["prompt_token_ids"] = j.prompt_ids
+                                  "stop_reason": j.stop_reason, "token_ids": j.emitted if wants else None,
+                                  "prompt_logprobs": None, "prompt_token_ids": j.prompt_ids if wants else None,
+                                  "routed_experts": None}
         return {"id": j.id, "object": "text_completion", "created": int(j.created), "model": j.model,
-                "choices": [choice], "usage": _usage(j)}
-    message = {"role": "assistant", "content": j.text}
+                "choices": [choice], **tail, "kv_transfer_params": None, "ec_transfer_params": None,
+                "metrics": None}
+    message = {"role": chat_role(j), "content": j.text, "refusal": None, "annotations": None, "audio": None,
+               "function_call": None, "reasoning": None}
     choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": j.finish_reason,
-              "stop_reason": j.stop_reason}
-    if j.wants_token_ids:
-        choice["token_ids"] = j.emitted
-    body: dict[str, Any] = {"id": j.id, "object": "chat.completion", "created": int(j.created), "model": j.model,
-                            "choices": [choice], "usage": _usage(j)}
-    if j.wants_token_ids:
-        body["prompt_token_ids"] = j.prompt_ids
-    return body
+              "stop_reason": j.stop_reason, "token_ids": j.emitted if wants else None, "routed_experts": None}
+    return {"id": j.id, "object": "chat.completion", "created": int(j.created), "model": j.model,
+            "choices": [choice], **tail, "prompt_logprobs": None, "prompt_token_ids": j.prompt_ids if wants else None,
+            "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}

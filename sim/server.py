@@ -712,6 +712,9 @@ class SimWorker:
         r.add_route("/admin/state", self._state, methods=["GET"])
         r.add_route("/kv/{transfer_id}", self._kv, methods=["GET"])
         self.app = app
+        from fleetward.sim.endpoints import mount  # its routes use this module's helpers
+
+        mount(self)
 
     def _crash_after_tokens(self) -> None:
         log.warning("crash_after_tokens: the token budget is spent and handed to the HTTP server")

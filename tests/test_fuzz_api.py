@@ -36,6 +36,7 @@ from fleetward.chaos.harness import TestFleet
 from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.config import SimConfig, SupervisorConfig
 from fleetward.fleet.worker import WorkerRecord
+from fleetward.migration.passthrough import ROUTES
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
@@ -182,13 +183,20 @@ async def _controller_url(fleet: TestFleet) -> str:
     raise AssertionError(f"the controller never saw {GHOST}")
 
 
-def _router_spec_for(model: str) -> Callable[[dict[str, Any]], None]:
-    """The router's spec with ``model`` the one model it serves, so what the spec allows reaches a worker."""
+def _router_spec_for(model: str, *, only_generations: bool = False) -> Callable[[dict[str, Any]], None]:
+    """The router's spec with ``model`` the one model it serves, so what the spec allows reaches a worker;
+    ``only_generations``: just the two operations that link to their resume (the rest, passed through to a
+    worker, leave the state machine no link to follow)."""
 
     def edit(raw: dict[str, Any]) -> None:
-        for path in ("/v1/completions", "/v1/chat/completions"):
-            body = raw["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
-            body["properties"]["model"] = {"type": "string", "enum": [model]}
+        generations = ("/v1/completions", "/v1/chat/completions")
+        for item in raw["paths"].values():
+            for operation in item.values():
+                for content in operation.get("requestBody", {}).get("content", {}).values():
+                    if "model" in content["schema"].get("properties", {}):
+                        content["schema"]["properties"]["model"] = {"type": "string", "enum": [model]}
+        if only_generations:
+            raw["paths"] = {path: raw["paths"][path] for path in generations}
 
     return edit
 
@@ -199,13 +207,14 @@ async def test_the_router_answers_any_request_its_spec_allows_or_forbids_without
     schema = load_spec(url, _router_spec_for(SIM.model_name))
     labels, failures = await asyncio.to_thread(fuzz_operations, schema, url, auth={"anonymous": {}})
     assert set(labels) >= {"GET /health", "GET /metrics", "GET /v1/models", "GET /fleetward/v1/progress",
-                           "POST /v1/completions", "POST /v1/chat/completions"}
+                           "POST /v1/completions", "POST /v1/chat/completions",
+                           *(f"{r.method} {r.path}" for r in ROUTES)}
     assert not failures, "\n\n".join(failures)
 
 
 async def test_the_router_survives_resumes_along_its_specs_links(fleet: TestFleet) -> None:
     url = fleet.routers[0].url
-    schema = load_spec(url, _router_spec_for(SIM.model_name))
+    schema = load_spec(url, _router_spec_for(SIM.model_name, only_generations=True))
     assert await asyncio.to_thread(fuzz_links, schema, url, {}) > 0  # resumes of requests the router answered
 
 
@@ -218,8 +227,9 @@ async def test_a_keyed_router_answers_with_or_without_its_key_without_a_server_e
         async with httpx.AsyncClient(timeout=10) as client:
             spec = (await client.get(router.url + "/openapi.json")).json()
         assert spec["components"]["securitySchemes"]["apiKey"] == {"type": "http", "scheme": "bearer"}
-        assert {p for p, item in spec["paths"].items() for op in item.values() if "security" in op} == {
-            "/v1/completions", "/v1/chat/completions", "/v1/models"}, "health, metrics and progress stay open"
+        keyed = {p for p, item in spec["paths"].items() for op in item.values() if "security" in op}
+        assert keyed == {"/v1/completions", "/v1/chat/completions", "/v1/models", *(r.path for r in ROUTES)}, (
+            "every API route takes the key; health, metrics and progress stay open")
         schema = load_spec(router.url, _router_spec_for(SIM.model_name))
         key = {"authorization": f"Bearer {API_KEY}"}
         labels, failures = await asyncio.to_thread(
@@ -227,7 +237,8 @@ async def test_a_keyed_router_answers_with_or_without_its_key_without_a_server_e
             auth={"key": key, "no key": {}, "wrong key": {"authorization": "Bearer sk-" + "0" * 24}})
         assert "POST /v1/completions" in labels
         assert not failures, "\n\n".join(failures)
-        assert await asyncio.to_thread(fuzz_links, schema, router.url, key) > 0  # resumes under the same key
+        linked = load_spec(router.url, _router_spec_for(SIM.model_name, only_generations=True))
+        assert await asyncio.to_thread(fuzz_links, linked, router.url, key) > 0  # resumes under the same key
     finally:
         await fleet.stop_router(router)
 

@@ -86,14 +86,25 @@ def test_stop_strings_are_cut_and_held_back_across_chunks() -> None:
     assert included.feed("xxENDyy") == ("xxEND", "END")
 
 
-@given(st.text(alphabet="abEND", max_size=40), st.lists(st.integers(1, 5), max_size=20))
-def test_stop_checking_in_chunks_equals_checking_the_whole_text(text: str, cuts: list[int]) -> None:
+def test_with_the_stop_string_in_the_output_nothing_is_held_back_and_a_match_may_begin_in_sent_text() -> None:
+    """vLLM holds text back only when the stop string is cut from the output (stop_buffer_length)."""
+    s = StopChecker(["END"], include=True)
+    assert s.feed("abcE") == ("abcE", None)
+    assert s.feed("N") == ("N", None)
+    assert s.feed("Dxyz") == ("D", "END")
+    restored = StopChecker(["END"], include=True)
+    restored.restore("", "abcEN")  # from a checkpoint: the text sent so far
+    assert restored.feed("Dxyz") == ("D", "END")
+
+
+@given(st.text(alphabet="abEND", max_size=40), st.lists(st.integers(1, 5), max_size=20), st.booleans())
+def test_stop_checking_in_chunks_equals_checking_the_whole_text(text: str, cuts: list[int], include: bool) -> None:
     stops = ["END", "bb"]
-    whole = StopChecker(stops)
+    whole = StopChecker(stops, include=include)
     expected, matched = whole.feed(text)
     if matched is None:
         expected += whole.flush()
-    chunked = StopChecker(stops)
+    chunked = StopChecker(stops, include=include)
     out, got, i = "", None, 0
     for c in [*cuts, len(text)]:
         piece, i = text[i:i + c], i + c

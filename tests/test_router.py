@@ -70,7 +70,8 @@ async def stream_tokens(url: str, body: dict[str, Any], *, path: str = "/v1/comp
     ids: list[str] = []
     held = int((headers or {}).get("Last-Event-ID", "x:0").rpartition(":")[2])
     async with httpx.AsyncClient(timeout=60) as client, client.stream(
-            "POST", url + path, json={**body, "stream": True, "return_token_ids": True}, headers=headers) as r:
+            "POST", url + path, json={**body, "stream": True, "return_token_ids": True},
+            headers={**EVENT_IDS, **(headers or {})}) as r:
         assert r.status_code == 200, await r.aread()
         async for line in sse_lines(r.aiter_bytes()):
             if line.startswith("id: "):
@@ -87,6 +88,9 @@ async def stream_tokens(url: str, body: dict[str, Any], *, path: str = "/v1/comp
             if ids and "choices" in data:
                 assert ids[-1].endswith(f":{held + len(tokens)}"), (ids[-1], held + len(tokens))
     return tokens, events, ids
+
+
+EVENT_IDS = {"X-Fleetward-Event-Ids": "1"}  # these tests check the ids (off by default: vLLM sends none)
 
 
 def reference(prompt: list[int], n: int) -> list[int]:
@@ -255,7 +259,7 @@ async def test_a_resume_of_a_request_that_cannot_be_continued_exactly_is_refused
             "guided_regex": "[a-z ]+"}
     last_id = ""
     async with httpx.AsyncClient(timeout=30) as client, client.stream(
-            "POST", router(healthy).url + "/v1/completions", json=body) as r:
+            "POST", router(healthy).url + "/v1/completions", json=body, headers=EVENT_IDS) as r:
         async for line in sse_lines(r.aiter_bytes()):
             if line.startswith("id: "):
                 last_id = line[4:]
@@ -333,7 +337,7 @@ async def test_client_disconnect_cancels_the_generation_on_the_worker(healthy: T
     prompt = encode("abandoned: ")
     async with httpx.AsyncClient(timeout=30) as client, client.stream(
             "POST", router(healthy).url + "/v1/completions",
-            json={"model": "sim-tiny", "prompt": prompt, "max_tokens": 4000, "stream": True}) as r:
+            json={"model": "sim-tiny", "prompt": prompt, "max_tokens": 4000, "stream": True}, headers=EVENT_IDS) as r:
         lines = sse_lines(r.aiter_bytes())  # held, so the stream stays open until the block ends
         while not (await anext(lines)).startswith("data: {"):
             pass
@@ -400,7 +404,7 @@ async def test_a_client_resumes_on_another_router_with_last_event_id(healthy: Te
     try:
         with pytest.raises(httpx.HTTPError):  # the router dies under the client
             async with httpx.AsyncClient(timeout=30) as client, client.stream(
-                    "POST", first.url + "/v1/completions", json=body) as r:
+                    "POST", first.url + "/v1/completions", json=body, headers=EVENT_IDS) as r:
                 async for line in sse_lines(r.aiter_bytes()):
                     if line.startswith("id: "):
                         last_id = line[4:]
@@ -441,7 +445,7 @@ async def test_a_stalled_client_holds_up_no_other_stream_and_its_event_ids_name_
     async with httpx.AsyncClient(timeout=60, transport=small_buffer) as client, client.stream(
             "POST", url + "/v1/completions",
             json={"model": "sim-tiny", "prompt": prompt, "max_tokens": 600, "stream": True,
-                  "return_token_ids": True}) as r:
+                  "return_token_ids": True}, headers=EVENT_IDS) as r:
         lines = sse_lines(r.aiter_bytes())
         while not (line := await anext(lines)).startswith("data: {"):
             pass
@@ -494,7 +498,7 @@ async def test_a_dead_routers_streams_are_cancelled_on_the_workers_and_its_check
     body = {"model": "sim-tiny", "prompt": encode("orphan to be"), "max_tokens": 4000, "stream": True}
     try:
         async with httpx.AsyncClient(timeout=30) as client, client.stream(
-                "POST", doomed.url + "/v1/completions", json=body) as r:
+                "POST", doomed.url + "/v1/completions", json=body, headers=EVENT_IDS) as r:
             lines = sse_lines(r.aiter_bytes())
             while not (line := await anext(lines)).startswith("id: "):
                 pass
@@ -546,7 +550,7 @@ async def test_a_router_group_serves_one_port_from_several_processes(healthy: Te
         got: list[int] = []
         last_id = ""
         async with httpx.AsyncClient(timeout=30) as client, client.stream(
-                "POST", group.url + "/v1/completions", json=body) as r:
+                "POST", group.url + "/v1/completions", json=body, headers=EVENT_IDS) as r:
             async for line in sse_lines(r.aiter_bytes()):
                 if line.startswith("id: "):
                     last_id = line[4:]

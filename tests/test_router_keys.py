@@ -102,6 +102,9 @@ async def test_a_key_at_its_concurrency_limit_gets_429_and_its_slot_comes_back(k
     assert await metric(url, 'fleetward_router_api_key_requests_total{key="one",result="over_limit"}') >= 1
 
 
+EVENT_IDS = {"X-Fleetward-Event-Ids": "1"}
+
+
 async def _events(lines: AsyncIterator[str], n: int | None = None) -> list[str]:
     """The next SSE ids in a response's ``lines`` (``<request id>:<tokens held>``): ``n`` of them, or all."""
     ids: list[str] = []
@@ -116,7 +119,8 @@ async def _events(lines: AsyncIterator[str], n: int | None = None) -> list[str]:
 async def test_only_the_key_that_started_a_stream_may_resume_it(keyed: tuple[TestFleet, str], wait_until: Any) -> None:
     fleet, url = keyed
     body = {"model": "sim-tiny", "prompt": "whose stream is it", "max_tokens": 400, "stream": True}
-    owner, other = {"Authorization": f"Bearer {MANY}"}, {"Authorization": f"Bearer {ONE}"}
+    # The resume points come from the streams' event ids (asked for: vLLM's streams carry none).
+    owner, other = {"Authorization": f"Bearer {MANY}", **EVENT_IDS}, {"Authorization": f"Bearer {ONE}"}
     other_router = (await fleet.start_router("keyed-2", api_keys_file=fleet.run_dir / "keys.yaml")).url
     async with httpx.AsyncClient(timeout=60) as http:
         # On the router that holds it, while its client still reads: another key cannot take it over.

@@ -35,23 +35,28 @@ def body(prompt: str, n: int = N) -> dict[str, Any]:
 
 async def sse_chat(client: httpx.AsyncClient, url: str, payload: dict[str, Any], headers: dict[str, str] | None = None,
                    *, stop_after: int | None = None) -> tuple[list[int], str, str]:
-    """Token ids, text and the last event id of a chat stream (read until ``stop_after`` tokens, if given)."""
+    """Token ids, text and where a resume starts (read until ``stop_after`` tokens, if given).
+
+    The stream is vLLM's (no SSE ids): the resume point is the request's id (each chunk's ``id``, as the
+    ``X-Request-Id`` header) and the tokens the client holds, counted from ``token_ids``
+    (docs/operations.md, "Resuming a stream").
+    """
     ids: list[int] = []
-    text, last = [], ""
+    text, rid = [], ""
     async with client.stream("POST", url + "/v1/chat/completions", json=payload, headers=headers or {}) as r:
         assert r.status_code == 200, await r.aread()
         async for line in sse_lines(r.aiter_bytes()):
-            if line.startswith("id: "):
-                last = line[4:]
+            assert not line.startswith(("id:", ":")), line
             if line.startswith("data: {"):
                 data = orjson.loads(line[6:])
                 assert "error" not in data, data
+                rid = data["id"]
                 choice = data["choices"][0]
                 ids.extend(choice.get("token_ids") or [])
                 text.append(choice["delta"].get("content") or "")
                 if stop_after is not None and len(ids) >= stop_after:
                     break
-    return ids, "".join(text), last
+    return ids, "".join(text), f"{rid}:{len(ids)}"
 
 
 async def openai_chat(client: AsyncOpenAI, prompt: str) -> tuple[list[int], str]:

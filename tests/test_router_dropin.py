@@ -1,0 +1,257 @@
+"""The router as a drop-in front door for vLLM: what a client reads equals what a worker would send, on every
+endpoint vLLM serves, and a worker that fails before the client has a byte is passed over.
+
+One fleet for the module: two simulated workers (they speak vLLM 0.32's API byte for byte, tests/data) behind a
+router process, with the Responses API store on so that stored responses can be looked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import pytest_asyncio
+
+from fleetward.chaos.harness import TestFleet
+from fleetward.chaos.workload import sse_lines
+from fleetward.fleet.backends import SimBackend
+from fleetward.fleet.config import RouterConfig, SimConfig, SupervisorConfig
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SIM = SimConfig(decode_step_ms=4.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=11, responses_store=True)
+TEST_SUPERVISOR = SupervisorConfig(restart_budget=1000, backoff_initial_s=0.05, backoff_max_s=0.2)
+JSON = {"content-type": "application/json"}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def fleet(etcd_endpoint: str, broker_endpoint: str,
+                tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TestFleet]:
+    run_dir = tmp_path_factory.mktemp("dropin-fleet")
+    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="dropin-tests", run_dir=run_dir,
+                         workers=2, backend=SimBackend(SIM), routing=RouterConfig(stall_floor_s=0.5),
+                         supervisor=TEST_SUPERVISOR) as f:
+        await f.start_router("dropin-r0")
+        yield f
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def healthy(fleet: TestFleet) -> AsyncIterator[TestFleet]:
+    await fleet.restore(timeout=60)
+    yield fleet
+    await fleet.restore(timeout=60)
+
+
+def router_url(fleet: TestFleet) -> str:
+    return fleet.routers[0].url
+
+
+# What differs between two answers to the same request: the ids the server makes up and the clock.
+_VOLATILE = re.compile(rb'"(id|item_id)":"(cmpl|chatcmpl|resp|msg|embd|pooling|score|modelperm)[-_][^"]*"'
+                       rb'|"(created|created_at)":\d+')
+
+
+def normalized(raw: bytes) -> bytes:
+    return _VOLATILE.sub(lambda m: m.group(0).split(b":")[0] + b":_", raw)
+
+
+async def exchange(client: httpx.AsyncClient, url: str, method: str, path: str, **kw: Any) -> tuple[int, bytes]:
+    r = await client.request(method, url + path, **kw)
+    return r.status_code, await r.aread()
+
+
+STREAMS = [
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 12, "stream": True}),
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 12, "stream": True, "return_token_ids": True,
+                         "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+    ("/v1/completions", {"prompt": "stop strings", "max_tokens": 60, "stream": True, "stop": [" t", "qq"]}),
+    ("/v1/completions", {"prompt": "stop strings", "max_tokens": 60, "stream": True, "stop": [" t", "qq"],
+                         "include_stop_str_in_output": True, "return_token_ids": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 9, "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 9, "stream": True,
+                              "return_token_ids": True, "stream_options": {"include_usage": True}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "I"}],
+                              "add_generation_prompt": False, "max_tokens": 5, "stream": True,
+                              "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 12}),
+    ("/v1/completions", {"prompt": [75, 104, 111], "max_tokens": 12, "return_token_ids": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 9,
+                              "return_token_ids": True}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), STREAMS,
+                         ids=[f"{'chat' if 'chat' in p else 'completion'}-{i}" for i, (p, _) in enumerate(STREAMS)])
+async def test_the_router_answers_byte_for_byte_as_the_worker_does(healthy: TestFleet, path: str,
+                                                                   body: dict[str, Any]) -> None:
+    """The same greedy request to a worker and through the router: the same bytes but for ids and times (no
+    ``id:`` lines, no comments: a client that reads each line as ``data: <JSON>`` reads it)."""
+    request = {"model": "sim-tiny", "temperature": 0, "ignore_eos": True, **body}
+    async with httpx.AsyncClient(timeout=30) as client:
+        direct = await exchange(client, healthy.url(healthy.worker_ids[0]), "POST", path, json=request)
+        routed = await exchange(client, router_url(healthy), "POST", path, json=request)
+    assert direct[0] == routed[0] == 200
+    assert normalized(routed[1]) == normalized(direct[1])
+    if body.get("stream"):
+        assert all(line.startswith(b"data: ") for line in routed[1].split(b"\n") if line), routed[1][:300]
+
+
+async def test_sse_ids_come_when_a_client_asks_or_the_fleet_says_so(healthy: TestFleet) -> None:
+    body = {"model": "sim-tiny", "prompt": "with ids", "max_tokens": 6, "stream": True, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=30) as client:
+        plain = await client.post(router_url(healthy) + "/v1/completions", json=body)
+        asked = await client.post(router_url(healthy) + "/v1/completions", json=body,
+                                  headers={"X-Fleetward-Event-Ids": "1"})
+        always = await healthy.start_router("dropin-ids", event_ids=True)
+        try:
+            configured = await client.post(always.url + "/v1/completions", json=body)
+        finally:
+            await healthy.stop_router(always)
+    assert b"\nid: " not in b"\n" + plain.content
+    for r in (asked, configured):
+        ids = [line[4:] for line in r.text.split("\n") if line.startswith("id: ")]
+        rid = r.headers["x-request-id"]
+        assert ids == [f"{rid}:{n}" for n in range(1, 7)]  # the tokens the client holds after each event
+        assert normalized(re.sub(rb"id: [^\n]*\n", b"", r.content)) == normalized(plain.content)
+
+
+# -- every other endpoint ---------------------------------------------------------------------------------
+
+ENDPOINTS: list[tuple[str, str, dict[str, Any]]] = [
+    ("GET", "/version", {}),
+    ("POST", "/tokenize", {"json": {"model": "sim-tiny", "prompt": "Hello world", "return_token_strs": True}}),
+    ("POST", "/tokenize", {"json": {"messages": [{"role": "user", "content": "Hi"}]}}),
+    ("POST", "/detokenize", {"json": {"tokens": [75, 104, 111, 111, 114]}}),
+    ("POST", "/v1/embeddings", {"json": {"model": "sim-tiny", "input": ["Hello", "x y"]}}),
+    ("POST", "/v1/embeddings", {"json": {"model": "sim-tiny", "input": "Hi", "encoding_format": "base64"}}),
+    ("POST", "/pooling", {"json": {"model": "sim-tiny", "input": "Hello"}}),
+    ("POST", "/v1/score", {"json": {"model": "sim-tiny", "text_1": "Hello", "text_2": ["Hi", "world"]}}),
+    ("POST", "/score", {"json": {"model": "sim-tiny", "text_1": "Hello", "text_2": "Hi"}}),
+    ("POST", "/v1/rerank", {"json": {"model": "sim-tiny", "query": "Hello", "documents": ["Hi", "world", "x"],
+                                     "top_n": 2}}),
+    ("POST", "/rerank", {"json": {"query": "Hello", "documents": ["Hi", "world"]}}),
+    ("POST", "/v2/rerank", {"json": {"model": "sim-tiny", "query": "Hello", "documents": ["Hi"]}}),
+    ("POST", "/v1/responses", {"json": {"model": "sim-tiny", "input": "Hello", "max_output_tokens": 8,
+                                        "temperature": 0, "store": False}}),
+    ("POST", "/v1/responses", {"json": {"model": "sim-tiny", "input": [{"role": "user", "content": "Hi"}],
+                                        "instructions": "Be brief", "max_output_tokens": 6, "stream": True,
+                                        "store": False}}),
+    ("POST", "/v1/audio/transcriptions", {"data": {"model": "sim-tiny"},
+                                          "files": {"file": ("a.wav", b"RIFF" + bytes(range(256)) * 300)}}),
+    ("POST", "/v1/embeddings", {"json": {"model": "sim-tiny"}}),  # refused by the worker: its 400, unchanged
+    ("POST", "/detokenize", {"content": b"not json", "headers": JSON}),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "kw"), ENDPOINTS,
+                         ids=[f"{p.strip('/').replace('/', '-')}-{i}" for i, (_, p, _) in enumerate(ENDPOINTS)])
+async def test_every_other_vllm_endpoint_answers_through_the_router_as_the_worker_does(
+        healthy: TestFleet, method: str, path: str, kw: dict[str, Any]) -> None:
+    async with httpx.AsyncClient(timeout=30) as client:
+        direct = await exchange(client, healthy.url(healthy.worker_ids[0]), method, path, **kw)
+        routed = await exchange(client, router_url(healthy), method, path, **kw)
+    assert routed[0] == direct[0]
+    assert normalized(routed[1]) == normalized(direct[1])
+    label = {"tokenize": "tokenize", "detokenize": "detokenize"}.get(path.strip("/"), None)
+    if label is not None:
+        assert await router_metric(healthy, f'fleetward_router_requests_total{{endpoint="{label}",outcome=') > 0
+
+
+async def router_metric(fleet: TestFleet, prefix: str) -> float:
+    async with httpx.AsyncClient(timeout=10) as client:
+        text = (await client.get(router_url(fleet) + "/metrics")).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+
+async def test_models_are_the_workers_cards_with_the_routers_word_on_their_text(healthy: TestFleet) -> None:
+    async with httpx.AsyncClient(timeout=30) as client:
+        direct = (await client.get(healthy.url(healthy.worker_ids[0]) + "/v1/models")).json()["data"]
+        routed = (await client.get(router_url(healthy) + "/v1/models")).json()["data"]
+    assert [m["id"] for m in routed] == ["sim-tiny"]
+    mine = dict(routed[0])
+    assert mine.pop("fleetward")["detokenizer"] == "router"
+    assert list(mine) == list(direct[0]) and mine["max_model_len"] == direct[0]["max_model_len"] == SIM.max_model_len
+
+
+async def test_a_request_without_a_model_goes_to_the_one_model_and_an_unknown_one_is_refused(
+        healthy: TestFleet) -> None:
+    async with httpx.AsyncClient(timeout=30) as client:
+        ok = await client.post(router_url(healthy) + "/v1/embeddings", json={"input": "no model named"})
+        unknown = await client.post(router_url(healthy) + "/v1/embeddings", json={"model": "nope", "input": "x"})
+    assert ok.status_code == 200 and ok.json()["model"] == "sim-tiny"
+    assert unknown.status_code == 404
+    assert unknown.json()["error"] == {"message": "The model `nope` does not exist. Valid aliases: sim-tiny.",
+                                       "type": "NotFoundError", "param": "model", "code": 404}
+
+
+async def test_a_worker_that_fails_before_the_client_has_a_byte_is_passed_over(healthy: TestFleet) -> None:
+    """One worker answers every request with vLLM's dead-engine 500: each request is answered by the other."""
+    sick = healthy.worker_ids[0]
+    await healthy.fault(sick, error_rate=1.0)
+    before = await router_metric(healthy, 'fleetward_router_passthrough_retries_total{endpoint="embeddings"')
+    async with httpx.AsyncClient(timeout=30) as client:
+        answers = await asyncio.gather(*(client.post(router_url(healthy) + "/v1/embeddings",
+                                                     json={"model": "sim-tiny", "input": f"text {i}"})
+                                         for i in range(8)))
+    assert [a.status_code for a in answers] == [200] * 8
+    assert await router_metric(healthy, 'fleetward_router_passthrough_retries_total{endpoint="embeddings"') > before
+
+
+async def test_a_killed_worker_is_passed_over_by_requests_racing_its_death(healthy: TestFleet) -> None:
+    """SIGKILL one worker and at once send requests of every kind: whether the router knows yet or finds the
+    connection refused, none fails."""
+    healthy.kill(healthy.worker_ids[0])
+    async with httpx.AsyncClient(timeout=30) as client:
+        answers = await asyncio.gather(*(
+            client.post(router_url(healthy) + path, json=body) for _ in range(3) for path, body in (
+                ("/v1/embeddings", {"input": "racing"}), ("/tokenize", {"prompt": "racing"}),
+                ("/v1/responses", {"input": "racing", "max_output_tokens": 4}))))
+    assert [a.status_code for a in answers] == [200] * 9, [a.text for a in answers if a.status_code != 200]
+
+
+async def test_a_responses_stream_whose_worker_breaks_mid_way_ends_with_an_error_event(healthy: TestFleet) -> None:
+    """vLLM's Responses API streams no token ids, so the stream cannot move: it ends cleanly, with the Responses
+    API's ``error`` event after its last whole event, numbered next."""
+    body = {"model": "sim-tiny", "input": "a long answer", "max_output_tokens": 3000, "ignore_eos": True,
+            "stream": True}
+    events: list[tuple[str, dict[str, Any]]] = []
+    kind = ""
+    async with httpx.AsyncClient(timeout=60) as client, client.stream(
+            "POST", router_url(healthy) + "/v1/responses", json=body) as r:
+        assert r.status_code == 200
+        async for line in sse_lines(r.aiter_bytes()):
+            if line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: "):
+                events.append((kind, orjson.loads(line[6:])))
+                if kind == "response.output_text.delta" and len(events) == 6:
+                    for w in healthy.worker_ids:  # the one serving it drops the connection mid-body
+                        await healthy.fault(w, reset_inflight=True)
+    kinds = [k for k, _ in events]
+    assert kinds[-1] == "error" and "response.completed" not in kinds, kinds[-5:]
+    assert [e["sequence_number"] for _, e in events] == list(range(len(events)))
+    assert events[-1][1]["code"] == "worker_failed"
+    assert await router_metric(healthy, 'fleetward_router_passthrough_cut_total{endpoint="responses"}') >= 1
+
+
+async def test_a_stored_response_is_found_on_the_worker_that_holds_it(healthy: TestFleet) -> None:
+    """With the store on (VLLM_ENABLE_RESPONSES_API_STORE), a response lives on one worker: reading it, and a
+    response that continues it, go there (any other worker would answer 404)."""
+    url = router_url(healthy)
+    async with httpx.AsyncClient(timeout=30) as client:
+        made = [(await client.post(url + "/v1/responses", json={"input": f"remember {i}", "max_output_tokens": 4,
+                                                                 "ignore_eos": True})).json() for i in range(4)]
+        for first in made:
+            read = await client.get(f"{url}/v1/responses/{first['id']}")
+            assert read.status_code == 200 and read.json() == first
+            follow = await client.post(url + "/v1/responses", json={"input": "and then?", "max_output_tokens": 3,
+                                                                     "previous_response_id": first["id"]})
+            assert follow.status_code == 200, follow.text
+            assert follow.json()["previous_response_id"] == first["id"]
+        missing = await client.get(url + "/v1/responses/resp_nope")
+    assert missing.status_code == 404 and "resp_nope" in missing.json()["error"]["message"]
