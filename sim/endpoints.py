@@ -505,9 +505,9 @@ class _Endpoints:
         seq = 0
         enc = _enc
 
-        def event(kind: str, fields: dict[str, Any]) -> bytes:
+        def event(kind: str, fields: dict[str, Any], tail: dict[str, Any] | None = None) -> bytes:
             nonlocal seq
-            data = {**fields, "sequence_number": seq, "type": kind}
+            data = {**fields, "sequence_number": seq, **(tail or {}), "type": kind}  # vLLM's key order
             seq += 1
             return f"event: {kind}\ndata: {enc(data)}\n\n".encode()
 
@@ -537,7 +537,7 @@ class _Endpoints:
             return
         if opened:
             yield event("response.output_text.done", {"content_index": 0, "item_id": mid, "logprobs": [],
-                                                      "output_index": 0, "text": text})
+                                                      "output_index": 0}, {"text": text})
             yield event("response.content_part.done",
                         {"content_index": 0, "item_id": mid, "output_index": 0,
                          "part": {"annotations": [], "text": text, "type": "output_text", "logprobs": None}})
