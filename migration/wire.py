@@ -7,10 +7,12 @@ the opening chat chunk with the assistant's role, usage in every chunk with
 ``stream_options.continuous_usage_stats``, the worker's ``system_fingerprint`` on the last chunk, vLLM's
 in-band error, ``data: [DONE]``. Only the response's ``id`` and ``created`` are the router's own.
 
-SSE event ids are opt-in (a request header ``X-Fleetward-Event-Ids: 1``, or ``routing.event_ids``): then each event also carries ``id: <request id>:<n>``, where ``n`` is the number
-of completion tokens the client has after that event; a client that reconnects with
-``Last-Event-ID: <request id>:<n>`` gets everything after token ``n``. vLLM sends no ``id:`` lines, and
-clients that strip ``data: `` from every line (vLLM's benchmark) break on them, so they are off by default.
+SSE event ids are opt-in (a request header ``X-Fleetward-Event-Ids: 1``, or ``routing.event_ids``): then
+each event also carries ``id: <request id>:<n>``, where ``n`` is the number of completion tokens the client
+has after that event; a client that reconnects with ``Last-Event-ID: <request id>:<n>`` gets everything
+after token ``n``. vLLM sends no ``id:`` lines, and clients that strip ``data: `` from every line (vLLM's
+benchmark) break on them, so they are off by default. Without them a client resumes from the request's id
+(each chunk's ``id``, and the ``X-Request-Id`` header) and the tokens it counted (docs/operations.md).
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ async def test_vectors_are_unit_length_a_function_of_the_input_and_scores_are_th
     assert again[0]["embedding"] == a[0]["embedding"]
     assert abs(float(np.linalg.norm(hello)) - 1) < 1e-5
     assert abs(score - float(np.dot(hello, hi))) < 1e-5
-    assert [r["index"] for r in ranked][0] == 1 and len(ranked) == 2  # the query itself ranks first
+    assert ranked[0]["index"] == 1 and len(ranked) == 2  # the query itself ranks first
 
 
 async def test_pooling_runs_on_the_engine_and_tokenize_on_the_api_server() -> None:
