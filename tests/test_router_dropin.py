@@ -8,8 +8,11 @@ router process, with the Responses API store on so that stored responses can be 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,6 +30,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 SIM = SimConfig(decode_step_ms=4.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=11, responses_store=True)
 TEST_SUPERVISOR = SupervisorConfig(restart_budget=1000, backoff_initial_s=0.05, backoff_max_s=0.2)
 JSON = {"content-type": "application/json"}
+EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "examples" / "resume_stream.py"
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -255,3 +259,19 @@ async def test_a_stored_response_is_found_on_the_worker_that_holds_it(healthy: T
             assert follow.json()["previous_response_id"] == first["id"]
         missing = await client.get(url + "/v1/responses/resp_nope")
     assert missing.status_code == 404 and "resp_nope" in missing.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("event_ids", [False, True], ids=["vllm-stream", "event-ids"])
+async def test_the_resume_example_in_the_docs_runs_as_written(healthy: TestFleet, event_ids: bool) -> None:
+    """docs/examples/resume_stream.py (docs/operations.md, "Resuming a stream"): the two parts make the whole."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(EXAMPLE), router_url(healthy), *(["--event-ids"] if event_ids else []),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    got = json.loads(out)
+    body = {"model": "sim-tiny", "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0}
+    async with httpx.AsyncClient(timeout=30) as client:
+        whole = (await client.post(router_url(healthy) + "/v1/completions", json=body)).json()["choices"][0]["text"]
+    assert got["head"] and got["tail"] and got["text"] == whole
+    assert got["resumed_from"].endswith(":8")
