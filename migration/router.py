@@ -778,7 +778,7 @@ class Router:
         chat = j.kind is Kind.CHAT
 
         def opening() -> bytes:  # a chat stream opens with the role, before any content (as vLLM's)
-            return encoder.wrap(0, wire.role_chunk(j, usage=wire.usage(j, 0) if continuous else None)) \
+            return encoder.wrap(0, wire.role_chunk(j, usage=wire.chunk_usage(j, 0) if continuous else None)) \
                 if chat else b""
 
         opened = False  # the client has its stream's first event
@@ -787,7 +787,7 @@ class Router:
             fin = j.finish_reason
             yield (opening() if skip == 0 else b"") + encoder.event(
                 n, tokens=j.emitted[skip:], text=j.text_after(skip), finish_reason=fin, stop_reason=j.stop_reason,
-                first=skip == 0, usage=wire.usage(j, n) if continuous else None,
+                first=skip == 0, usage=wire.chunk_usage(j, n) if continuous else None,
                 fingerprint=j.fingerprint if fin is not None and not include_usage else None)
             opened = True
         to_skip = max(0, skip - n)  # the client has tokens the checkpoint lacks: regenerate, don't resend
@@ -827,7 +827,7 @@ class Router:
                     extra = {"fleetward": {"worker": out.worker, "attempt": out.attempt}} if trace else None
                     parts.append(encoder.event(out.n, tokens=tokens, text=text, finish_reason=fin,
                                                stop_reason=out.stop_reason, logprobs=out.logprobs, first=first,
-                                               usage=wire.usage(j, out.n) if continuous else None,
+                                               usage=wire.chunk_usage(j, out.n) if continuous else None,
                                                fingerprint=j.fingerprint if fin is not None and not include_usage
                                                else None, extra=extra))
                     delivered = out.n

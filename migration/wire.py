@@ -24,7 +24,7 @@ import orjson
 
 from fleetward.migration.journal import Journal, Kind
 
-__all__ = ["DONE", "StreamEncoder", "chat_role", "error_body", "error_event", "event", "final_response",
+__all__ = ["DONE", "StreamEncoder", "chat_role", "chunk_usage", "error_body", "error_event", "event", "final_response",
            "role_chunk", "stream_chunk", "usage", "usage_chunk"]
 
 DONE = b"data: [DONE]\n\n"
@@ -57,9 +57,18 @@ def _object(j: Journal) -> str:
 
 
 def usage(j: Journal, completion: int) -> dict[str, int]:
-    """A stream's usage as vLLM writes it in chunks: after ``completion`` generated tokens."""
+    """A stream's usage after ``completion`` generated tokens, as vLLM writes it in its closing usage chunk."""
     prompt = len(j.prompt_ids) if j.prompt_ids is not None else 0
     return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+
+
+def chunk_usage(j: Journal, completion: int) -> dict[str, Any]:
+    """The usage every chunk carries with ``continuous_usage_stats``: a chat chunk's also says
+    ``"completion_tokens_details": null`` (vLLM sets it there and nowhere else)."""
+    used: dict[str, Any] = dict(usage(j, completion))
+    if j.kind is Kind.CHAT:
+        used["completion_tokens_details"] = None
+    return used
 
 
 def chat_role(j: Journal) -> str:
@@ -92,7 +101,7 @@ def _head(j: Journal) -> dict[str, Any]:
 
 def stream_chunk(j: Journal, *, tokens: list[int], text: str, finish_reason: str | None,
                  stop_reason: str | int | None, logprobs: Any = None, first: bool = False,
-                 usage: dict[str, int] | None = None, fingerprint: str | None = None) -> dict[str, Any]:
+                 usage: dict[str, Any] | None = None, fingerprint: str | None = None) -> dict[str, Any]:
     """One chunk of tokens. ``first``: the first of a completion (it carries the prompt's ids);
     ``usage``: with ``continuous_usage_stats``; ``fingerprint``: on the last chunk when no usage chunk follows."""
     chunk = {**_head(j), "choices": [_choice(j, tokens, text, finish_reason, stop_reason, logprobs, first,
@@ -104,7 +113,7 @@ def stream_chunk(j: Journal, *, tokens: list[int], text: str, finish_reason: str
     return chunk
 
 
-def role_chunk(j: Journal, *, usage: dict[str, int] | None = None) -> dict[str, Any]:
+def role_chunk(j: Journal, *, usage: dict[str, Any] | None = None) -> dict[str, Any]:
     """The chunk a chat stream opens with: the role, no content yet, the prompt's ids."""
     chunk: dict[str, Any] = {**_head(j), "choices": [{"index": 0, "delta": {"role": chat_role(j), "content": ""},
                                                       "logprobs": None, "finish_reason": None}]}
@@ -133,7 +142,7 @@ class StreamEncoder:
 
     def event(self, n: int, *, tokens: list[int], text: str, finish_reason: str | None,
               stop_reason: str | int | None, logprobs: Any = None, first: bool = False,
-              usage: dict[str, int] | None = None, fingerprint: str | None = None,
+              usage: dict[str, Any] | None = None, fingerprint: str | None = None,
               extra: dict[str, Any] | None = None) -> bytes:
         """The event for a chunk after which the client holds ``n`` tokens."""
         j = self.j

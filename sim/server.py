@@ -199,9 +199,12 @@ def _ids_json(ids: Iterable[int]) -> str:
     return "[" + ",".join(map(str, ids)) + "]"
 
 
-def _usage_json(prompt: int, completion: int) -> str:
+def _usage_json(prompt: int, completion: int, *, chat_chunk: bool = False) -> str:
+    """Usage as vLLM writes it in a stream: a chat chunk's (continuous_usage_stats) also says
+    ``"completion_tokens_details":null``; a completion chunk's and the closing usage chunk's do not."""
+    details = ',"completion_tokens_details":null' if chat_chunk else ""
     return (f'"usage":{{"prompt_tokens":{prompt},"total_tokens":{prompt + completion},'
-            f'"completion_tokens":{completion}}}')
+            f'"completion_tokens":{completion}{details}}}')
 
 
 # -- request parsing ----------------------------------------------------------------------------------
@@ -1196,7 +1199,7 @@ class SimWorker:
             while True:
                 d = await req.next_output()
                 if first:  # vLLM sends the role chunk when the first output arrives
-                    usage = "," + _usage_json(n_prompt, 0) if p.continuous_usage else ""
+                    usage = "," + _usage_json(n_prompt, 0, chat_chunk=True) if p.continuous_usage else ""
                     yield (f'{head}{{"role":{_enc(p.role)},"content":""}},"logprobs":null,'
                            f'"finish_reason":null}}]{usage},'
                            f'"prompt_token_ids":{_ids_json(p.prompt_ids) if rt else "null"},'
@@ -1211,7 +1214,7 @@ class SimWorker:
                               "null" if d.stop_reason is None else _enc(d.stop_reason)]
                 parts += [',"token_ids":', _ids_json(d.token_ids) if rt else "null", "}]"]
                 if p.continuous_usage:
-                    parts += [",", _usage_json(n_prompt, d.num_output_tokens)]
+                    parts += [",", _usage_json(n_prompt, d.num_output_tokens, chat_chunk=True)]
                 if fin is not None:
                     parts.append(tail)
                 parts.append("}\n\n")

@@ -37,7 +37,7 @@ def test_the_stream_encoder_writes_the_same_bytes_as_event_of_stream_chunk(
         kind: Kind, wants_ids: bool, first: bool, tokens: list[int], text: str, finish: str | None,
         stop: str | int | None, trace: bool, n: int, ids: bool, usage: bool, fingerprint: str | None) -> None:
     j = journal(kind, return_token_ids=wants_ids)
-    used = wire.usage(j, n) if usage else None
+    used = wire.chunk_usage(j, n) if usage else None
     chunk = wire.stream_chunk(j, tokens=tokens, text=text, finish_reason=finish, stop_reason=stop, first=first,
                               usage=used, fingerprint=fingerprint)
     extra = {"fleetward": {"worker": "w0", "attempt": 2}} if trace else None
