@@ -4,9 +4,8 @@ One fleet for the module: three simulated workers serving the ``bpe`` vocabulary
 tokenizers; vLLM's benchmark and AIPerf read it from the tiny model's folder) behind a router process, with a
 supervisor that restarts what a test killed. Each test runs one client as its own process, the way its users
 run it: the official ``openai`` Python client, the official OpenAI Node client (npm), ``vllm bench serve``,
-NVIDIA AIPerf, LiteLLM and LangChain's ``ChatOpenAI``. Once the worker that holds the most streams has sent a
-token on each of them, it is SIGKILLed (frozen first, so that "it holds streams" is still true when the kill
-lands). Then every client must report no failed request, and every output must equal the fault-free
+NVIDIA AIPerf, LiteLLM and LangChain's ``ChatOpenAI``. Once tokens flow, the worker that holds the most
+streams is SIGKILLed (frozen first, so that "it holds streams" is still true when the kill lands). Then every client must report no failed request, and every output must equal the fault-free
 reference: what a worker answers for the same request (greedy decoding, ``ignore_eos``), text and finish.
 """
 
@@ -104,14 +103,14 @@ async def migrations(fleet: TestFleet) -> float:
 
 async def _busy_worker(fleet: TestFleet, client: httpx.AsyncClient) -> dict[str, dict[str, Any]]:
     view = (await client.get(router_url(fleet) + "/fleetward/v1/progress")).json()["workers"]
-    return {w: v for w, v in view.items() if v["in_flight"] > 0 and v["pending_prefill_tokens"] == 0
+    return {w: v for w, v in view.items() if v["in_flight"] > 0 and v["tokens"] > 0
             and w in fleet.worker_ids and fleet.processes(w)}
 
 
 async def kill_a_worker_mid_stream(fleet: TestFleet, client_proc: asyncio.subprocess.Process) -> str:
-    """SIGKILL the worker holding the most streams, each of which has sent tokens, while the client runs.
+    """SIGKILL the worker holding the most streams, once it has sent tokens, while the client runs.
 
-    The router's progress view says which worker holds streams that are past their first token. That worker
+    The router's progress view says which worker holds streams and has sent tokens. That worker
     is frozen (SIGSTOP) before the kill: a frozen worker sends nothing more, so once the router has read
     what was on the wire (the view stays the same for a while), the streams it still shows there are open
     and mid-way when the SIGKILL lands. If none is left (they had just finished), the worker is thawed and
@@ -136,7 +135,7 @@ async def kill_a_worker_mid_stream(fleet: TestFleet, client_proc: asyncio.subpro
                     return worker
                 fleet.signal_engine(worker, signal.SIGCONT)
             await asyncio.sleep(0.01)
-    raise AssertionError("the client finished before a worker held a stream past its first token")
+    raise AssertionError("the client finished before a worker held a stream with tokens flowing")
 
 
 async def run_killing_a_worker(fleet: TestFleet, argv: list[str], *, log: Path, env: dict[str, str] | None = None,

@@ -4,8 +4,6 @@ client reads through the router is what the vLLM server sends, on every endpoint
 from __future__ import annotations
 
 import asyncio
-import json
-import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -83,58 +81,6 @@ async def test_killing_the_vllm_worker_mid_stream_leaves_the_stream_exact(vllm_f
         await vllm_fleet.stop_router(router)
 
 
-# What differs between two answers to the same request: the ids a server makes up and the clock.
-_VOLATILE = re.compile(rb'"(id|item_id)":"(cmpl|chatcmpl|resp|msg|modelperm)[-_][^"]*"|"(created|created_at)":\d+')
-
-
-def normalized(raw: bytes) -> bytes:
-    return _VOLATILE.sub(lambda m: m.group(0).split(b":")[0] + b':"_"', raw)
-
-
-def _merge(prev: dict[str, Any], new: dict[str, Any]) -> bool:
-    """Fold chunk ``new`` into ``prev`` when both carry text of one choice and ``prev`` did not end it."""
-    if not (prev.get("choices") and new.get("choices")) or len(prev["choices"]) != 1 or len(new["choices"]) != 1:
-        return False
-    a, b = prev["choices"][0], new["choices"][0]
-    if a.get("finish_reason") is not None or "role" in (a.get("delta") or {}) or "role" in (b.get("delta") or {}):
-        return False
-    if "delta" in a:
-        a["delta"]["content"] = (a["delta"].get("content") or "") + (b["delta"].get("content") or "")
-    else:
-        a["text"] += b["text"]
-    for key, value in b.items():
-        if key == "token_ids" and isinstance(value, list):
-            a["token_ids"] = [*(a.get("token_ids") or []), *value]
-        elif key not in ("delta", "text"):
-            a[key] = value
-    prev.update({k: v for k, v in new.items() if k != "choices"})
-    return True
-
-
-def canonical(raw: bytes) -> Any:
-    """A body as a client reads it, less what may differ between two servers' answers to one request: the ids
-    they make up, the clock, and where a stream's events break. vLLM puts several engine steps' tokens in one
-    event when its API server falls behind, so two runs of a request may cut the same text in different places
-    (the router passes that on: one event per worker event); text, tokens, usage and every other field may not
-    differ."""
-    text = normalized(raw)
-    if not text.startswith((b"data: ", b"event: ")):
-        return text
-    events: list[list[Any]] = []
-    for block in filter(None, text.split(b"\n\n")):
-        fields = dict(line.split(b": ", 1) for line in block.split(b"\n"))
-        kind, data = fields.get(b"event", b""), fields[b"data"]
-        obj = data.decode() if data == b"[DONE]" else json.loads(data)
-        if isinstance(obj, dict):
-            obj.pop("sequence_number", None)  # numbered in order; checked where it matters
-        if events and kind == events[-1][0] == b"response.output_text.delta":
-            events[-1][1]["delta"] += obj["delta"]
-        elif not (events and isinstance(obj, dict) and isinstance(events[-1][1], dict) and not kind
-                  and _merge(events[-1][1], obj)):
-            events.append([kind, obj])
-    return events
-
-
 @pytest_asyncio.fixture(loop_scope="session")
 async def dropin(vllm_fleet: TestFleet) -> AsyncIterator[tuple[TestFleet, str]]:
     router = await vllm_fleet.start_router("vllm-dropin")
@@ -165,16 +111,16 @@ DROPIN = [
 @pytest.mark.parametrize(("method", "path", "body"), DROPIN,
                          ids=[f"{p.strip('/').replace('/', '-')}-{i}" for i, (_, p, _) in enumerate(DROPIN)])
 async def test_the_router_answers_as_vllm_does_on_every_endpoint(dropin: tuple[TestFleet, str], method: str,
-                                                                  path: str, body: Any) -> None:
+                                                                  path: str, body: Any, same_answer: Any) -> None:
     """The same request to a vLLM server and through the router: what the client reads is the same (ids,
-    times and event breaks aside: :func:`canonical`). A generation is the router's own rendering of the
-    tokens; the rest is passed through."""
+    times and where vLLM broke a stream's events aside: tests/conftest.py, ``same_answer``). A generation is
+    the router's own rendering of the tokens; the rest is passed through."""
     fleet, url = dropin
     async with httpx.AsyncClient(timeout=120) as client:
         direct = await client.request(method, fleet.url(fleet.worker_ids[0]) + path, json=body)
         routed = await client.request(method, url + path, json=body)
     assert routed.status_code == direct.status_code
-    assert canonical(routed.content) == canonical(direct.content)
+    same_answer(routed.content, direct.content)
 
 
 async def test_models_are_vllms_cards(dropin: tuple[TestFleet, str]) -> None:
