@@ -5,8 +5,9 @@ tokenizers; vLLM's benchmark and AIPerf read it from the tiny model's folder) be
 supervisor that restarts what a test killed. Each test runs one client as its own process, the way its users
 run it: the official ``openai`` Python client, the official OpenAI Node client (npm), ``vllm bench serve``,
 NVIDIA AIPerf, LiteLLM and LangChain's ``ChatOpenAI``. Once tokens flow, the worker that holds the most
-streams is SIGKILLed (frozen first, so that "it holds streams" is still true when the kill lands). Then every client must report no failed request, and every output must equal the fault-free
-reference: what a worker answers for the same request (greedy decoding, ``ignore_eos``), text and finish.
+streams is SIGKILLed (frozen first, so that "it holds streams" is still true when the kill lands). Then every
+client must report no failed request, and every output must equal the fault-free reference: what a worker
+answers for the same request (greedy decoding, ``ignore_eos``), text and finish.
 """
 
 from __future__ import annotations
