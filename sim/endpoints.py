@@ -179,19 +179,7 @@ class _Endpoints:
 
     async def _step(self, request: Request, prompt_ids: list[int]) -> None:
         """One engine step for ``prompt_ids`` (a pooling pass): raises what the engine raises."""
-        engine = self.w.engine
-        if engine.draw_error():
-            raise _engine_dead()
-        req = engine.submit(prompt_ids, SamplingSpec(max_tokens=1, ignore_eos=True),
-                            f"pool-{secrets.token_hex(8)}")
-        try:
-            outcome = await self.w._await_or_abort(request, req)
-        finally:
-            engine.release(req)
-        if isinstance(outcome, RequestCut):
-            raise outcome
-        if outcome is not None:
-            raise _engine_dead()
+        await self._generate(request, prompt_ids, 1)
 
     def _vector(self, ids: list[int]) -> list[float]:
         """A unit vector, float32 as vLLM computes it, a function of the token ids alone."""
@@ -364,6 +352,8 @@ class _Endpoints:
         return await self._guard(run)
 
     async def _generate(self, request: Request, prompt_ids: list[int], max_tokens: int) -> SimRequest:
+        """``max_tokens`` tokens generated for ``prompt_ids`` on the engine, as any request: its faults raise
+        (the EngineCore error as a 500, a cut as :class:`RequestCut`)."""
         engine = self.w.engine
         if engine.draw_error():
             raise _engine_dead()

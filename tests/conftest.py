@@ -253,6 +253,15 @@ async def _wait_until(predicate: Callable[[], Any], *, timeout: float = 10.0, in
         await asyncio.sleep(interval)
 
 
+@pytest_asyncio.fixture(loop_scope="module")
+async def healthy(fleet: Any) -> AsyncIterator[Any]:
+    """The module's ``fleet`` (a :class:`~fleetward.chaos.harness.TestFleet` the module defines) with every
+    worker up, GPUs cleared, quarantines lifted and no fault switched on, before and after the test."""
+    await fleet.restore(timeout=60)
+    yield fleet
+    await fleet.restore(timeout=60)
+
+
 @pytest.fixture
 def wait_until() -> WaitUntil:
     return _wait_until

@@ -45,14 +45,6 @@ async def fleet(etcd_endpoint: str, broker_endpoint: str,
         yield f
 
 
-@pytest_asyncio.fixture(loop_scope="module")
-async def healthy(fleet: TestFleet) -> AsyncIterator[TestFleet]:
-    """The fleet with every worker up and no fault switched on, before and after the test."""
-    await fleet.restore(timeout=60)
-    yield fleet
-    await fleet.restore(timeout=60)
-
-
 def router(fleet: TestFleet) -> RouterProcess:
     return fleet.routers[0]
 

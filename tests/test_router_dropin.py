@@ -44,13 +44,6 @@ async def fleet(etcd_endpoint: str, broker_endpoint: str,
         yield f
 
 
-@pytest_asyncio.fixture(loop_scope="module")
-async def healthy(fleet: TestFleet) -> AsyncIterator[TestFleet]:
-    await fleet.restore(timeout=60)
-    yield fleet
-    await fleet.restore(timeout=60)
-
-
 def router_url(fleet: TestFleet) -> str:
     return fleet.routers[0].url
 

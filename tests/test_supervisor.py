@@ -71,18 +71,6 @@ async def fleet(etcd_endpoint: str, broker_endpoint: str,
         yield f
 
 
-@pytest_asyncio.fixture(loop_scope="module")
-async def healthy(fleet: TestFleet) -> AsyncIterator[TestFleet]:
-    await settle(fleet)
-    yield fleet
-    await settle(fleet)
-
-
-async def settle(fleet: TestFleet) -> None:
-    """GPUs cleared, quarantines lifted, fault switches off, every worker ready."""
-    await fleet.restore(timeout=60)
-
-
 async def command(fleet: TestFleet, worker: str, what: str, body: dict[str, Any] | None = None,
                   token: str | None = None, controller: int = 0) -> httpx.Response:
     ctl = fleet.controllers[controller][0]

@@ -54,13 +54,6 @@ async def fleet(etcd_endpoint: str, broker_endpoint: str,
         yield f
 
 
-@pytest_asyncio.fixture(loop_scope="module")
-async def healthy(fleet: TestFleet) -> AsyncIterator[TestFleet]:
-    await fleet.restore(timeout=60)
-    yield fleet
-    await fleet.restore(timeout=60)
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model's folder: its tokenizer is the one the workers serve (``bpe``)."""
