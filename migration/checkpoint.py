@@ -237,6 +237,9 @@ class Checkpointer:
                 ops = 0
             batches[-1].append(item)
             ops += len(item.ops)
+        # Counted with the flush, in the same step: a reader between the two (the metrics' mirror) never sees
+        # a flush without its transactions.
+        self.txns += len(batches)
         # At once: each transaction's request is built in a task step of its own (so the loop runs between
         # them), and etcd commits them together rather than one round trip and fsync after another.
         results = await asyncio.gather(*(self._write(b) for b in batches), return_exceptions=True)
@@ -249,7 +252,7 @@ class Checkpointer:
             self.on_slice(time.perf_counter() - began)
 
     async def _write(self, batch: list[_Item]) -> None:
-        self.txns += 1
+        """One transaction (counted by :meth:`flush`); on a conflict, one per key to find which was lost."""
         try:
             result = await self.store.txn([i.compare for i in batch], [op for i in batch for op in i.ops])
         except BaseException:

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 import orjson
@@ -33,9 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fleetward.migration.apikeys import ApiKey
 from fleetward.migration.journal import Kind, request_schema
 from fleetward.migration.passthrough import ROUTES, Route
-
-if TYPE_CHECKING:
-    from fleetward.migration.router import Router
+from fleetward.migration.router import Router, RouterError
 
 __all__ = ["router_app"]
 
@@ -43,8 +41,6 @@ _MODELS_TIMEOUT_S = 2.0
 
 
 def router_app(router: Router) -> FastAPI:
-    from fleetward.migration.router import RouterError
-
     # The OpenAPI spec (/openapi.json) describes the bodies the handlers parse themselves (_openapi_post).
     app = FastAPI(title="fleetward router", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
 
@@ -142,10 +138,8 @@ async def merged_models(router: Router) -> list[dict[str, Any]]:
     return list(await asyncio.gather(*(card(m) for m in router.models())))
 
 
-def api_key(router: Router, request: Request) -> ApiKey | Any:
-    """The API key the request carries, or the 401 (a RouterError) that refuses it."""
-    from fleetward.migration.router import RouterError
-
+def api_key(router: Router, request: Request) -> ApiKey | RouterError:
+    """The API key the request carries, or the 401 that refuses it."""
     assert router.api_keys is not None
     key = router.api_keys.check(request.headers.get("authorization"))
     if isinstance(key, ApiKey):
@@ -160,8 +154,6 @@ async def keyed(router: Router, request: Request, handle: Callable[[str | None],
     """``handle(owner)`` under the request's API key, when the router takes keys (``owner`` is its name, else
     None): 401 without a known key, 429 when the key has ``max_concurrency`` requests in flight; its slot is
     held until the answer (or the stream) ends, or the client goes away."""
-    from fleetward.migration.router import RouterError
-
     if router.api_keys is None:
         return await handle(None)
     key = api_key(router, request)
