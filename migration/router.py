@@ -773,22 +773,12 @@ class Router:
         """
         started = self.clock.monotonic()
         encoder = wire.StreamEncoder(j, ids=ids)
-        continuous = j.wants_continuous_usage
-        include_usage = bool((j.body.get("stream_options") or {}).get("include_usage"))
-        chat = j.kind is Kind.CHAT
-
-        def opening() -> bytes:  # a chat stream opens with the role, before any content (as vLLM's)
-            return encoder.wrap(0, wire.role_chunk(j, usage=wire.chunk_usage(j, 0) if continuous else None)) \
-                if chat else b""
-
         opened = False  # the client has its stream's first event
         n = len(j.emitted)
         if skip < n:  # replay what the checkpoint has and the client lacks
-            fin = j.finish_reason
-            yield (opening() if skip == 0 else b"") + encoder.event(
-                n, tokens=j.emitted[skip:], text=j.text_after(skip), finish_reason=fin, stop_reason=j.stop_reason,
-                first=skip == 0, usage=wire.chunk_usage(j, n) if continuous else None,
-                fingerprint=j.fingerprint if fin is not None and not include_usage else None)
+            yield (encoder.opening() if skip == 0 else b"") + encoder.event(
+                n, tokens=j.emitted[skip:], text=j.text_after(skip), finish_reason=j.finish_reason,
+                stop_reason=j.stop_reason, first=skip == 0)
             opened = True
         to_skip = max(0, skip - n)  # the client has tokens the checkpoint lacks: regenerate, don't resend
         gen = self.batches(j)
@@ -822,14 +812,11 @@ class Router:
                             self.metrics.ttft.observe(first_at - started)
                     first = not opened and delivered == 0
                     if first:
-                        parts.append(opening())
-                    fin = out.finish_reason
+                        parts.append(encoder.opening())
                     extra = {"fleetward": {"worker": out.worker, "attempt": out.attempt}} if trace else None
-                    parts.append(encoder.event(out.n, tokens=tokens, text=text, finish_reason=fin,
+                    parts.append(encoder.event(out.n, tokens=tokens, text=text, finish_reason=out.finish_reason,
                                                stop_reason=out.stop_reason, logprobs=out.logprobs, first=first,
-                                               usage=wire.chunk_usage(j, out.n) if continuous else None,
-                                               fingerprint=j.fingerprint if fin is not None and not include_usage
-                                               else None, extra=extra))
+                                               extra=extra))
                     delivered = out.n
                     opened = signalled = True
                 if parts:
@@ -843,8 +830,8 @@ class Router:
             return
         finally:
             await gen.aclose()
-        if include_usage:
-            yield encoder.wrap(delivered, wire.usage_chunk(j, j.fingerprint))
+        if j.wants_usage:  # in a stream: stream_options.include_usage
+            yield encoder.wrap(delivered, wire.usage_chunk(j))
         if first_n >= 0 and delivered > first_n:
             self.metrics.itl.observe((self.clock.monotonic() - first_at) / (delivered - first_n))
         self.metrics.requests.labels(j.kind.value, "ok").inc()
@@ -890,4 +877,4 @@ class Router:
             active.tasks.discard(work)
             self._release(j.id)
         self.metrics.requests.labels(j.kind.value, "ok").inc()
-        return JSONResponse(wire.final_response(j, j.fingerprint), headers={"X-Request-Id": j.id})
+        return JSONResponse(wire.final_response(j), headers={"X-Request-Id": j.id})

@@ -99,33 +99,35 @@ def _head(j: Journal) -> dict[str, Any]:
     return {"id": j.id, "object": _object(j), "created": int(j.created), "model": j.model}
 
 
-def stream_chunk(j: Journal, *, tokens: list[int], text: str, finish_reason: str | None,
-                 stop_reason: str | int | None, logprobs: Any = None, first: bool = False,
-                 usage: dict[str, Any] | None = None, fingerprint: str | None = None) -> dict[str, Any]:
-    """One chunk of tokens. ``first``: the first of a completion (it carries the prompt's ids);
-    ``usage``: with ``continuous_usage_stats``; ``fingerprint``: on the last chunk when no usage chunk follows."""
-    chunk = {**_head(j), "choices": [_choice(j, tokens, text, finish_reason, stop_reason, logprobs, first,
-                                             j.wants_token_ids)]}
-    if usage is not None:
-        chunk["usage"] = usage
-    if fingerprint is not None:
-        chunk["system_fingerprint"] = fingerprint
-    return chunk
+def _tail(j: Journal, n: int, finish_reason: str | None) -> dict[str, Any]:
+    """What follows a stream chunk's choices, as the request asked: usage after ``n`` tokens with
+    ``continuous_usage_stats``; the worker's fingerprint on the last chunk when no usage chunk follows it."""
+    tail: dict[str, Any] = {}
+    if j.wants_continuous_usage:
+        tail["usage"] = chunk_usage(j, n)
+    if finish_reason is not None and not j.wants_usage and j.fingerprint is not None:  # a stream: include_usage
+        tail["system_fingerprint"] = j.fingerprint
+    return tail
 
 
-def role_chunk(j: Journal, *, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+def stream_chunk(j: Journal, n: int, *, tokens: list[int], text: str, finish_reason: str | None,
+                 stop_reason: str | int | None, logprobs: Any = None, first: bool = False) -> dict[str, Any]:
+    """One chunk of tokens, after which the client holds ``n``. ``first``: the first of a completion (it
+    carries the prompt's ids)."""
+    return {**_head(j), "choices": [_choice(j, tokens, text, finish_reason, stop_reason, logprobs, first,
+                                            j.wants_token_ids)], **_tail(j, n, finish_reason)}
+
+
+def role_chunk(j: Journal) -> dict[str, Any]:
     """The chunk a chat stream opens with: the role, no content yet, the prompt's ids."""
-    chunk: dict[str, Any] = {**_head(j), "choices": [{"index": 0, "delta": {"role": chat_role(j), "content": ""},
-                                                      "logprobs": None, "finish_reason": None}]}
-    if usage is not None:
-        chunk["usage"] = usage
-    chunk["prompt_token_ids"] = j.prompt_ids if j.wants_token_ids else None
-    chunk["prompt_text"] = None
-    return chunk
+    return {**_head(j), "choices": [{"index": 0, "delta": {"role": chat_role(j), "content": ""}, "logprobs": None,
+                                     "finish_reason": None}],
+            **_tail(j, 0, None), "prompt_token_ids": j.prompt_ids if j.wants_token_ids else None,
+            "prompt_text": None}
 
 
 class StreamEncoder:
-    """The SSE events of one streamed response, byte for byte ``event(stream_chunk(...), id)``.
+    """The SSE events of one streamed response, byte for byte ``event(stream_chunk(j, n, ...), id)``.
 
     What never changes within a response (id, object, created, model) is encoded once, not per token.
     ``extra`` keys are appended to the chunk after the standard ones (e.g. the router's trace).
@@ -142,7 +144,6 @@ class StreamEncoder:
 
     def event(self, n: int, *, tokens: list[int], text: str, finish_reason: str | None,
               stop_reason: str | int | None, logprobs: Any = None, first: bool = False,
-              usage: dict[str, Any] | None = None, fingerprint: str | None = None,
               extra: dict[str, Any] | None = None) -> bytes:
         """The event for a chunk after which the client holds ``n`` tokens."""
         j = self.j
@@ -150,14 +151,15 @@ class StreamEncoder:
         parts += [b"data: ", self._head,
                   orjson.dumps(_choice(j, tokens, text, finish_reason, stop_reason, logprobs, first, self._wants)),
                   b"]"]
-        if usage is not None:
-            parts += (b',"usage":', orjson.dumps(usage))
-        if fingerprint is not None:
-            parts += (b',"system_fingerprint":', orjson.dumps(fingerprint))
-        for key, value in (extra or {}).items():
+        for key, value in (*_tail(j, n, finish_reason).items(), *(extra or {}).items()):
             parts += (b"," + orjson.dumps(key) + b":", orjson.dumps(value))
         parts.append(b"}\n\n")
         return b"".join(parts)
+
+    def opening(self) -> bytes:
+        """What a stream opens with before its first tokens: a chat stream's role chunk (as vLLM's), else
+        nothing."""
+        return self.wrap(0, role_chunk(self.j)) if self.j.kind is Kind.CHAT else b""
 
     def wrap(self, n: int, chunk: dict[str, Any]) -> bytes:
         """Any other event of this stream (the role chunk, usage, an error): with its id when ids are on."""
@@ -167,10 +169,11 @@ class StreamEncoder:
         return error_event(status, message, f"{self.j.id}:{n}" if self.ids else None)
 
 
-def usage_chunk(j: Journal, fingerprint: str | None = None) -> dict[str, Any]:
+def usage_chunk(j: Journal) -> dict[str, Any]:
+    """The chunk a stream closes with under ``include_usage``: the usage, the worker's fingerprint."""
     chunk: dict[str, Any] = {**_head(j), "choices": [], "usage": usage(j, len(j.emitted))}
-    if fingerprint is not None:
-        chunk["system_fingerprint"] = fingerprint
+    if j.fingerprint is not None:
+        chunk["system_fingerprint"] = j.fingerprint
     return chunk
 
 
@@ -178,10 +181,10 @@ def _full_usage(j: Journal) -> dict[str, Any]:
     return {**usage(j, len(j.emitted)), "prompt_tokens_details": None, "completion_tokens_details": None}
 
 
-def final_response(j: Journal, fingerprint: str | None = None) -> dict[str, Any]:
+def final_response(j: Journal) -> dict[str, Any]:
     """The non-streamed response, assembled from the journal, as vLLM 0.32 writes it."""
     wants = j.wants_token_ids
-    tail = {"service_tier": None, "system_fingerprint": fingerprint, "usage": _full_usage(j)}
+    tail = {"service_tier": None, "system_fingerprint": j.fingerprint, "usage": _full_usage(j)}
     if j.kind is Kind.COMPLETION:
         choice: dict[str, Any] = {"index": 0, "text": j.text, "logprobs": None, "finish_reason": j.finish_reason,
                                   "stop_reason": j.stop_reason, "token_ids": j.emitted if wants else None,
