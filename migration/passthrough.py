@@ -54,11 +54,12 @@ from typing import Any, Literal, Protocol
 import aiohttp
 import orjson
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from fleetward.migration import wire
 from fleetward.migration.metrics import RouterMetrics
+from fleetward.migration.wire import RouterError
 
 __all__ = ["BUFFER_LIMIT", "ROUTES", "Passthrough", "Picker", "Route"]
 
@@ -119,18 +120,6 @@ class Picker(Protocol):
         ...
 
 
-class Refused(Exception):
-    """The router answers the request itself (no worker sees it): a status and OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, etype: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = wire.error_body(status, message, param=param, etype=etype)
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body, status_code=self.status)
-
-
 class _Broken(Exception):
     """A worker's answer broke off after the client had part of it: the client's connection is cut."""
 
@@ -176,7 +165,7 @@ class Passthrough:
                 model, previous = await self._model(route, request, body)
                 if previous is not None:
                     target = await self._holder(previous)
-        except Refused as exc:
+        except RouterError as exc:
             self._count(route.label, f"http_{exc.status}")
             return exc.response()
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
@@ -198,16 +187,17 @@ class Passthrough:
             with contextlib.suppress(Exception):  # a malformed form is the worker's to refuse, in its words
                 form = await request.form()
                 named = form.get("model")
+        previous = previous if isinstance(previous, str) and previous else None
         models = self.picker.models()
         if isinstance(named, str) and named:
             if named not in models:
-                raise Refused(404, f"The model `{named}` does not exist. Valid aliases: {', '.join(models)}.",
-                              param="model", etype="NotFoundError")
-            return named, previous if isinstance(previous, str) and previous else None
+                raise RouterError(404, f"The model `{named}` does not exist. Valid aliases: {', '.join(models)}.",
+                                  param="model")
+            return named, previous
         if len(models) > 1:
-            raise Refused(400, f"model is required: this router serves several models ({', '.join(models)})",
-                          param="model")
-        return (models[0] if models else None), previous if isinstance(previous, str) and previous else None
+            raise RouterError(400, f"model is required: this router serves several models ({', '.join(models)})",
+                              param="model")
+        return (models[0] if models else None), previous
 
     async def _holder(self, response_id: str) -> str | None:
         """The worker that stores response ``response_id`` (it answers GET /v1/responses/{id}), or None."""
@@ -274,8 +264,8 @@ class Passthrough:
             finally:
                 if not relayed:
                     self._release(worker, upstream)
-            self._count(route.label, _outcome(upstream.status))
-            # Released at the stream's end, or after the response if the client left before it started.
+            # Counted and released at the stream's end (released after the response too, in case the client
+            # left before it started).
             return StreamingResponse(self._stream(route, worker, upstream, first), status_code=upstream.status,
                                      headers=_headers(upstream, whole=False),
                                      background=BackgroundTask(self._release, worker, upstream))
@@ -285,7 +275,7 @@ class Passthrough:
             return Response(raw, status_code=status, media_type=ctype)
         self._count(route.label, "no_worker")
         which = f"model {model}" if model else "any model"
-        return Refused(503, f"no healthy worker of {which} could answer {route.method} {path}"
+        return RouterError(503, f"no healthy worker of {which} could answer {route.method} {path}"
                        + (f" (tried {', '.join(tried)})" if tried else "")).response()
 
     def load(self) -> dict[str, int]:
@@ -307,12 +297,12 @@ class Passthrough:
         sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
         pending = b""  # an SSE event not yet whole: held until it is, so an error event never follows half of one
         last_seq = -1
+        outcome = "client_disconnected"  # counted once the stream ends, however it ends
         try:
             data = first
-            while True:
+            while data:  # readany() answers b"" at the end of the body only
                 if not sse:
-                    if data:
-                        yield data
+                    yield data
                 else:
                     pending += data
                     cut = pending.rfind(b"\n\n")
@@ -322,18 +312,15 @@ class Passthrough:
                         if seqs:
                             last_seq = int(seqs[-1])
                         yield whole
-                if upstream.content.at_eof():
-                    break
                 data = await upstream.content.readany()
-                if not data and upstream.content.at_eof():
-                    break
             if upstream in self._aborted:  # closed under the reader, which may have taken it for the end
                 raise aiohttp.ClientConnectionError(self._aborted[upstream])
             if pending.strip():
                 yield pending
+            outcome = _outcome(upstream.status)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            outcome = "failed_stream"
             self.metrics.passthrough_cut.labels(route.label).inc()
-            self._count(route.label, "failed_stream")
             cause = self._aborted.get(upstream) or type(exc).__name__
             why = f"worker {worker} failed mid-stream ({cause}); this request cannot be resumed on another worker"
             log.warning("%s: %s", upstream.url.path, why)
@@ -346,6 +333,7 @@ class Passthrough:
             else:
                 yield wire.error_event(502, why) + wire.DONE
         finally:
+            self._count(route.label, outcome)
             self._release(worker, upstream)
 
 

@@ -24,7 +24,7 @@ import gc
 import logging
 import os
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +51,7 @@ from fleetward.migration.policy import RoutingPolicy, make_policy, prefix_key
 from fleetward.migration.progress import ProgressModel
 from fleetward.migration.text import TextSources
 from fleetward.migration.upstream import Upstream, UpstreamError, UpstreamStream
+from fleetward.migration.wire import RouterError
 
 __all__ = ["Router", "RouterError"]
 
@@ -58,27 +59,6 @@ log = logging.getLogger(__name__)
 
 # Health states in which a worker's open streams are moved elsewhere at once.
 _EVACUATE = {HealthState.UNHEALTHY, HealthState.DEAD, HealthState.RESTARTING, HealthState.QUARANTINED}
-
-
-class RouterError(Exception):
-    """A request ends with this status and message (before streaming: an HTTP error; after: an in-band one)."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, body: dict[str, Any] | None = None,
-                 retry_after: int | None = None, headers: Mapping[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.body = body
-        self.retry_after = retry_after
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        headers = dict(self.headers or {})
-        if self.retry_after:
-            headers["Retry-After"] = str(self.retry_after)
-        body = self.body or wire.error_body(self.status, self.message, param=self.param)
-        return JSONResponse(body, status_code=self.status, headers=headers or None)
 
 
 @dataclass(slots=True)

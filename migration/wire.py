@@ -18,14 +18,16 @@ benchmark) break on them, so they are off by default. Without them a client resu
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
+from fastapi.responses import JSONResponse
 
 from fleetward.migration.journal import Journal, Kind
 
-__all__ = ["DONE", "StreamEncoder", "chat_role", "chunk_usage", "error_body", "error_event", "event", "final_response",
-           "role_chunk", "stream_chunk", "usage", "usage_chunk"]
+__all__ = ["DONE", "RouterError", "StreamEncoder", "chat_role", "chunk_usage", "error_body", "error_event", "event",
+           "final_response", "role_chunk", "stream_chunk", "usage", "usage_chunk"]
 
 DONE = b"data: [DONE]\n\n"
 
@@ -39,6 +41,28 @@ def error_body(status: int, message: str, *, param: str | None = None,
                etype: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": etype or _ERROR_TYPES.get(status, "Error"), "param": param,
                       "code": status}}
+
+
+class RouterError(Exception):
+    """A request ends with this status and message (before streaming: an HTTP error, :meth:`response`; after:
+    an in-band one), whether the router or the relay of a passed-through request refuses it."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, body: dict[str, Any] | None = None,
+                 retry_after: int | None = None, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.body = body
+        self.retry_after = retry_after
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        headers = dict(self.headers or {})
+        if self.retry_after:
+            headers["Retry-After"] = str(self.retry_after)
+        body = self.body or error_body(self.status, self.message, param=self.param)
+        return JSONResponse(body, status_code=self.status, headers=headers or None)
 
 
 def event(data: dict[str, Any] | bytes, event_id: str | None = None) -> bytes:
