@@ -32,7 +32,7 @@ import secrets
 import struct
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import numpy as np
 from fastapi import Request
@@ -67,6 +67,9 @@ _STORED_RESPONSES = 1024
 
 class _Lax(BaseModel):
     model_config = ConfigDict(extra="allow")  # vLLM takes unknown keys (and logs them)
+
+
+_Body = TypeVar("_Body", bound=_Lax)
 
 
 class _TokenizeText(_Lax):
@@ -143,14 +146,13 @@ class _Endpoints:
         assert isinstance(exc, _ApiError)
         return _error_response(exc)
 
-    async def _body(self, request: Request, schema: type[_Lax]) -> _Lax:
-        raw = await self.w._read_json(request)
-        return schema.model_validate(raw)
+    async def _body(self, request: Request, schema: type[_Body]) -> _Body:
+        return schema.model_validate(await self.w._read_json(request))
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.w.model_name:
             raise _ApiError(f"The model `{model}` does not exist. Valid aliases: {self.w.model_name}.",
-                                        status=404, err_type="NotFoundError", param="model")
+                            status=404, err_type="NotFoundError", param="model")
 
     def _ids(self, text: str, *, special: bool = True) -> list[int]:
         return self.w._encode(text, special=special)
@@ -171,8 +173,8 @@ class _Endpoints:
         for p in prompts:
             if len(p) > self.w.config.max_model_len:
                 raise _ApiError(f"This model's maximum context length is {self.w.config.max_model_len} tokens. "
-                                    f"However, your request has {len(p)} input tokens. Please reduce the length of "
-                                    "the input messages.", param="input")
+                                f"However, your request has {len(p)} input tokens. Please reduce the length of "
+                                "the input messages.", param="input")
             if min(p) < 0 or max(p) >= self.w.vocab_size:
                 raise _ApiError(f"Token id {max(p)} is out of vocabulary", param="input")
         return prompts
@@ -200,13 +202,17 @@ class _Endpoints:
     def _cut(self, exc: RequestCut) -> Response:
         return _Cut(exc, lambda: None)
 
-    async def _guard(self, call: Callable[[], Awaitable[Response]]) -> Response:
-        try:
-            return await call()
-        except RequestCut as exc:
-            return self._cut(exc)
-        except (ValidationError, WorkerError) as exc:
-            return self._error(exc)
+    def guarded(self, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """``handler`` with what it raises answered as vLLM answers it: a cut connection, or the error body."""
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except RequestCut as exc:
+                return self._cut(exc)
+            except (ValidationError, WorkerError) as exc:
+                return self._error(exc)
+
+        return route
 
     # -- the API server's own -----------------------------------------------------------------------
 
@@ -214,33 +220,26 @@ class _Endpoints:
         return self._json({"version": VLLM_VERSION})
 
     async def tokenize(self, request: Request) -> Response:
-        async def run() -> Response:
-            raw = await self.w._read_json(request)
-            chat = isinstance(raw, dict) and "messages" in raw
-            body = (_TokenizeChat if chat else _TokenizeText).model_validate(raw)
-            self._check_model(body.model)
-            if isinstance(body, _TokenizeChat):
-                ids = self._ids(render_chat(body.messages, add_generation_prompt=body.add_generation_prompt),
-                                special=body.add_special_tokens)
-            else:
-                assert isinstance(body, _TokenizeText)
-                ids = self._ids(body.prompt, special=body.add_special_tokens)
-            strs = [self._text([t]) for t in ids] if body.return_token_strs else None
-            return self._json({"count": len(ids), "max_model_len": self.w.config.max_model_len, "tokens": ids,
-                               "token_strs": strs})
-
-        return await self._guard(run)
+        raw = await self.w._read_json(request)
+        chat = isinstance(raw, dict) and "messages" in raw
+        body = (_TokenizeChat if chat else _TokenizeText).model_validate(raw)
+        self._check_model(body.model)
+        if isinstance(body, _TokenizeChat):
+            ids = self._ids(render_chat(body.messages, add_generation_prompt=body.add_generation_prompt),
+                            special=body.add_special_tokens)
+        else:
+            assert isinstance(body, _TokenizeText)
+            ids = self._ids(body.prompt, special=body.add_special_tokens)
+        strs = [self._text([t]) for t in ids] if body.return_token_strs else None
+        return self._json({"count": len(ids), "max_model_len": self.w.config.max_model_len, "tokens": ids,
+                           "token_strs": strs})
 
     async def detokenize(self, request: Request) -> Response:
-        async def run() -> Response:
-            body = await self._body(request, _Detokenize)
-            assert isinstance(body, _Detokenize)
-            self._check_model(body.model)
-            if body.tokens and (min(body.tokens) < 0 or max(body.tokens) >= self.w.vocab_size):
-                raise _ApiError(f"Token id {max(body.tokens)} is out of vocabulary", param="tokens")
-            return self._json({"prompt": self._text(body.tokens)})
-
-        return await self._guard(run)
+        body = await self._body(request, _Detokenize)
+        self._check_model(body.model)
+        if body.tokens and (min(body.tokens) < 0 or max(body.tokens) >= self.w.vocab_size):
+            raise _ApiError(f"Token id {max(body.tokens)} is out of vocabulary", param="tokens")
+        return self._json({"prompt": self._text(body.tokens)})
 
     # -- pooling ------------------------------------------------------------------------------------
 
@@ -250,41 +249,33 @@ class _Endpoints:
         return [self._vector(p) for p in prompts]
 
     async def embeddings(self, request: Request) -> Response:
-        async def run() -> Response:
-            body = await self._body(request, _Embed)
-            assert isinstance(body, _Embed)
-            self._check_model(body.model)
-            if body.dimensions is not None:
-                raise _ApiError("Model does not support matryoshka representation, changing output "
-                                            "dimensions will lead to poor results.", param="dimensions")
-            prompts = self._prompts(body.input)
-            vectors = await self._pooled(request, prompts)
-            enc = _enc
-            items = []
-            for i, v in enumerate(vectors):
-                value = (enc(base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode())
-                         if body.encoding_format == "base64" else _float32_json(v))
-                items.append(f'{{"index":{i},"object":"embedding","embedding":{value}}}')
-            text = enc({"id": f"embd-{secrets.token_hex(8)}", "object": "list", "created": int(self.w.clock.wall()),
-                        "model": self.w.model_name, "data": _PLACEHOLDER, "usage": self._usage(sum(map(len, prompts)))})
-            return Response(text.replace(enc(_PLACEHOLDER), "[" + ",".join(items) + "]", 1).encode(),
-                            media_type="application/json")
-
-        return await self._guard(run)
+        body = await self._body(request, _Embed)
+        self._check_model(body.model)
+        if body.dimensions is not None:
+            raise _ApiError("Model does not support matryoshka representation, changing output "
+                            "dimensions will lead to poor results.", param="dimensions")
+        prompts = self._prompts(body.input)
+        vectors = await self._pooled(request, prompts)
+        enc = _enc
+        items = []
+        for i, v in enumerate(vectors):
+            value = (enc(base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode())
+                     if body.encoding_format == "base64" else _float32_json(v))
+            items.append(f'{{"index":{i},"object":"embedding","embedding":{value}}}')
+        text = enc({"id": f"embd-{secrets.token_hex(8)}", "object": "list", "created": int(self.w.clock.wall()),
+                    "model": self.w.model_name, "data": _PLACEHOLDER, "usage": self._usage(sum(map(len, prompts)))})
+        return Response(text.replace(enc(_PLACEHOLDER), "[" + ",".join(items) + "]", 1).encode(),
+                        media_type="application/json")
 
     async def pooling(self, request: Request) -> Response:
-        async def run() -> Response:
-            body = await self._body(request, _Embed)
-            assert isinstance(body, _Embed)
-            self._check_model(body.model)
-            prompts = self._prompts(body.input)
-            vectors = await self._pooled(request, prompts)
-            data = [{"index": i, "object": "pooling", "data": v} for i, v in enumerate(vectors)]
-            return self._json({"id": f"pooling-{secrets.token_hex(8)}", "object": "list",
-                               "created": int(self.w.clock.wall()), "model": self.w.model_name, "data": data,
-                               "usage": self._usage(sum(map(len, prompts)))})
-
-        return await self._guard(run)
+        body = await self._body(request, _Embed)
+        self._check_model(body.model)
+        prompts = self._prompts(body.input)
+        vectors = await self._pooled(request, prompts)
+        data = [{"index": i, "object": "pooling", "data": v} for i, v in enumerate(vectors)]
+        return self._json({"id": f"pooling-{secrets.token_hex(8)}", "object": "list",
+                           "created": int(self.w.clock.wall()), "model": self.w.model_name, "data": data,
+                           "usage": self._usage(sum(map(len, prompts)))})
 
     async def _scores(self, request: Request, query: list[str], docs: list[str]) -> tuple[list[float], int]:
         if not query or not docs:
@@ -298,58 +289,47 @@ class _Endpoints:
         return [float(np.dot(vectors[a], vectors[b])) for a, b in pairs], sum(map(len, prompts))
 
     async def score(self, request: Request) -> Response:
-        async def run() -> Response:
-            body = await self._body(request, _Score)
-            assert isinstance(body, _Score)
-            self._check_model(body.model)
-            one = [body.text_1] if isinstance(body.text_1, str) else body.text_1
-            two = [body.text_2] if isinstance(body.text_2, str) else body.text_2
-            scores, used = await self._scores(request, one, two)
-            return self._json({"id": f"score-{secrets.token_hex(8)}", "object": "list",
-                               "created": int(self.w.clock.wall()), "model": self.w.model_name,
-                               "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
-                               "usage": self._usage(used)})
-
-        return await self._guard(run)
+        body = await self._body(request, _Score)
+        self._check_model(body.model)
+        one = [body.text_1] if isinstance(body.text_1, str) else body.text_1
+        two = [body.text_2] if isinstance(body.text_2, str) else body.text_2
+        scores, used = await self._scores(request, one, two)
+        return self._json({"id": f"score-{secrets.token_hex(8)}", "object": "list",
+                           "created": int(self.w.clock.wall()), "model": self.w.model_name,
+                           "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+                           "usage": self._usage(used)})
 
     async def rerank(self, request: Request) -> Response:
-        async def run() -> Response:
-            body = await self._body(request, _Rerank)
-            assert isinstance(body, _Rerank)
-            self._check_model(body.model)
-            scores, used = await self._scores(request, [body.query], body.documents)
-            ranked = sorted(range(len(scores)), key=lambda i: -scores[i])
-            if body.top_n > 0:
-                ranked = ranked[:body.top_n]
-            results = [{"index": i, "document": {"text": body.documents[i], "multi_modal": None},
-                        "relevance_score": scores[i]} for i in ranked]
-            return self._json({"id": f"score-{secrets.token_hex(8)}", "model": self.w.model_name,
-                               "usage": {"prompt_tokens": used, "total_tokens": used}, "results": results})
-
-        return await self._guard(run)
+        body = await self._body(request, _Rerank)
+        self._check_model(body.model)
+        scores, used = await self._scores(request, [body.query], body.documents)
+        ranked = sorted(range(len(scores)), key=lambda i: -scores[i])
+        if body.top_n > 0:
+            ranked = ranked[:body.top_n]
+        results = [{"index": i, "document": {"text": body.documents[i], "multi_modal": None},
+                    "relevance_score": scores[i]} for i in ranked]
+        return self._json({"id": f"score-{secrets.token_hex(8)}", "model": self.w.model_name,
+                           "usage": {"prompt_tokens": used, "total_tokens": used}, "results": results})
 
     # -- audio --------------------------------------------------------------------------------------
 
     async def transcriptions(self, request: Request) -> Response:
-        async def run() -> Response:
-            try:
-                form = await request.form()
-            except Exception as exc:
-                raise _ApiError(f"the body is not a multipart form: {exc}") from None
-            upload = form.get("file")
-            if upload is None or isinstance(upload, str):
-                raise _schema_error([_error("missing", ("file",), "Field required", None)])
-            model = form.get("model")
-            self._check_model(model if isinstance(model, str) and model else None)
-            if str(form.get("stream", "false")).lower() == "true":
-                raise _ApiError("the simulated worker does not stream transcriptions", param="stream")
-            audio = await upload.read()
-            digest = hashlib.sha256(audio).hexdigest()[:16]
-            req = await self._generate(request, self._ids(f"transcribe {digest}:"), 16)
-            return self._json({"text": req.output_text, "usage": {"type": "duration",
-                                                                  "seconds": max(1, math.ceil(len(audio) / 32000))}})
-
-        return await self._guard(run)
+        try:
+            form = await request.form()
+        except Exception as exc:
+            raise _ApiError(f"the body is not a multipart form: {exc}") from None
+        upload = form.get("file")
+        if upload is None or isinstance(upload, str):
+            raise _schema_error([_error("missing", ("file",), "Field required", None)])
+        model = form.get("model")
+        self._check_model(model if isinstance(model, str) and model else None)
+        if str(form.get("stream", "false")).lower() == "true":
+            raise _ApiError("the simulated worker does not stream transcriptions", param="stream")
+        audio = await upload.read()
+        digest = hashlib.sha256(audio).hexdigest()[:16]
+        req = await self._generate(request, self._ids(f"transcribe {digest}:"), 16)
+        return self._json({"text": req.output_text, "usage": {"type": "duration",
+                                                              "seconds": max(1, math.ceil(len(audio) / 32000))}})
 
     async def _generate(self, request: Request, prompt_ids: list[int], max_tokens: int) -> SimRequest:
         """``max_tokens`` tokens generated for ``prompt_ids`` on the engine, as any request: its faults raise
@@ -419,32 +399,28 @@ class _Endpoints:
                 "total_tokens": prompt + output}
 
     async def responses(self, request: Request) -> Response:
-        try:
-            body = await self._body(request, _Respond)
-            assert isinstance(body, _Respond)
-            self._check_model(body.model)
-            before: list[dict[str, Any]] = []
-            if body.previous_response_id is not None:
-                stored = self.stored.get(body.previous_response_id)
-                if stored is None:
-                    raise self._not_found(body.previous_response_id)
-                before = stored[0]
-            messages = self._messages(body, before)
-            prompt_ids = self._ids(render_chat(messages, add_generation_prompt=True), special=False)
-            max_len = self.w.config.max_model_len
-            budget = max_len - len(prompt_ids)
-            if budget < 1:
-                raise _ApiError(f"This model's maximum context length is {max_len} tokens. However, your "
-                                    f"request has {len(prompt_ids)} input tokens.", param="input")
-            max_tokens = budget if body.max_output_tokens is None else body.max_output_tokens
-            if max_tokens < 1:
-                raise _refused(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens",
-                                   value=max_tokens)
-            max_tokens = min(max_tokens, budget)
-            if self.w.engine.draw_error():
-                raise _engine_dead()
-        except (ValidationError, WorkerError) as exc:
-            return self._error(exc)
+        body = await self._body(request, _Respond)
+        self._check_model(body.model)
+        before: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            stored = self.stored.get(body.previous_response_id)
+            if stored is None:
+                raise self._not_found(body.previous_response_id)
+            before = stored[0]
+        messages = self._messages(body, before)
+        prompt_ids = self._ids(render_chat(messages, add_generation_prompt=True), special=False)
+        max_len = self.w.config.max_model_len
+        budget = max_len - len(prompt_ids)
+        if budget < 1:
+            raise _ApiError(f"This model's maximum context length is {max_len} tokens. However, your "
+                            f"request has {len(prompt_ids)} input tokens.", param="input")
+        max_tokens = budget if body.max_output_tokens is None else body.max_output_tokens
+        if max_tokens < 1:
+            raise _refused(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens",
+                           value=max_tokens)
+        max_tokens = min(max_tokens, budget)
+        if self.w.engine.draw_error():
+            raise _engine_dead()
         rid, mid = f"resp_{secrets.token_hex(8)}", f"msg_{secrets.token_hex(8)}"
         created = int(self.w.clock.wall())
         req = self.w.engine.submit(prompt_ids, SamplingSpec(max_tokens=max_tokens, ignore_eos=body.ignore_eos),
@@ -458,9 +434,9 @@ class _Endpoints:
         finally:
             release()
         if isinstance(outcome, RequestCut):
-            return self._cut(outcome)
+            raise outcome
         if outcome is not None or req.finish_reason == "abort":
-            return self._error(_engine_dead())
+            raise _engine_dead()
         answer = self._finished(req, make, mid, len(prompt_ids))
         self._store(body, rid, messages, answer)
         return self._json(answer)
@@ -481,7 +457,7 @@ class _Endpoints:
 
     def _not_found(self, rid: str) -> _ApiError:
         return _ApiError(f"Response with id '{rid}' not found.", status=404,
-                                     err_type="invalid_request_error", param="response_id")
+                         err_type="invalid_request_error", param="response_id")
 
     async def stored_response(self, request: Request) -> Response:
         rid = request.path_params["response_id"]
@@ -550,15 +526,10 @@ def mount(worker: SimWorker) -> None:
     """Add the routes (module docstring) to ``worker.app``."""
     e = _Endpoints(worker)
     r = worker.app.router
-    r.add_route("/version", e.version, methods=["GET"])
-    r.add_route("/tokenize", e.tokenize, methods=["POST"])
-    r.add_route("/detokenize", e.detokenize, methods=["POST"])
-    r.add_route("/v1/embeddings", e.embeddings, methods=["POST"])
-    r.add_route("/pooling", e.pooling, methods=["POST"])
-    for path in ("/score", "/v1/score"):
-        r.add_route(path, e.score, methods=["POST"])
-    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
-        r.add_route(path, e.rerank, methods=["POST"])
-    r.add_route("/v1/audio/transcriptions", e.transcriptions, methods=["POST"])
-    r.add_route("/v1/responses", e.responses, methods=["POST"])
-    r.add_route("/v1/responses/{response_id}", e.stored_response, methods=["GET"])
+    for path, handler, method in (
+            ("/version", e.version, "GET"), ("/tokenize", e.tokenize, "POST"), ("/detokenize", e.detokenize, "POST"),
+            ("/v1/embeddings", e.embeddings, "POST"), ("/pooling", e.pooling, "POST"), ("/score", e.score, "POST"),
+            ("/v1/score", e.score, "POST"), ("/rerank", e.rerank, "POST"), ("/v1/rerank", e.rerank, "POST"),
+            ("/v2/rerank", e.rerank, "POST"), ("/v1/audio/transcriptions", e.transcriptions, "POST"),
+            ("/v1/responses", e.responses, "POST"), ("/v1/responses/{response_id}", e.stored_response, "GET")):
+        r.add_route(path, e.guarded(handler), methods=[method])
