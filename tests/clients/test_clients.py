@@ -5,9 +5,9 @@ tokenizers; vLLM's benchmark and AIPerf read it from the tiny model's folder) be
 supervisor that restarts what a test killed. Each test runs one client as its own process, the way its users
 run it: the official ``openai`` Python client, the official OpenAI Node client (npm), ``vllm bench serve``,
 NVIDIA AIPerf, LiteLLM and LangChain's ``ChatOpenAI``. Once tokens flow, the worker that holds the most
-streams is SIGKILLed (frozen first, so that "it holds streams" is still true when the kill lands). Then every
-client must report no failed request, and every output must equal the fault-free reference: what a worker
-answers for the same request (greedy decoding, ``ignore_eos``), text and finish.
+streams is SIGKILLed (its engine hung first, so that "it holds streams" is still true when the kill lands).
+Then every client must report no failed request, and every output must equal the fault-free reference: what a
+worker answers for the same request (greedy decoding, ``ignore_eos``), text and finish.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -104,20 +103,21 @@ async def _busy_worker(fleet: TestFleet, client: httpx.AsyncClient) -> dict[str,
 async def kill_a_worker_mid_stream(fleet: TestFleet, client_proc: asyncio.subprocess.Process) -> str:
     """SIGKILL the worker holding the most streams, once it has sent tokens, while the client runs.
 
-    The router's progress view says which worker holds streams and has sent tokens. That worker
-    is frozen (SIGSTOP) before the kill: a frozen worker sends nothing more, so once the router has read
-    what was on the wire (the view stays the same for a while), the streams it still shows there are open
-    and mid-way when the SIGKILL lands. If none is left (they had just finished), the worker is thawed and
-    the search goes on.
+    The router's progress view says which worker holds streams and has sent tokens. That worker's engine is
+    made to hang first (its fault switch: the process runs, its streams get no further token), so once the
+    router has read what was on the wire (its view of the worker stays the same), the streams it still shows
+    there are open and mid-way when the SIGKILL lands. If none is left (they had just finished), the hang is
+    lifted and the search goes on. (Not SIGSTOP: the node agent finds a stopped engine at once and has the
+    worker restarted, which would take out a worker the test meant to leave alone.)
     """
     async with httpx.AsyncClient(timeout=10) as client:
         while client_proc.returncode is None:
             busy = await _busy_worker(fleet, client)
             if busy:
                 worker = max(busy, key=lambda w: busy[w]["in_flight"])
-                fleet.signal_engine(worker, signal.SIGSTOP)
+                await fleet.fault(worker, hang=True)
                 before: Any = None
-                for _ in range(50):  # until the router has read everything the frozen worker had sent
+                for _ in range(50):  # until the router has read everything the hung worker had sent
                     await asyncio.sleep(0.05)
                     now = (await client.get(router_url(fleet) + "/fleetward/v1/progress")).json()["workers"]
                     seen = now.get(worker, {}).get("in_flight", 0), now.get(worker, {}).get("tokens", 0)
@@ -127,7 +127,7 @@ async def kill_a_worker_mid_stream(fleet: TestFleet, client_proc: asyncio.subpro
                 if before is not None and before[0] > 0:
                     fleet.kill(worker)
                     return worker
-                fleet.signal_engine(worker, signal.SIGCONT)
+                await fleet.fault(worker, hang=False)
             await asyncio.sleep(0.01)
     raise AssertionError("the client finished before a worker held a stream with tokens flowing")
 
