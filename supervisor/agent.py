@@ -22,6 +22,7 @@ it launches, and the leader owns the record from then on.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -131,6 +132,10 @@ class NodeAgent:
         self._locks: dict[str, asyncio.Lock] = {}  # one restart/stop of a worker at a time
         self._http = httpx.AsyncClient(timeout=2.0)
         self._raised: dict[str, set[str]] = {}  # worker -> detectors whose last signal here was not ok
+        # One write at a time per signal key, in the order they were decided: two concurrent puts may reach
+        # etcd in either order, and an older finding (an exit seen beginning) must not overwrite a newer one
+        # (its exit code).
+        self._signal_locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self._degraded_gpus: set[int] = set()  # GPUs throttled right now
         self.adopter = Adopter(self)  # servers this node protects but did not start (``attach/``)
         self.metrics = _Metrics()
@@ -348,8 +353,10 @@ class NodeAgent:
     async def signal(self, worker_id: str, detector: str, severity: Severity, reason: str, **extra: Any) -> None:
         sig = Signal(worker_id, detector, severity, reason, self.clock.wall(), dict(extra))
         self.metrics.signals.labels(detector, severity.value).inc()
-        with contextlib.suppress(UnavailableError):
-            await self.store.put(self.keys.signal(worker_id, detector), sig.to_json())
+        key = self.keys.signal(worker_id, detector)
+        async with self._signal_locks[key]:
+            with contextlib.suppress(UnavailableError):
+                await self.store.put(key, sig.to_json())
         raised = self._raised.setdefault(worker_id, set())
         if severity is Severity.OK:
             raised.discard(detector)

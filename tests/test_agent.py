@@ -172,3 +172,47 @@ def test_exiting_names_a_process_whose_exit_started_and_not_a_live_one() -> None
         child.kill()
         child.wait()
     assert exiting(child.pid) == ("gone", None)
+
+
+async def test_signals_for_one_worker_and_detector_reach_etcd_in_the_order_they_were_decided(
+        store: EtcdStore, bus: MqttBus, keys: Keys, tmp_path: Path) -> None:
+    """An exit is signalled twice: as it begins (seen in /proc) and when it completes (with its code). Two puts
+    in flight at once may reach etcd in either order (found in CI: the exit code overwritten by the earlier
+    finding). Here the first put is held back while the second is decided; what etcd keeps is the second."""
+    from fleetward.fleet.backends import SimBackend
+    from fleetward.fleet.config import SimConfig
+    from fleetward.supervisor.agent import NodeAgent
+
+    class FirstPutLate:
+        """The real store; its first put waits until a second put has begun (or 0.5 s, which is what
+        happens when the agent orders its puts: the second does not begin before the first is done)."""
+
+        def __init__(self) -> None:
+            self.second = asyncio.Event()
+            self.puts = 0
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(store, name)
+
+        async def put(self, key: str, value: bytes, **kw: Any) -> Any:
+            self.puts += 1
+            if self.puts == 1:
+                try:
+                    await asyncio.wait_for(self.second.wait(), 0.5)
+                except TimeoutError:
+                    pass
+            else:
+                self.second.set()
+            return await store.put(key, value, **kw)
+
+    agent = NodeAgent(store=FirstPutLate(), bus=bus, keys=keys,  # type: ignore[arg-type]
+                      backend=SimBackend(SimConfig()), node="n1", log_dir=tmp_path)
+    try:
+        first = asyncio.create_task(agent.signal("n1-w0", "process", Severity.FATAL, "exit began"))
+        await asyncio.sleep(0)
+        await agent.signal("n1-w0", "process", Severity.FATAL, "process exited with code -9")
+        await first
+        signal = Signal.from_json((await store.get(keys.signal("n1-w0", "process"))).value)
+        assert signal.reason == "process exited with code -9"
+    finally:
+        await agent.aclose()
