@@ -332,17 +332,24 @@ class _Endpoints:
                                                               "seconds": max(1, math.ceil(len(audio) / 32000))}})
 
     async def _generate(self, request: Request, prompt_ids: list[int], max_tokens: int) -> SimRequest:
-        """``max_tokens`` tokens generated for ``prompt_ids`` on the engine, as any request: its faults raise
-        (the EngineCore error as a 500, a cut as :class:`RequestCut`)."""
-        engine = self.w.engine
-        if engine.draw_error():
+        """``max_tokens`` tokens generated for ``prompt_ids`` on the engine, as any request (:meth:`_finish`)."""
+        req = self._submit(prompt_ids, SamplingSpec(max_tokens=max_tokens, ignore_eos=True),
+                           f"gen-{secrets.token_hex(8)}")
+        return await self._finish(request, req)
+
+    def _submit(self, prompt_ids: list[int], spec: SamplingSpec, rid: str) -> SimRequest:
+        """A request of the engine, or the EngineCore error it draws (``error_rate``) as a 500."""
+        if self.w.engine.draw_error():
             raise _engine_dead()
-        req = engine.submit(prompt_ids, SamplingSpec(max_tokens=max_tokens, ignore_eos=True),
-                            f"gen-{secrets.token_hex(8)}")
+        return self.w.engine.submit(prompt_ids, spec, rid)
+
+    async def _finish(self, request: Request, req: SimRequest) -> SimRequest:
+        """``req`` run to its end and released; its faults raise (the EngineCore error as a 500, a cut as
+        :class:`RequestCut`)."""
         try:
             outcome = await self.w._await_or_abort(request, req)
         finally:
-            engine.release(req)
+            self.w.engine.release(req)
         if isinstance(outcome, RequestCut):
             raise outcome
         if outcome is not None or req.finish_reason == "abort":
@@ -419,25 +426,14 @@ class _Endpoints:
             raise _refused(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens",
                            value=max_tokens)
         max_tokens = min(max_tokens, budget)
-        if self.w.engine.draw_error():
-            raise _engine_dead()
         rid, mid = f"resp_{secrets.token_hex(8)}", f"msg_{secrets.token_hex(8)}"
         created = int(self.w.clock.wall())
-        req = self.w.engine.submit(prompt_ids, SamplingSpec(max_tokens=max_tokens, ignore_eos=body.ignore_eos),
-                                   rid)
-        release = functools.partial(self.w.engine.release, req)
+        req = self._submit(prompt_ids, SamplingSpec(max_tokens=max_tokens, ignore_eos=body.ignore_eos), rid)
         make = functools.partial(self._response, body, rid, created, max_tokens)
         if body.stream:
-            return _EventStream(self._response_events(req, make, mid, len(prompt_ids)), release)
-        try:
-            outcome = await self.w._await_or_abort(request, req)
-        finally:
-            release()
-        if isinstance(outcome, RequestCut):
-            raise outcome
-        if outcome is not None or req.finish_reason == "abort":
-            raise _engine_dead()
-        answer = self._finished(req, make, mid, len(prompt_ids))
+            return _EventStream(self._response_events(req, make, mid, len(prompt_ids)),
+                                functools.partial(self.w.engine.release, req))
+        answer = self._finished(await self._finish(request, req), make, mid, len(prompt_ids))
         self._store(body, rid, messages, answer)
         return self._json(answer)
 
@@ -463,7 +459,7 @@ class _Endpoints:
         rid = request.path_params["response_id"]
         stored = self.stored.get(rid)
         if stored is None:
-            return self._error(self._not_found(rid))
+            raise self._not_found(rid)
         return self._json(stored[1])
 
     async def _response_events(self, req: SimRequest, make: Callable[..., dict[str, Any]], mid: str,
