@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -118,7 +117,7 @@ async def merged_models(router: Router) -> list[dict[str, Any]]:
     the router's own. Either way with ``"fleetward": {"detokenizer", ...}``: where the router's text for the
     model comes from."""
     session = router.upstream.session
-    now = int(time.time())
+    now = int(router.clock.wall())
 
     async def card(model: str) -> dict[str, Any]:
         picked = router.pick(model, [])
