@@ -435,6 +435,8 @@ class LocalFleet(AgentWorkers, FleetClient):
         if self.prometheus is not None:
             await self.prometheus.stop()
             self.prometheus = None
+        if self._prometheus_plan is not None:  # chosen but never started (a start-up that failed before it)
+            self._prometheus_plan.release_port()
         if self.autoscaler is not None:  # first: it must not start or retire workers while the fleet stops
             await self.autoscaler.process.stop(grace=5)
             self.autoscaler = None

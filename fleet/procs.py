@@ -59,6 +59,7 @@ __all__ = [
     "pid_of_container",
     "pid_of_unit",
     "port_is_free",
+    "reserve_port",
     "tree_of",
 ]
 
@@ -107,6 +108,20 @@ def port_is_free(host: str, port: int) -> bool:
                 return False
             raise
         return True
+
+
+def reserve_port(host: str = "127.0.0.1") -> socket.socket:
+    """A socket bound to a free port of ``host`` and held, not listening, so that the port stays free for the
+    process that will listen on it later: neither a bind nor the kernel's choice of a local port for an
+    outgoing connection takes a port a socket is bound to. Close it just before that process starts. For a
+    port chosen long before its server starts (:func:`free_port` leaves it to whoever comes first)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind((host, 0))
+    except BaseException:
+        s.close()
+        raise
+    return s
 
 
 def ensure_port(host: str, port: int, *, name: str) -> int:

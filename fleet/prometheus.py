@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ import yaml
 from fleetward.fleet.errors import ProcessError
 from fleetward.fleet.etcd import StateStore
 from fleetward.fleet.keys import Keys
-from fleetward.fleet.procs import ManagedProcess, ensure_port
+from fleetward.fleet.procs import ManagedProcess, ensure_port, reserve_port
 from fleetward.fleet.registry import read_fleet
 
 __all__ = ["LocalPrometheus", "TargetsWriter", "fleet_targets", "prometheus_binary"]
@@ -86,10 +87,24 @@ class LocalPrometheus:
     rule_files: tuple[Path, ...] = ()
     process: ManagedProcess | None = None
     targets_file: Path = field(init=False)
+    # Port 0: the port chosen, held until start(). Its address is given out first (the controller's fleet page
+    # lists its alerts) and Prometheus starts last; a port merely found free would be open to any bind or
+    # outgoing connection of the fleet starting in between (it happened: "bind: address already in use").
+    _reserved: socket.socket | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.port = ensure_port(self.host, self.port, name="prometheus")
+        if self.port == 0:
+            self._reserved = reserve_port(self.host)
+            self.port = int(self._reserved.getsockname()[1])
+        else:
+            self.port = ensure_port(self.host, self.port, name="prometheus")
         self.targets_file = self.root / "targets.json"
+
+    def release_port(self) -> None:
+        """Let go of the chosen port (at start, or when it will never start)."""
+        if self._reserved is not None:
+            self._reserved.close()
+            self._reserved = None
 
     @property
     def url(self) -> str:
@@ -125,6 +140,7 @@ class LocalPrometheus:
         argv = [prometheus_binary(), f"--config.file={config}", f"--storage.tsdb.path={self.root / 'data'}",
                 f"--web.listen-address={self.host}:{self.port}", "--web.enable-lifecycle",
                 "--storage.tsdb.retention.time=2d", "--log.level=warn"]
+        self.release_port()
         self.process = ManagedProcess("prometheus", argv, log_path=log_dir / "prometheus.log").start()
         return self.process
 
@@ -141,6 +157,7 @@ class LocalPrometheus:
         await self.process.wait_ready(self.ready, timeout=timeout, interval=0.1)
 
     async def stop(self) -> None:
+        self.release_port()
         if self.process is not None:
             await self.process.stop()
 
