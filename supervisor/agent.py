@@ -399,7 +399,8 @@ class NodeAgent:
         if self._closing or self.handles.get(handle.spec.id) is not handle:
             return  # we stopped it on purpose
         worker_id = handle.spec.id
-        self.metrics.exits.inc()
+        if self._dying.get(worker_id) is not handle:  # else counted when its exit was seen beginning
+            self.metrics.exits.inc()
         reason = f"process exited with code {code}" if code is not None else "process exited"
         log.warning("worker %s: %s", worker_id, reason)
         self.handles.pop(worker_id, None)
@@ -514,6 +515,9 @@ class NodeAgent:
                     if seen is None:
                         continue
                     self._dying[wid] = handle
+                    # Counted here, once: a restart ordered on this signal may replace the handle before the
+                    # exit completes, and the exit watcher then counts nothing.
+                    self.metrics.exits.inc()
                     state, code = seen
                     what = "process" if p == pid else f"engine process {p}"
                     reason = f"{what} exited" + (f" with code {code}" if code is not None else "") + \

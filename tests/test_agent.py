@@ -82,6 +82,8 @@ async def test_a_worker_exit_is_reported_at_once_and_a_clean_stop_revokes_the_le
         signal = Signal.from_json((await store.get(keys.signal(victim, "process"))).value)
         assert (signal.severity, signal.reason) == (Severity.FATAL, "process exited with code -9")
         await wait_until(lambda: any(e.kind == "worker.down" and e.worker == victim for e in events), timeout=10)
+        # One exit, counted once: whether it was seen beginning, completing, or both.
+        assert fleet.agent.metrics.registry.get_sample_value("fleetward_agent_worker_exits_total") == 1
     finally:
         await fleet.agent.aclose()
     # A clean stop revokes the lease (TTL 30 s): the keys are gone right away.
