@@ -44,7 +44,7 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import psutil
 from pydantic import Field
@@ -63,6 +63,9 @@ from fleetward.chaos.faults._base import (
 )
 from fleetward.fleet.handle import Fleet
 from fleetward.fleet.procs import ManagedProcess, kill_tree
+
+if TYPE_CHECKING:
+    import httpx
 
 __all__ = ["CrashLoop", "FreezerGroup", "HangWorker", "KillEngine", "KillWorker", "MemoryGroup", "OomKill",
            "SlowStart", "launcher_prefix"]
@@ -231,9 +234,25 @@ class HangWorker(_WorkerFault):
             reason = FreezerGroup.unavailable_reason()
             if reason:
                 raise FaultUnavailable(f"process.hang mode cgroup_freeze: {reason}")
+        import httpx
+
+        # One client for the look at /health right after the stop, its connection opened before it: on a busy
+        # host a fresh connection (and a 1-s budget) can lose the race with a supervisor that restarts the
+        # worker as soon as it sees the stop, and a 200 not seen then is not seen at all.
+        async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+            await self._stop(fleet, client)
+        self.detail["stopped_pids"] = {w: [p.pid for p in ps] for w, ps in self._stopped.items()}
+        self.detail["switched"] = list(self._switched)
+        if self._groups:
+            self.detail["groups"] = {w: {"path": str(g.path)} for w, g in self._groups.items()}
+
+    async def _stop(self, fleet: Fleet, client: httpx.AsyncClient) -> None:
+        mode = self.params.mode
         for w in self.targets:
             tree = running_tree(fleet, w)
             self._urls[w] = fleet.bind_url(w)
+            if mode != "freeze":
+                await self._health(self._urls[w], client)  # the connection, opened while it still runs
             if mode == "silent" and fleet.backend.fault_switches:
                 self._switched.append(w)
                 await fleet.fault(w, hang=True)
@@ -264,12 +283,8 @@ class HangWorker(_WorkerFault):
                 # a second) restarts the worker, and a restarting server answers nothing. A 200 counts when
                 # the engine is still stopped after it.
                 for w in self._answering:
-                    if await self._health(self._urls[w]) == 200 and self._all_stopped():
+                    if await self._health(self._urls[w], client) == 200 and self._all_stopped():
                         self._healthy_while_stopped.add(w)
-        self.detail["stopped_pids"] = {w: [p.pid for p in ps] for w, ps in self._stopped.items()}
-        self.detail["switched"] = list(self._switched)
-        if self._groups:
-            self.detail["groups"] = {w: {"path": str(g.path)} for w, g in self._groups.items()}
 
     def _all_stopped(self) -> bool:
         if self.params.mode == "cgroup_freeze":
@@ -277,12 +292,15 @@ class HangWorker(_WorkerFault):
                        for w, g in self._groups.items())
         return all(_stopped(p) for ps in self._stopped.values() for p in ps)
 
-    async def _health(self, url: str) -> int | None:
+    async def _health(self, url: str, client: httpx.AsyncClient | None = None) -> int | None:
+        """``url``'s /health status (None: no answer), on ``client`` when given, else on a client of its own."""
         import httpx
 
         try:
-            async with httpx.AsyncClient(timeout=1.0, trust_env=False) as client:
+            if client is not None:
                 return (await client.get(f"{url}/health")).status_code
+            async with httpx.AsyncClient(timeout=1.0, trust_env=False) as own:
+                return (await own.get(f"{url}/health")).status_code
         except (httpx.HTTPError, OSError):
             return None
 
