@@ -23,6 +23,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
+import fleetward.chaos.faults  # noqa: F401 - fills the catalogue (run alone, nothing else imports it)
 from fleetward.chaos.fault import CATALOGUE, Target
 from fleetward.chaos.harness import TestFleet
 from fleetward.fleet.backends import SimBackend
