@@ -440,11 +440,12 @@ class NodeAgent:
         switches = 0
         tree = handle.process.tree()
         engines = [p for p in tree[1:] if _is_engine(p)] or tree[:1]
-        server = None
+        server = demand = None
         if tree and engines[0] is not tree[0]:  # a server process in front of the engine
             with contextlib.suppress(psutil.Error), tree[0].oneshot():
                 t = tree[0].cpu_times()
                 server = (t.user + t.system, sum(tree[0].num_ctx_switches()))
+            demand = _cpu_demand_ns(tree[0].pid)
         for p in engines:
             try:
                 with p.oneshot():
@@ -459,7 +460,7 @@ class NodeAgent:
         return EngineSample(tuple(procs), running, switches=switches, running_read_at=read_at,
                             probe_sent_at=probe[0][0] if probe is not None and probe[0] and not probe[1].done()
                             else None,
-                            server=server)
+                            server=server, server_demand_ns=demand)
 
     def _watch_tree_member(self, wid: str, handle: WorkerHandle, pid: int, name: str) -> None:
         """A pidfd on a process of a worker's tree (e.g. vLLM's EngineCore): its exit is seen at once."""
@@ -531,14 +532,20 @@ class NodeAgent:
         An engine that shows no progress has its /metrics read (requests running?) and, at most every
         ``engine_probe_interval_s``, gets a one-token probe, so that work is known to wait on it (see
         :class:`~fleetward.supervisor.detectors.EngineFrozenDetector`). Reads and probes run beside the
-        sampling, which a frozen worker that answers nothing must not hold up."""
+        sampling, which a frozen worker that answers nothing must not hold up.
+
+        Only workers that registered (ready, with an exit watcher) are looked at. One still starting has
+        nothing to judge: vLLM listens before its engine is handed work (its socket is bound first, the
+        app served last), so a probe sent then waits in the socket's backlog while the idle engine is, rightly,
+        not scheduled; that is not a freeze. A start that hangs is the start timeout's to catch."""
         ticks = 0
         while True:
             await self.clock.sleep(self.config.engine_check_interval_s)
             ticks += 1
             for wid, handle in list(self.handles.items()):
-                if handle.process.pid is None or not handle.process.is_running or wid in self._restarting:
-                    continue  # no process to look at (a server known by URL only), or it is being replaced
+                if (handle.process.pid is None or not handle.process.is_running or wid in self._restarting
+                        or wid not in self._watchers):
+                    continue  # no process to look at (a server known by URL only), being replaced, or starting
                 sample = await asyncio.to_thread(self._engine_sample, handle)
                 if self.handles.get(wid) is not handle or wid in self._restarting:
                     continue
@@ -853,6 +860,26 @@ def _switches(p: psutil.Process) -> int:
                         total += int(line.split()[1])
         except (OSError, ValueError, IndexError):
             continue
+    return total
+
+
+def _cpu_demand_ns(pid: int) -> int | None:
+    """The CPU a process asked for: its threads' time on a CPU plus their time waiting in a run queue (ns,
+    ``/proc/<pid>/task/<tid>/schedstat``); None where the kernel does not keep it."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                on_cpu, waiting, _ = f.read().split()
+        except FileNotFoundError:
+            continue  # a thread that ended since the listing
+        except (OSError, ValueError):
+            return None
+        total += int(on_cpu) + int(waiting)
     return total
 
 

@@ -274,6 +274,10 @@ class EngineSample:
     # The server process in front of the engine (vLLM's API server), when it is another process: its CPU
     # time and context switches. A probe waits on the engine only once the server ran to hand it on.
     server: tuple[float, int] | None = None
+    # The server's threads' time on a CPU or waiting in a run queue, summed (ns, /proc/.../schedstat), when
+    # readable: how much CPU it asked for. A server that asks for little, look after look, is not working on
+    # the probe any more: it handed it on, and waits.
+    server_demand_ns: int | None = None
 
 
 @dataclass
@@ -283,13 +287,20 @@ class _EngineState:
     ran: tuple[float, int] | None = None  # (cpu, switches) at the last look that showed the engine ran
     ran_at: float = 0.0  # when that look was
     work_since: float | None = None  # first evidence of waiting work since the engine last ran
+    evidence_since: float | None = None  # of it, what holds until the engine runs (requests it counts)
     ran_last: bool = True  # the last look showed the engine ran (or did not measure it)
     fatal: str = ""  # "stopped" or "stall" while the last verdict is fatal
     probe_done_at: float = float("-inf")
     server: tuple[float, int] | None = None  # the server process's (cpu, switches) at the last look
     server_ran_at: float = float("-inf")  # the last look that showed the server ran
+    server_ran_after: float = float("-inf")  # the look before it: that run came after this time
+    server_demand: int | None = None  # the server's demand (ns) at the last look
+    settled_at: float | None = None  # the first look of the run, after the probe, that showed the server settled
     seen_at: float = float("-inf")  # the last look at all
     watched_since: float = float("-inf")  # the start of the looks without a gap longer than stall_s
+
+
+SETTLED_DEMAND = 0.1  # of one CPU: below it, a server in front of an engine is settled (see _settled)
 
 
 class EngineFrozenDetector:
@@ -301,8 +312,12 @@ class EngineFrozenDetector:
     time is not load. Work waits when the worker's metrics (read after the engine last ran) count requests
     running, or when the agent's probe is unanswered: :meth:`probe_due` says when an engine that shows no
     progress should get one, so an idle engine is checked too, at most every ``probe_interval_s``. A probe
-    counts once the server in front of the engine (vLLM's API server) has run since it was sent, and from
-    ``stall_s`` later: the server must have had the chance to hand it on. Evidence counts only while the looks
+    reaches the engine through the server in front of it (vLLM's API server), which may hold it a while: on a
+    loaded host, or busy with its first request. So a probe counts once the server has *settled* after it was
+    sent (each look, scheduled and asking for little CPU: it handed the probe on and waits), and only while
+    it stays settled; being scheduled is not enough (vLLM's server wakes every 100 ms, and CI saw a healthy,
+    idle prefill server named hung on that rule). Where the server's demand cannot be read, a probe counts
+    once the server ran after it was sent, from ``stall_s`` later. Evidence counts only while the looks
     come without a gap longer than ``stall_s``: an observer that was itself held up (a loaded host, a blocked
     event loop) has not watched the engine meanwhile, and starts again.
     """
@@ -357,30 +372,57 @@ class EngineFrozenDetector:
         """Whether the engine ran since the last look; updates when work was first seen waiting since."""
         if sample.server is not None and sample.server != st.server:
             if st.server is not None:
-                st.server_ran_at = now
+                st.server_ran_at, st.server_ran_after = now, st.seen_at
             st.server = sample.server
+        self._settled(st, sample, now)
         st.ran_last = True
         if now - st.seen_at > self.stall_s:
-            st.watched_since, st.work_since = now, None
+            st.watched_since, st.evidence_since = now, None
         st.seen_at = now
         if sample.switches is None or not sample.processes:
+            st.work_since = None
             return True  # not measured: no stall verdict
         mark = (cpu, sample.switches)
         if mark != st.ran:
-            st.ran, st.ran_at, st.work_since = mark, now, None
+            st.ran, st.ran_at, st.work_since, st.evidence_since = mark, now, None, None
             return True
         st.ran_last = False
         seen = []
         if sample.running_requests and sample.running_read_at is not None and sample.running_read_at >= st.ran_at:
             seen.append(max(sample.running_read_at, st.watched_since))
-        if sample.probe_sent_at is not None and (sample.server is None or st.server_ran_at > sample.probe_sent_at):
-            # Counted from when it could have reached the engine, and waited twice as long as requests the
-            # engine itself counts: a server starved of CPU (a loaded host, a start-up) may hold a probe a
-            # while before it hands it on.
-            seen.append(max(sample.probe_sent_at, st.ran_at, st.server_ran_at, st.watched_since) + self.stall_s)
+        probe = sample.probe_sent_at
+        if probe is not None and sample.server is None:
+            # The engine is the server: counted from stall_s after it was sent, so that a look or two shows it.
+            seen.append(max(probe, st.ran_at, st.watched_since) + self.stall_s)
+        elif probe is not None and sample.server_demand_ns is None and st.server_ran_after >= probe:
+            # Without the server's demand: counted once it ran after the probe was sent, twice as long.
+            seen.append(max(probe, st.ran_at, st.server_ran_at, st.watched_since) + self.stall_s)
         if seen:
-            st.work_since = min(seen) if st.work_since is None else min(st.work_since, *seen)
+            st.evidence_since = min(seen) if st.evidence_since is None else min(st.evidence_since, *seen)
+        # The server settled after the probe: evidence while it stays so (a look that shows it working again,
+        # or not scheduled at all, takes it back: it may still be handing the probe on).
+        settled = (max(st.settled_at, st.ran_at, st.watched_since)
+                   if probe is not None and st.settled_at is not None else None)
+        st.work_since = min((t for t in (st.evidence_since, settled) if t is not None), default=None)
         return False
+
+    def _settled(self, st: _EngineState, sample: EngineSample, now: float) -> None:
+        """Track the looks that show the server in front of the engine settled since the probe was sent: each
+        look entirely after the send, the server was scheduled and asked for under ``SETTLED_DEMAND`` of one
+        CPU (measured: an idle vLLM API server 0.2 %, reading its /metrics every look 2-4 %; one handing a
+        request on 10-100 %, and a starved one both runs and waits). vLLM's API server wakes every 100 ms
+        (uvicorn's tick), so it is scheduled at every look while it lives."""
+        demand, before = sample.server_demand_ns, st.server_demand
+        st.server_demand = demand
+        probe = sample.probe_sent_at
+        if probe is None or demand is None or before is None or st.seen_at < probe:
+            st.settled_at = None
+            return
+        quiet = st.server_ran_at == now and 0 <= demand - before < SETTLED_DEMAND * (now - st.seen_at) * 1e9
+        if not quiet:
+            st.settled_at = None
+        elif st.settled_at is None:
+            st.settled_at = now
 
     def ran_last(self, worker: str) -> bool:
         """Whether the last look at ``worker`` showed its engine ran (True when not measured)."""

@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.bus import Event, MqttBus
+from fleetward.fleet.config import SupervisorConfig
 from fleetward.fleet.etcd import EtcdStore
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.launch import agent_argv, service_env
-from fleetward.fleet.procs import ManagedProcess
+from fleetward.fleet.procs import ManagedProcess, free_port
 from fleetward.fleet.registry import read_fleet
+from fleetward.fleet.worker import WorkerSpec
+from fleetward.supervisor.agent import NodeAgent
 from fleetward.supervisor.signals import Severity, Signal
 
 
@@ -218,3 +225,67 @@ async def test_signals_for_one_worker_and_detector_reach_etcd_in_the_order_they_
         assert signal.reason == "process exited with code -9"
     finally:
         await agent.aclose()
+
+
+# A worker that listens before it serves, as vLLM does (its socket is bound before its engine starts, its app
+# served last): it blocks on a FIFO (no wake-up, no CPU) until the test lets it go, then becomes the
+# simulated worker in the same process.
+LISTENS_EARLY = """
+import os, socket, sys
+fifo, port, argv = sys.argv[1], int(sys.argv[sys.argv.index("--port") + 1]), sys.argv[2:]
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", port)); s.listen(16)
+open(fifo).read()
+s.close()
+os.execv(argv[0], argv)
+"""
+
+
+class ListensEarly(SimBackend):
+    def __init__(self, fifo: Path) -> None:
+        super().__init__()
+        self.fifo = fifo
+
+    def argv(self, spec: WorkerSpec) -> list[str]:
+        return [sys.executable, "-c", LISTENS_EARLY, str(self.fifo), *super().argv(spec)]
+
+
+async def test_a_worker_still_starting_is_not_judged_by_the_engine_frozen_detector(
+        store: EtcdStore, bus: MqttBus, keys: Keys, tmp_path: Path, wait_until: Any) -> None:
+    """A launched vLLM worker listens before it serves: the agent's probe of its idle engine waited in the
+    socket's backlog and a healthy worker still starting would be named frozen. A worker is judged once it
+    registered (ready); a start that hangs is the start timeout's to catch."""
+    fifo = tmp_path / "go"
+    os.mkfifo(fifo)
+    config = SupervisorConfig()
+    agent = NodeAgent(store=store, bus=bus, keys=keys, backend=ListensEarly(fifo), node="n1", log_dir=tmp_path,
+                      supervisor=config)
+    spec = WorkerSpec(id="late", host="127.0.0.1", port=free_port(), model=agent.backend.model_name, node="n1")
+    said: list[str] = []
+
+    async def collect(since: int) -> None:
+        async for ev in store.watch_prefix(keys.signal("late", "engine-frozen"), start_revision=since):
+            said.append(Signal.from_json(ev.value).severity.value if ev.kind == "put" else "deleted")
+
+    collector = asyncio.create_task(collect((await store.get_prefix(keys.root)).revision + 1))
+    starting = asyncio.create_task(agent.start_workers([spec]))
+    try:
+        await wait_until(lambda: "late" in agent.handles, timeout=30, message="the worker was launched")
+        # Not a race: nothing may be said about it at any time. The wait gives the old defect (a fatal verdict
+        # some 2 s after the agent's first look) the time to show.
+        await asyncio.sleep(4 * config.engine_stall_s + config.engine_probe_interval_s)
+        assert not starting.done(), "the worker does not serve yet"
+        fifo.write_text("go")
+        await starting
+        assert "late" in agent.handles and not agent.failed, agent.failed
+        pid = agent.handles["late"].process.pid
+        await asyncio.sleep(config.engine_probe_interval_s + 2 * config.engine_stall_s)  # judged now: healthy
+        assert agent.handles["late"].process.pid == pid, "never restarted"
+        assert all(s == "ok" for s in said), said
+    finally:
+        collector.cancel()
+        if not starting.done():
+            with contextlib.suppress(OSError):  # let the worker go, or it waits on the FIFO for ever
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            starting.cancel()
+        await agent.aclose(grace=5)

@@ -214,6 +214,96 @@ def test_a_probe_waits_on_the_engine_only_once_the_server_in_front_of_it_ran() -
     assert sig.severity is Severity.FATAL and "probe" in sig.reason
 
 
+def test_a_server_run_that_may_have_come_before_the_probe_was_sent_is_not_evidence() -> None:
+    """The look after the probe's bytes were written shows the server ran since the look before; that run may
+    have been before the write. Only a run between two looks that both follow the write is the server's
+    chance to hand the probe on."""
+    clock = ManualClock()
+    d = EngineFrozenDetector(clock=clock, stall_s=1.0, probe_interval_s=2.0)
+    d.observe("w", _engine(1.0, 100, server=(5.0, 50)))
+    clock.advance(0.25)
+    d.observe("w", _engine(1.0, 100, server=(5.0, 50)))
+    clock.advance(0.1)
+    sent = clock.monotonic()
+    clock.advance(0.15)
+    assert d.observe("w", _engine(1.0, 100, probe_sent_at=sent, server=(5.0, 51))) == []
+    for _ in range(20):  # the server does not run again: no verdict
+        clock.advance(0.25)
+        assert d.observe("w", _engine(1.0, 100, probe_sent_at=sent, server=(5.0, 51))) == []
+    clock.advance(0.25)
+    assert d.observe("w", _engine(1.0, 100, probe_sent_at=sent, server=(5.0, 52))) == [], "it runs now"
+    for _ in range(7):
+        clock.advance(0.25)
+        assert d.observe("w", _engine(1.0, 100, probe_sent_at=sent, server=(5.0, 52))) == []
+    clock.advance(0.25)
+    (sig,) = d.observe("w", _engine(1.0, 100, probe_sent_at=sent, server=(5.0, 52)))
+    assert sig.severity is Severity.FATAL and "probe" in sig.reason
+
+
+class _Server:
+    """The server in front of an engine, look by look: scheduled or not, and the CPU it asked for."""
+
+    def __init__(self) -> None:
+        self.switches, self.demand = 50, 0
+
+    def look(self, *, scheduled: bool = True, busy: float = 0.004) -> dict[str, object]:
+        """``busy``: the share of one CPU it asked for over the last 250 ms (idle vLLM: 0.002)."""
+        self.switches += scheduled
+        self.demand += int(busy * 0.25e9)
+        return {"server": (1.0, self.switches), "server_demand_ns": self.demand}
+
+
+def test_a_probe_waits_on_the_engine_only_while_the_server_in_front_of_it_is_settled() -> None:
+    """vLLM's API server wakes every 100 ms, so "it ran since the probe was sent" is always true; CI saw an
+    idle, healthy prefill server named hung on that rule while its server, on a host loaded by the other
+    server starting, had not handed the probe on. A probe counts once every look after it shows the server
+    scheduled and asking for little CPU (it waits on the engine), and stops counting when it works again."""
+    clock = ManualClock()
+    d = EngineFrozenDetector(clock=clock, stall_s=1.0, probe_interval_s=2.0)
+    server = _Server()
+    d.observe("w", _engine(1.0, 100, **server.look()))
+    clock.advance(0.25)
+    d.observe("w", _engine(1.0, 100, **server.look()))
+    assert d.probe_due("w")
+    sent = clock.monotonic()
+    for _ in range(20):  # five seconds of the server working on it (or starved: running and waiting to run)
+        clock.advance(0.25)
+        assert d.observe("w", _engine(1.0, 100, probe_sent_at=sent, **server.look(busy=0.6))) == []
+    for _ in range(4):  # settled for a while, then it works again: that evidence is taken back
+        clock.advance(0.25)
+        assert d.observe("w", _engine(1.0, 100, probe_sent_at=sent, **server.look())) == []
+    clock.advance(0.25)
+    assert d.observe("w", _engine(1.0, 100, probe_sent_at=sent, **server.look(busy=0.3))) == []
+    for _ in range(8):  # not scheduled at all: it has not shown that it handed the probe on
+        clock.advance(0.25)
+        assert d.observe("w", _engine(1.0, 100, probe_sent_at=sent, **server.look(scheduled=False, busy=0))) == []
+    for _ in range(4):  # settled: stall_s from its first settled look
+        clock.advance(0.25)
+        assert d.observe("w", _engine(1.0, 100, probe_sent_at=sent, **server.look(busy=0.03))) == []
+    clock.advance(0.25)
+    (sig,) = d.observe("w", _engine(1.0, 100, probe_sent_at=sent, **server.look(busy=0.03)))
+    assert sig.severity is Severity.FATAL and "probe" in sig.reason
+
+
+def test_a_frozen_engine_behind_a_settled_server_is_named_stall_s_after_the_first_look_that_shows_it() -> None:
+    clock = ManualClock()
+    d = EngineFrozenDetector(clock=clock, stall_s=1.0, probe_interval_s=2.0)
+    server = _Server()
+    d.observe("w", _engine(1.0, 100, **server.look()))
+    clock.advance(0.25)
+    d.observe("w", _engine(1.0, 100, **server.look()))
+    clock.advance(0.1)
+    sent = clock.monotonic()
+    clock.advance(0.15)  # this look's interval began before the send: it shows nothing about the probe
+    assert d.observe("w", _engine(1.0, 100, probe_sent_at=sent, **server.look(busy=0.014))) == []
+    for _ in range(4):  # the first look after: settled; then stall_s of them
+        clock.advance(0.25)
+        assert d.observe("w", _engine(1.0, 100, probe_sent_at=sent, **server.look())) == []
+    clock.advance(0.25)
+    (sig,) = d.observe("w", _engine(1.0, 100, probe_sent_at=sent, **server.look()))
+    assert sig.severity is Severity.FATAL and "probe" in sig.reason
+
+
 def test_an_observer_that_was_held_up_has_not_watched_the_engine_meanwhile() -> None:
     """CI: the agent's event loop was blocked for seconds (its etcd lease expired meanwhile) while a probe and
     requests waited on an idle, healthy vLLM decode server; the first look after the gap named it hung. Looks
