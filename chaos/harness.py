@@ -49,6 +49,7 @@ from fleetward.fleet.launch import (
 )
 from fleetward.fleet.procs import free_port
 from fleetward.fleet.registry import Leader, publish_attachments, wait_registered
+from fleetward.fleet.signing import AttachSigner
 from fleetward.fleet.worker import WorkerSpec
 from fleetward.supervisor.agent import NodeAgent
 
@@ -145,7 +146,8 @@ class TestFleet(AgentWorkers, FleetClient):
                  for i in range(self.workers)]
         specs = [await self._proxied_spec(s) for s in specs]
         await self.agent.start_workers(specs)
-        adopted = await publish_attachments(self.store, self.keys, self.attach, self.node)
+        adopted = await publish_attachments(self.store, self.keys, self.attach, self.node,
+                                            signer=AttachSigner(self.admin_token) if self.admin_token else None)
         await wait_registered(self.store, self.keys, adopted, timeout=300.0)
         if self.supervised:
             await self.wait_workers_routable(len(self.agent.handles))

@@ -7,13 +7,23 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
-from fleetward.fleet.config import Access, AccessConfig, FleetConfig, load_fleet_config, resolve_access
-from fleetward.fleet.state import read_state, state_path
+from fleetward.fleet.config import (
+    Access,
+    AccessConfig,
+    FleetConfig,
+    admin_token_from_file,
+    admin_token_given,
+    load_fleet_config,
+    resolve_access,
+)
+from fleetward.fleet.errors import ConfigError
+from fleetward.fleet.state import read_admin_token, read_state, state_path
 
-__all__ = ["err", "local_access", "local_endpoint", "out", "state_file"]
+__all__ = ["admin_token", "err", "local_access", "local_endpoint", "out", "state_file"]
 
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -50,3 +60,16 @@ def local_access(args: argparse.Namespace, kind: str, endpoint: str) -> Access:
     if data.get(field) and data.get(kind) == endpoint:
         return resolve_access(AccessConfig.model_validate(data[field]), field=field)
     return Access()
+
+
+def admin_token(run_dir: Path | None, cluster: str | None, token_file: Path | None = None) -> str:
+    """``FLEETWARD_ADMIN_TOKEN``, else the token file given (flag or fleet file), else the local fleet's."""
+    if token_file is not None and admin_token_given() is None:
+        return admin_token_from_file(token_file).get_secret_value()
+    path = state_file(run_dir, cluster)
+    state: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    token = read_admin_token(state, path)
+    if not token:
+        raise ConfigError(f"no admin token: set FLEETWARD_ADMIN_TOKEN, pass --admin-token-file, or run next to a "
+                          f"local fleet ({path.with_name('admin-token')})", field="FLEETWARD_ADMIN_TOKEN")
+    return token

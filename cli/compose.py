@@ -63,6 +63,7 @@ from fleetward.fleet.launch import (
 from fleetward.fleet.procs import RUN_MARK, ensure_port, kill_tree, marked_processes
 from fleetward.fleet.prometheus import LocalPrometheus, TargetsWriter
 from fleetward.fleet.registry import publish_attachments
+from fleetward.fleet.signing import AttachSigner
 from fleetward.fleet.state import StateFile, state_path
 from fleetward.fleet.worker import Role, WorkerSpec
 from fleetward.supervisor.agent import NodeAgent
@@ -230,7 +231,8 @@ class LocalFleet(AgentWorkers, FleetClient):
             await self._start_controller()
         await self.agent.start_workers(specs, progress=lambda w, what: self._progress(w, what))
         if c.attach:
-            self.adopted = await publish_attachments(self.store, self.keys, c.attach, c.node)
+            self.adopted = await publish_attachments(self.store, self.keys, c.attach, c.node,
+                                                      signer=AttachSigner(self.admin_secret.get_secret_value()))
             self._progress("attach", f"adopting {len(self.adopted)} server(s) fleetward did not start: "
                            f"{', '.join(self.adopted)}")
         if c.router:

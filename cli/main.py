@@ -33,19 +33,16 @@ from pydantic import ValidationError
 from rich.markup import escape
 from rich.table import Table
 
-from fleetward.cli.common import err, local_access, local_endpoint, out, state_file
+from fleetward.cli.common import admin_token, err, local_access, local_endpoint, out, state_file
 from fleetward.fleet.config import (
     FleetConfig,
     RouterConfig,
-    admin_token_from_file,
-    admin_token_given,
     load_fleet_config,
     resolve_access,
     validation_error,
 )
 from fleetward.fleet.errors import ConfigError, FleetwardError
 from fleetward.fleet.shutdown import install_stop_handlers
-from fleetward.fleet.state import read_admin_token
 
 __all__ = ["main"]
 
@@ -207,6 +204,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="how to restart it (e.g. 'systemctl restart vllm@0'); none: drained and left for an "
                           "operator when it fails")
     add.add_argument("--wait", type=float, default=60.0, help="seconds to wait until an agent adopted it (0: no)")
+    add.add_argument("--admin-token-file", dest="admin_token_file", type=Path, default=None,
+                     help="the admin token, which signs the record: agents run a restart command only when signed "
+                          "(default: FLEETWARD_ADMIN_TOKEN, or the local fleet's)")
     rm = wsub.add_parser("remove", help="stop protecting a worker fleetward adopted (the server keeps running)")
     rm.add_argument("worker")
     rm.add_argument("--wait", type=float, default=30.0, help="seconds to wait until it is given up (0: no)")
@@ -514,19 +514,6 @@ def _cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
-def _admin_token(run_dir: Path | None, cluster: str | None, token_file: Path | None = None) -> str:
-    """``FLEETWARD_ADMIN_TOKEN``, else the token file given (flag or fleet file), else the local fleet's."""
-    if token_file is not None and admin_token_given() is None:
-        return admin_token_from_file(token_file).get_secret_value()
-    path = state_file(run_dir, cluster)
-    state: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
-    token = read_admin_token(state, path)
-    if not token:
-        raise ConfigError(f"no admin token: set FLEETWARD_ADMIN_TOKEN, pass --admin-token-file, or run next to a "
-                          f"local fleet ({path.with_name('admin-token')})", field="FLEETWARD_ADMIN_TOKEN")
-    return token
-
-
 async def _cmd_operate(args: argparse.Namespace) -> int:
     """drain / undrain / restart / unquarantine: through the supervisor leader's control API."""
     import httpx
@@ -536,7 +523,7 @@ async def _cmd_operate(args: argparse.Namespace) -> int:
     from fleetward.fleet.registry import read_leader
 
     endpoint, cluster = local_endpoint(args, "etcd")
-    token = _admin_token(args.run_dir, args.cluster, args.admin_token_file)
+    token = admin_token(args.run_dir, args.cluster, args.admin_token_file)
     access = local_access(args, "etcd", endpoint)
     async with EtcdStore(endpoint, attempts=3, retry_budget_s=5.0, access=access) as store:
         leader = await read_leader(store, Keys(cluster))
@@ -573,7 +560,7 @@ def _cmd_controller(args: argparse.Namespace) -> int:
     sup = config.supervisor
     if args.supervisor_port is not None:
         sup = sup.model_copy(update={"port": args.supervisor_port})
-    token = _admin_token(args.run_dir, args.cluster, config.admin_token_file)
+    token = admin_token(args.run_dir, args.cluster, config.admin_token_file)
 
     def ready(controller: Any) -> None:
         print(f"READY {controller.id} {controller.url}", flush=True)
@@ -599,7 +586,7 @@ def _cmd_autoscaler(args: argparse.Namespace) -> int:
                           "cluster's etcd and broker)", field="etcd" if not config.etcd else "mqtt")
     # Servers fleetward adopted are real ones whatever `backend` says: never a simulated worker's capacity.
     capacity = capacity_for(config.autoscale, backend="vllm" if config.attach else config.backend, sim=config.sim)
-    token = _admin_token(args.run_dir, args.cluster, config.admin_token_file)
+    token = admin_token(args.run_dir, args.cluster, config.admin_token_file)
 
     def ready(scaler: Any) -> None:
         print(f"READY {scaler.id} {scaler.url}", flush=True)

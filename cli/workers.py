@@ -14,12 +14,13 @@ import json
 
 from pydantic import ValidationError
 
-from fleetward.cli.common import local_access, local_endpoint, out, state_file
+from fleetward.cli.common import admin_token, local_access, local_endpoint, out, state_file
 from fleetward.fleet.config import AttachConfig, FleetConfig, validation_error
 from fleetward.fleet.errors import ConfigError, FleetwardError
 from fleetward.fleet.etcd import EtcdStore
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.registry import publish_attachments, read_fleet, wait_registered
+from fleetward.fleet.signing import AttachSigner
 
 __all__ = ["add_worker", "remove_worker"]
 
@@ -35,6 +36,17 @@ def _endpoint(args: argparse.Namespace) -> tuple[str, str, str]:
     return etcd, cluster, node
 
 
+def _signer(args: argparse.Namespace, *, required: bool) -> AttachSigner | None:
+    """The admin token's signer for the record: agents run no restart command from an unsigned one."""
+    try:
+        return AttachSigner(admin_token(args.run_dir, args.cluster, args.admin_token_file))
+    except ConfigError as exc:
+        if not required:
+            return None  # nothing in the record that an agent runs
+        raise ConfigError(f"a --restart-command is run by the node's agent only when the admin token signed it: "
+                          f"{exc}", field="admin_token_file") from None
+
+
 async def add_worker(args: argparse.Namespace) -> int:
     etcd, cluster, local_node = _endpoint(args)
     process = ({"pidfile": args.pidfile} if args.pidfile else {"systemd_unit": args.systemd_unit}
@@ -47,8 +59,9 @@ async def add_worker(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         raise validation_error(exc, file="<command line>", lines={}) from None
     keys = Keys(cluster)
+    signer = _signer(args, required=bool(entry.restart_command))
     async with EtcdStore(etcd, attempts=3, retry_budget_s=5.0, access=local_access(args, "etcd", etcd)) as store:
-        (worker,) = await publish_attachments(store, keys, [entry], local_node)
+        (worker,) = await publish_attachments(store, keys, [entry], local_node, signer=signer)
         assert entry.node is not None
         out.print(f"{worker}: {entry.url} is to be adopted by the agent of node {entry.node}")
         if args.wait <= 0:

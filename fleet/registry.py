@@ -17,6 +17,7 @@ from typing import Any
 from fleetward.fleet.config import AttachConfig
 from fleetward.fleet.etcd import StateStore, election_leader
 from fleetward.fleet.keys import Keys
+from fleetward.fleet.signing import AttachSigner
 from fleetward.fleet.worker import HealthRecord, HealthState, WorkerRecord
 
 __all__ = ["FleetSnapshot", "FleetView", "Leader", "publish_attachments", "read_fleet", "read_leader",
@@ -132,13 +133,18 @@ async def read_leader(store: StateStore, keys: Keys, election: str = "supervisor
     return Leader(str(body["id"]), str(body.get("url") or ""))
 
 
-async def publish_attachments(store: StateStore, keys: Keys, entries: Iterable[AttachConfig], node: str) -> list[str]:
-    """Write each entry to ``attach/<id>`` (its node filled in) for the node agents to adopt; the worker ids."""
+async def publish_attachments(store: StateStore, keys: Keys, entries: Iterable[AttachConfig], node: str, *,
+                              signer: AttachSigner | None) -> list[str]:
+    """Write each entry to ``attach/<id>`` (its node filled in) for the node agents to adopt; the worker ids.
+
+    Signed with ``signer`` (the admin token's): an agent that holds the token runs no restart command from an
+    unsigned record. None only where no agent checks (a fleet without a token)."""
     ids = []
     for entry in entries:
         entry = entry.model_copy(update={"node": entry.node or node})
         wid = entry.worker_id(node)
-        await store.put(keys.attached(wid), json.dumps(entry.model_dump(mode="json")).encode())
+        body = entry.model_dump(mode="json")
+        await store.put(keys.attached(wid), json.dumps(signer.sign(wid, body) if signer else body).encode())
         ids.append(wid)
     return ids
 

@@ -78,12 +78,22 @@ class Adopter:
 
     def _put(self, worker_id: str, value: bytes) -> None:
         try:
-            entry = AttachConfig.model_validate(orjson.loads(value))
-        except ValueError as exc:
+            body = orjson.loads(value)
+            entry = AttachConfig.model_validate({k: v for k, v in body.items() if k != "signature"})
+        except (ValueError, AttributeError) as exc:
             log.error("ignoring attach/%s: %s", worker_id, exc)
             return
         if (entry.node or self.agent.node) != self.agent.node:
             return
+        signer = self.agent.attach_signer
+        if entry.restart_command and signer is not None and not signer.signed(worker_id, body):
+            # Anyone with the fleet's etcd credentials could otherwise have this (root) agent run a command.
+            log.error("attach/%s: its restart command %s is not signed with the admin token (written by hand, or "
+                      "forged): not run; the server is adopted without it (drained and left for an operator when "
+                      "it fails). Add it with `fleetward worker add` or a fleet file's attach:, which sign it",
+                      worker_id, list(entry.restart_command))
+            self.agent.metrics.attach_refused.inc()
+            entry = entry.model_copy(update={"restart_command": ()})
         known = self.entries.get(worker_id)
         if known == entry and worker_id in self.agent.handles and self._tasks.get(worker_id) is None:
             return  # adopted and registered: nothing changed

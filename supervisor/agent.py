@@ -48,7 +48,7 @@ from fleetward.fleet.etcd import Compare, LeaseKeeper, Put, StateStore
 from fleetward.fleet.external import LeftForOperator
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.procs import ensure_port, free_port, port_is_free
-from fleetward.fleet.signing import ActionSigner
+from fleetward.fleet.signing import ActionSigner, AttachSigner
 from fleetward.fleet.telemetry import link_gauges
 from fleetward.fleet.worker import ROLES, HealthRecord, HealthState, WorkerRecord, WorkerSpec
 from fleetward.supervisor.adoption import Adopter
@@ -90,6 +90,9 @@ class _Metrics:
                 self.actions.labels(kind, result)
         self.refused = Counter("fleetward_agent_actions_refused", "Actions in etcd this agent refused to carry "
                                "out: not signed by the leader, addressed elsewhere, stale, or replayed.", registry=r)
+        self.attach_refused = Counter("fleetward_agent_attach_commands_refused", "Restart commands of adopted "
+                                      "servers this agent refused to run: their attach/ record was not signed "
+                                      "with the admin token (unsigned or forged).", registry=r)
 
 
 class NodeAgent:
@@ -113,6 +116,8 @@ class NodeAgent:
         # Actions are carried out only when the leader signed them (fleet/signing.py); without the token, as
         # in a test that builds an agent alone, they are not checked.
         self.signer = ActionSigner(admin_token, max_age_s=self.config.action_max_age_s) if admin_token else None
+        # Likewise the restart commands of adopted servers (attach/ records): run only when signed.
+        self.attach_signer = AttachSigner(admin_token) if admin_token else None
         self.handles: dict[str, WorkerHandle] = {}
         self.specs: dict[str, WorkerSpec] = {}
         self.failed: dict[str, str] = {}

@@ -136,6 +136,35 @@ async def test_a_frozen_adopted_server_is_detected_through_its_process(
     await fleet.wait_healthy(timeout=60)
 
 
+async def test_a_restart_command_written_into_etcd_by_hand_is_never_run(
+        restartable: TestFleet, servers: list[Server], tmp_path: Path, wait_until: Any) -> None:
+    """Any holder of the fleet's etcd credentials (every router host) could rewrite ``attach/<id>`` and have the
+    agent of another host run a command as root when the server fails. A record whose restart command the admin
+    token did not sign (here: the old signature kept, the command changed) is adopted without its command:
+    refused, counted, and the server is drained and left for an operator, never restarted by that command."""
+    fleet = restartable
+    victim = fleet.worker_ids[0]
+    proof = tmp_path / "ran"
+    key = fleet.keys.attached(victim)
+    record = orjson.loads((await fleet.store.get(key)).value)  # type: ignore[union-attr]
+    assert "signature" in record, "fleetward signs what it writes"
+    await fleet.store.put(key, orjson.dumps({**record, "restart_command": ["sh", "-c", f"id > {proof}"]}))
+    registry = fleet.agent.metrics.registry
+    await wait_until(lambda: registry.get_sample_value("fleetward_agent_attach_commands_refused_total") == 1,
+                     timeout=10, message="the agent refused the forged record")
+    process = by_id(fleet, servers, victim).process
+    assert process is not None
+    await fleet.wait_healthy(timeout=30)  # adopted again, without the command
+    process.kill()
+
+    async def left() -> bool:
+        state, reason = await health(fleet, victim)
+        return state == "dead" and "left for an operator" in reason
+
+    await wait_until(left, timeout=30, message="the failed server was left for an operator")
+    assert not proof.exists(), "the forged command never ran"
+
+
 async def test_without_a_restart_command_a_failed_server_is_drained_left_running_and_taken_back(
         tmp_path: Path, etcd_endpoint: str, broker_endpoint: str, cluster: str, servers: list[Server],
         wait_until: Any) -> None:

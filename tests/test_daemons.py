@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest_asyncio
 import yaml
 
@@ -19,6 +20,7 @@ from fleetward.fleet.keys import Keys
 from fleetward.fleet.launch import fleetward_argv, start_service
 from fleetward.fleet.procs import ManagedProcess, free_port, is_gone
 from fleetward.fleet.registry import read_fleet
+from fleetward.fleet.signing import AttachSigner
 
 ROOT = Path(__file__).resolve().parents[1]
 SIM = SimConfig(decode_step_ms=3.0, seed=3)
@@ -112,6 +114,17 @@ async def test_three_daemons_from_one_file_protect_servers_they_did_not_start(
         assert "gpu1" not in (await read_fleet(store, keys)).workers
         unknown = inst.cli("worker", "remove", "nobody")
         assert unknown.returncode == 2 and "not a server fleetward adopted" in unknown.stderr
+        # A restart command is signed with the admin token (agents run no other), so it needs the token.
+        command = ["--restart-command", "systemctl restart vllm@1", "--wait", "0"]
+        unsigned = inst.cli("worker", "add", servers[1].url, "--node", "host-a", "--id", "gpu1", *command)
+        assert unsigned.returncode == 2 and "signed" in unsigned.stderr, unsigned.stderr
+        assert await store.get(keys.attached("gpu1")) is None, "nothing written"
+        signed = inst.cli("worker", "add", servers[1].url, "--node", "host-a", "--id", "gpu1", *command,
+                          "--admin-token-file", str(inst.token_file))
+        assert signed.returncode == 0, signed.stderr
+        record = orjson.loads((await store.get(keys.attached("gpu1"))).value)  # type: ignore[union-attr]
+        assert AttachSigner(inst.token_file.read_text().strip()).signed("gpu1", record)
+        assert inst.cli("worker", "remove", "gpu1").returncode == 0
 
         # The operator's commands take the token from a file.
         drained = inst.cli("drain", "gpu0", "--admin-token-file", str(inst.token_file))
