@@ -114,6 +114,9 @@ class _Metrics:
         self.canaries = Counter("fleetward_supervisor_canaries", "Canaries by result.", ["result"], registry=r)
         self.actions = Counter("fleetward_supervisor_actions", "Remediations issued to agents.", ["kind"],
                                registry=r)
+        self.worker_restarts = Counter("fleetward_supervisor_worker_restarts", "Restarts issued, by worker: one "
+                                       "restarted again and again is crash-looping (a series per worker).",
+                                       ["worker"], registry=r)
         self.hangs = Counter("fleetward_supervisor_hangs_detected", "Silent hangs confirmed.", registry=r)
         self.failures = Counter("fleetward_supervisor_failures", "Workers found failed while serving (crashed, hung, "
                                 "failing canaries): the verdict unhealthy or quarantined from ready or suspect.",
@@ -430,6 +433,8 @@ class Controller:
                                                  [Put(key, orjson.dumps(self._signed(body)))])
                     if created:
                         self.metrics.actions.labels(action.kind).inc()
+                        if action.kind == "restart":
+                            self.metrics.worker_restarts.labels(action.worker).inc()
                 case Quarantine():
                     gpus = action.gpus or (f"worker-{action.worker}",)
                     record = orjson.dumps({"worker": action.worker, "reason": action.reason,

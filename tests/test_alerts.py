@@ -18,15 +18,24 @@ from fleetward.cli.metricsref import catalogue
 RUNBOOKS = Path(__file__).resolve().parents[1] / "runbooks"
 RULES = RUNBOOKS / "alerts" / "fleetward.rules.yml"
 TESTS = RUNBOOKS / "alerts" / "fleetward.tests.yml"
+ALERTMANAGER = RUNBOOKS / "alerts" / "alertmanager.example.yml"
 SECTIONS = ("## Meaning", "## Impact", "## Diagnosis", "## Remedy", "## Escalate")
 
 
 def promtool() -> str:
-    found = shutil.which("promtool")
+    return _debian_tool("promtool", "prometheus")
+
+
+def amtool() -> str:
+    return _debian_tool("amtool", "prometheus-alertmanager")
+
+
+def _debian_tool(name: str, package: str) -> str:
+    found = shutil.which(name)
     if found is None:
-        if os.geteuid() == 0:  # CI and `./dev setup` as root install Debian's prometheus: missing is a failure
-            pytest.fail("promtool is missing: `./dev setup` installs Debian's prometheus package")
-        pytest.skip("promtool is missing and this user cannot install Debian's prometheus package")
+        if os.geteuid() == 0:  # CI and `./dev setup` as root install the Debian package: missing is a failure
+            pytest.fail(f"{name} is missing: `./dev setup` installs Debian's {package} package")
+        pytest.skip(f"{name} is missing and this user cannot install Debian's {package} package")
     return found
 
 
@@ -66,3 +75,58 @@ def test_the_rules_use_only_metrics_the_code_exposes() -> None:
     for name in used:
         base = re.sub(r"_(bucket|count|sum)$", "", name)
         assert name in exposed or base in exposed, f"the rules use {name}, which nothing exposes"
+
+
+def test_the_example_alertmanager_config_is_valid_routes_by_severity_and_groups_hosts_together() -> None:
+    r = subprocess.run([amtool(), "check-config", str(ALERTMANAGER)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    receivers = {"page": "fleetward-pager", "warning": "fleetward-tickets", "info": "fleetward-log"}
+    for rule in alerts():
+        severity = rule["labels"]["severity"]  # type: ignore[index]
+        r = subprocess.run([amtool(), "config", "routes", "test", f"--config.file={ALERTMANAGER}",
+                            f"--verify.receivers={receivers[severity]}", f"alertname={rule['alert']}",
+                            f"severity={severity}", "instance=host-1:9100", "job=fleetward-agent"],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, f"{rule['alert']} ({severity}): {r.stdout}{r.stderr}"
+    config = yaml.safe_load(ALERTMANAGER.read_text())
+    assert not {"instance", "job", "..."} & set(config["route"]["group_by"]), "one notification for many hosts"
+
+
+def test_every_alert_an_inhibition_names_exists() -> None:
+    names = {str(a["alert"]) for a in alerts()}
+    for rule in yaml.safe_load(ALERTMANAGER.read_text())["inhibit_rules"]:
+        for matcher in rule["source_matchers"] + rule["target_matchers"]:
+            named = re.fullmatch(r'alertname=~?"([^"]+)"', matcher)
+            assert named, matcher
+            assert set(named.group(1).split("|")) <= names, matcher
+
+
+def runbook_queries() -> list[tuple[str, str]]:
+    """Every PromQL expression a runbook gives (a backquoted span that names a fleetward metric)."""
+    return [(md.name, q) for md in sorted(RUNBOOKS.glob("*.md"))
+            for q in re.findall(r"`([^`]*fleetward_[^`]*)`", md.read_text())]
+
+
+def test_every_query_in_a_runbook_parses_and_names_metrics_labels_and_detectors_that_exist(tmp_path: Path) -> None:
+    """An on-call engineer pastes these at 3 am: one that returns nothing (a detector named ``engine`` where
+    the code says ``engine-frozen``) sends them the wrong way."""
+    from fleetward.supervisor import detectors
+
+    queries = runbook_queries()
+    assert len(queries) > 20
+    rules = {"groups": [{"name": "runbooks", "rules": [{"record": f"runbook:query{i}", "expr": q}
+                                                       for i, (_, q) in enumerate(queries)]}]}
+    (tmp_path / "queries.yml").write_text(yaml.safe_dump(rules))
+    r = subprocess.run([promtool(), "check", "rules", str(tmp_path / "queries.yml")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    labels = {row.name: set(row.labels) | {"job", "instance"} for row in catalogue()}
+    named_detectors = set(re.findall(r"^([a-z-]+) +(?:agent|controller) ", detectors.__doc__ or "", re.M))
+    for runbook, query in queries:
+        for metric, matchers in re.findall(r"\b(fleetward_[a-z0-9_]+)(\{[^}]*\})?", query):
+            base = re.sub(r"_(bucket|count|sum)$", "", metric)
+            assert metric in labels or base in labels, f"{runbook}: {query}: nothing exposes {metric}"
+            known = labels.get(metric, labels.get(base, set())) | ({"le"} if base != metric else set())
+            for label, value in re.findall(r'(\w+)=~?"([^"]*)"', matchers):
+                assert label in known, f"{runbook}: {query}: {metric} has no label {label}"
+                if label == "detector":
+                    assert value in named_detectors, f"{runbook}: {query}: no detector is named {value}"
