@@ -47,6 +47,7 @@ __all__ = [
     "parse_yaml",
     "read_text",
     "resolve_access",
+    "secret_path",
     "validation_error",
 ]
 
@@ -391,8 +392,10 @@ class Access:
 def resolve_access(config: AccessConfig, *, field: str) -> Access:
     """The :class:`Access` ``config`` describes; :class:`ConfigError` naming ``field`` (``etcd_access``,
     ``mqtt_access``) when a file it names is missing, or the password is missing, empty or readable by others."""
+    files: dict[str, Path | None] = {}
     for name in ("ca_file", "cert_file", "key_file"):
-        path = getattr(config, name)
+        given = getattr(config, name)
+        path = files[name] = secret_path(given) if given is not None else None
         if path is not None and not path.is_file():
             raise ConfigError(f"{path}: no such file", file=str(path), field=f"{field}.{name}")
     password: SecretStr | None = None
@@ -404,8 +407,20 @@ def resolve_access(config: AccessConfig, *, field: str) -> Access:
             raise ConfigError(f"the environment variable {config.password_env} (the password) is not set",
                               field=f"{field}.password_env")
         password = SecretStr(raw)
-    return Access(tls=config.uses_tls, ca_file=config.ca_file, cert_file=config.cert_file, key_file=config.key_file,
-                  username=config.username, password=password)
+    return Access(tls=config.uses_tls, ca_file=files["ca_file"], cert_file=files["cert_file"],
+                  key_file=files["key_file"], username=config.username, password=password)
+
+
+def secret_path(path: Path) -> Path:
+    """Where to read the secret file ``path``: under systemd, the credential of the same file name when the unit
+    loaded one (``LoadCredential=NAME:PATH`` puts a copy that the service's user can read, mode 0400, in
+    ``$CREDENTIALS_DIRECTORY``: a ``DynamicUser`` cannot read the 0600 original); else ``path`` itself. So one
+    fleet file serves every host and unit: ``password_file: /etc/fleetward/etcd-password`` is read there by
+    root, and from the credential ``etcd-password`` by a unit that loaded it."""
+    loaded = os.environ.get("CREDENTIALS_DIRECTORY")
+    if loaded and (Path(loaded) / path.name).is_file():
+        return Path(loaded) / path.name
+    return path
 
 
 def check_private_file(path: Path, *, field: str, what: str) -> None:
@@ -420,6 +435,7 @@ def check_private_file(path: Path, *, field: str, what: str) -> None:
 
 
 def _secret_file(path: Path, *, field: str, what: str) -> SecretStr:
+    path = secret_path(path)
     check_private_file(path, field=field, what=what)
     try:
         raw = path.read_text().strip()

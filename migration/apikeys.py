@@ -28,7 +28,7 @@ from pathlib import Path
 
 from pydantic import Field, SecretStr, model_validator
 
-from fleetward.fleet.config import ID_PATTERN, Frozen, check_private_file, load_model
+from fleetward.fleet.config import ID_PATTERN, Frozen, check_private_file, load_model, secret_path
 
 __all__ = ["ApiKey", "ApiKeys", "ApiKeysFile"]
 
@@ -97,6 +97,7 @@ class ApiKeys:
     def load(cls, path: Path, *, default_limit: int = 0) -> ApiKeys:
         """The keys in ``path``; :class:`ConfigError` (file, line, field) when it is unreadable, readable by
         others, or malformed."""
+        path = secret_path(path)
         check_private_file(path, field="routing.api_keys_file", what="API keys")
         return cls(load_model(ApiKeysFile, path), default_limit=default_limit)
 

@@ -45,3 +45,22 @@ def test_dev_setup_with_fewer_extras_than_installed_changes_nothing_and_says_not
     assert result.returncode == 0, result.stderr
     assert (result.stdout, result.stderr) == ("", ""), "nothing to do, nothing said"
     assert stamp.read_text() == before
+
+
+def test_the_shipped_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed (Debian: systemd)")
+    fleetward = Path(sys.executable).with_name("fleetward")
+    units = sorted((ROOT / "deploy" / "systemd").glob("*.service"))
+    assert len(units) == 4
+    for unit in units:  # ExecStart must name an executable here; the rest as shipped
+        (tmp_path / unit.name).write_text(unit.read_text().replace("/opt/fleetward/.venv/bin/fleetward",
+                                                                   str(fleetward)))
+    r = subprocess.run([analyze, "verify", *sorted(str(p) for p in tmp_path.glob("*.service"))],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and not r.stderr.strip(), r.stdout + r.stderr
+    for unit in units:
+        text = unit.read_text()
+        if "DynamicUser=yes" in text and "--admin-token-file %d/admin-token" in text:
+            assert "LoadCredential=admin-token:/etc/fleetward/admin-token" in text, unit.name

@@ -325,6 +325,40 @@ def test_password_file_readable_by_others_is_refused(password_file: Path) -> Non
     assert info.value.field == "etcd_access.password_file"
 
 
+def test_under_systemd_secret_files_are_read_from_the_credentials_the_unit_loaded(
+        tmp_path: Path, pki: Pki, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DynamicUser unit cannot read root's 0600 files; ``LoadCredential=NAME:PATH`` gives it a copy in
+    $CREDENTIALS_DIRECTORY, and the fleet file's paths stay as they are (docs/deploy.md)."""
+    from fleetward.migration.apikeys import ApiKeys
+
+    credentials = tmp_path / "credentials"
+    credentials.mkdir()
+    for name, text in (("etcd-password", "from-the-credential\n"), ("client.key", pki.key_file.read_text()),
+                       ("api-keys.yaml", "keys:\n  - {name: team-a, key: sk-team-a-0123456789}\n")):
+        (credentials / name).write_text(text)
+        (credentials / name).chmod(0o400)  # as systemd leaves them
+    unreadable = tmp_path / "etc-fleetward"  # where the fleet file says; not there for this process
+    config = AccessConfig(ca_file=pki.ca_file, cert_file=pki.cert_file, key_file=unreadable / "client.key",
+                          username="fleetward", password_file=unreadable / "etcd-password")
+    with pytest.raises(ConfigError, match="no such file"):
+        resolve_access(config, field="etcd_access")
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(credentials))
+    access = resolve_access(config, field="etcd_access")
+    assert access.password is not None and access.password.get_secret_value() == "from-the-credential"
+    assert access.key_file == credentials / "client.key"
+    assert ApiKeys.load(unreadable / "api-keys.yaml").names == ["team-a"]
+    # A credential of another name does not stand in for a file: the path itself is read.
+    assert resolve_access(AccessConfig(username="u", password_file=password_file_at(tmp_path)),
+                          field="mqtt_access").password is not None
+
+
+def password_file_at(root: Path) -> Path:
+    path = root / "mqtt-password"
+    path.write_text("own\n")
+    path.chmod(0o600)
+    return path
+
+
 def test_bad_access_in_a_fleet_file_names_file_line_and_field(tmp_path: Path) -> None:
     path = tmp_path / "fleet.yaml"
     path.write_text("cluster: c\netcd: 127.0.0.1:2379\netcd_access:\n  username: fleetward\n  cert_file: c.pem\n")
