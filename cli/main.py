@@ -63,33 +63,57 @@ _AUTOSCALE_FLAGS = (("autoscale_enabled", "autoscale.enabled"), ("policy", "auto
                     ("prometheus_enabled", "prometheus.enabled"))
 
 
-def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", type=Path, help="YAML file with any of the settings below (flags win)")
-    p.add_argument("--cluster", help="cluster name (etcd prefix /fleetward/<cluster>/); default local")
-    p.add_argument("--workers", type=int, help="number of workers to start; default 3")
-    p.add_argument("--prefill-workers", dest="prefill_workers", type=int,
-                   help="of those, how many prefill (the rest decode; docs/pd.md); default 0: all aggregated")
-    p.add_argument("--backend", choices=["sim", "vllm"], help="simulated workers (default) or real vLLM")
-    p.add_argument("--model", help="vllm backend: model folder (default: the tiny local model, made on demand)")
-    p.add_argument("--host", help="address the router, the controller and the workers bind to; default 127.0.0.1 "
-                   "(not etcd and the broker: --etcd-host, --mqtt-host)")
-    p.add_argument("--run-dir", dest="run_dir", type=Path, help="where logs and data go; default .fleetward")
-    p.add_argument("--etcd", help="use this etcd (host:port) instead of starting one")
-    p.add_argument("--etcd-port", dest="etcd_port", type=int, help="port for the embedded etcd")
-    p.add_argument("--mqtt", help="use this MQTT broker (host:port) instead of starting one")
-    p.add_argument("--mqtt-port", dest="mqtt_port", type=int, help="port for the embedded broker")
-    p.add_argument("--etcd-host", dest="etcd_host", help="address the embedded etcd binds; default 127.0.0.1 "
-                   "(--host does not expose it)")
-    p.add_argument("--mqtt-host", dest="mqtt_host", help="address the embedded broker binds; default 127.0.0.1")
-    p.add_argument("--tls", action="store_true", default=None, help="the embedded etcd and broker speak only TLS "
-                   "with client certificates and passwords (all generated in the run dir)")
-    p.add_argument("--worker-base-port", dest="worker_base_port", type=int, help="first worker port")
-    p.add_argument("--router-port", dest="router_port", type=int, help="the router's port (routing.port); default a "
-                   "free one")
-    p.add_argument("--lease-ttl", dest="lease_ttl_s", type=int, help="registration lease TTL in seconds")
-    p.add_argument("--node", help="this node's name; default the host name")
-    p.add_argument("--admin-token-file", dest="admin_token_file", type=Path,
-                   help="a file holding the admin token (mode 0600); FLEETWARD_ADMIN_TOKEN wins over it")
+# What each command that reads a fleet file takes as flags: only what it uses (`up` runs everything). The
+# daemons of a production install attach to the cluster's etcd and broker; they start neither.
+_DAEMON = ("config", "cluster", "run_dir", "etcd", "mqtt", "admin_token_file")
+_AGENT = (*_DAEMON, "workers", "prefill_workers", "backend", "model", "host", "worker_base_port", "lease_ttl_s",
+          "node")
+_CONTROLLER = (*_DAEMON, "host")
+_FLAGS_OF = {"agent": _AGENT, "controller": _CONTROLLER, "supervisor": tuple(dict.fromkeys(_AGENT + _CONTROLLER)),
+             "autoscaler": (*_DAEMON, "host", "backend")}
+
+
+def _add_fleet_flags(p: argparse.ArgumentParser, command: str = "up") -> None:
+    wanted = _FLAGS_OF.get(command)
+    host = {"up": "address the router, the controller and the workers bind to; default 127.0.0.1 (not etcd and the "
+                  "broker: --etcd-host, --mqtt-host)",
+            "agent": "address this node's workers bind to; default 127.0.0.1",
+            "controller": "address the control API binds to (supervisor.host); default 127.0.0.1",
+            "autoscaler": "address its /health and /metrics bind to (autoscale.host); default 127.0.0.1"}
+    daemon = command != "up"
+    flags: list[tuple[str, tuple[str, ...], dict[str, Any]]] = [
+        ("config", ("--config",), {"type": Path, "help": "YAML file with any of the settings below (flags win)"}),
+        ("cluster", ("--cluster",), {"help": "cluster name (etcd prefix /fleetward/<cluster>/); default local"}),
+        ("workers", ("--workers",), {"type": int, "help": "number of workers to start; default 3"}),
+        ("prefill_workers", ("--prefill-workers",), {"type": int, "help": "of those, how many prefill (the rest "
+                                                     "decode; docs/pd.md); default 0: all aggregated"}),
+        ("backend", ("--backend",), {"choices": ["sim", "vllm"], "help": "simulated workers (default) or real vLLM"}),
+        ("model", ("--model",), {"help": "vllm backend: model folder (default: the tiny local model, made on "
+                                 "demand)"}),
+        ("host", ("--host",), {"help": host.get(command, host["agent"])}),
+        ("run_dir", ("--run-dir",), {"type": Path, "help": "where logs and data go; default .fleetward"}),
+        ("etcd", ("--etcd",), {"help": "the cluster's etcd (host:port)" if daemon
+                               else "use this etcd (host:port) instead of starting one"}),
+        ("etcd_port", ("--etcd-port",), {"type": int, "help": "port for the embedded etcd"}),
+        ("mqtt", ("--mqtt",), {"help": "the cluster's MQTT broker (host:port)" if daemon
+                               else "use this MQTT broker (host:port) instead of starting one"}),
+        ("mqtt_port", ("--mqtt-port",), {"type": int, "help": "port for the embedded broker"}),
+        ("etcd_host", ("--etcd-host",), {"help": "address the embedded etcd binds; default 127.0.0.1 (--host does "
+                                         "not expose it)"}),
+        ("mqtt_host", ("--mqtt-host",), {"help": "address the embedded broker binds; default 127.0.0.1"}),
+        ("tls", ("--tls",), {"action": "store_true", "default": None, "help": "the embedded etcd and broker speak "
+                             "only TLS with client certificates and passwords (all generated in the run dir)"}),
+        ("worker_base_port", ("--worker-base-port",), {"type": int, "help": "first worker port"}),
+        ("router_port", ("--router-port",), {"type": int, "help": "the router's port (routing.port); default a free "
+                                             "one"}),
+        ("lease_ttl_s", ("--lease-ttl",), {"type": int, "help": "registration lease TTL in seconds"}),
+        ("node", ("--node",), {"help": "this node's name; default the host name"}),
+        ("admin_token_file", ("--admin-token-file",), {"type": Path, "help": "a file holding the admin token (mode "
+                                                       "0600); FLEETWARD_ADMIN_TOKEN wins over it"}),
+    ]
+    for dest, names, kw in flags:
+        if wanted is None or dest in wanted:
+            p.add_argument(*names, dest=dest, **kw)
 
 
 def _add_access_flag(p: argparse.ArgumentParser) -> None:
@@ -163,15 +187,15 @@ def _parser() -> argparse.ArgumentParser:
                      help="agent: start and watch this node's workers; controller: campaign to lead health decisions")
     sup.add_argument("--id", dest="controller_id", help="controller id (default: random)")
     sup.add_argument("--port", dest="supervisor_port", type=int, help="controller: control API port")
-    _add_fleet_flags(sup)
+    _add_fleet_flags(sup, "supervisor")
 
     # The long-running daemons of a production install (deploy/systemd/): one YAML file each.
     ag = sub.add_parser("agent", help="daemon: this node's agent (its workers, and the servers it adopts)")
-    _add_fleet_flags(ag)
+    _add_fleet_flags(ag, "agent")
     ct = sub.add_parser("controller", help="daemon: a supervisor controller (leader-elected; health, remediation)")
     ct.add_argument("--id", dest="controller_id", help="controller id (default: random)")
     ct.add_argument("--port", dest="supervisor_port", type=int, help="control API port")
-    _add_fleet_flags(ct)
+    _add_fleet_flags(ct, "controller")
 
     asc = sub.add_parser("autoscaler", help="daemon: the autoscaler (leader-elected; SLA-driven scaling of each "
                          "pool, drains on scale-down)")
@@ -186,7 +210,7 @@ def _parser() -> argparse.ArgumentParser:
     asc.add_argument("--capacity", type=Path, help="capacity model file (fleetward profile, replay)")
     asc.add_argument("--per-worker-rps", dest="per_worker_rps", type=float,
                      help="a flat capacity instead: requests/s one worker carries within the SLA")
-    _add_fleet_flags(asc)
+    _add_fleet_flags(asc, "autoscaler")
 
     wk = sub.add_parser("worker", help="servers fleetward did not start: adopt one (add), give one up (remove)")
     wsub = wk.add_subparsers(dest="worker_command", required=True, metavar="ACTION")
@@ -560,6 +584,8 @@ def _cmd_controller(args: argparse.Namespace) -> int:
     sup = config.supervisor
     if args.supervisor_port is not None:
         sup = sup.model_copy(update={"port": args.supervisor_port})
+    if args.host is not None:
+        sup = sup.model_copy(update={"host": args.host})
     token = admin_token(args.run_dir, args.cluster, config.admin_token_file)
 
     def ready(controller: Any) -> None:
