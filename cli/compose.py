@@ -60,7 +60,15 @@ from fleetward.fleet.launch import (
     start_service,
     write_service_config,
 )
-from fleetward.fleet.procs import RUN_MARK, ensure_port, kill_tree, marked_processes
+from fleetward.fleet.procs import (
+    RUN_MARK,
+    WILDCARD,
+    advertised_host,
+    ensure_port,
+    is_local_only,
+    kill_tree,
+    marked_processes,
+)
 from fleetward.fleet.prometheus import LocalPrometheus, TargetsWriter
 from fleetward.fleet.registry import publish_attachments
 from fleetward.fleet.signing import AttachSigner
@@ -136,14 +144,26 @@ class LocalFleet(AgentWorkers, FleetClient):
     def etcd_endpoints(self) -> list[str]:
         return [e for e in self.etcd_endpoint.split(",") if e]
 
+    @property
+    def advertise_host(self) -> str:
+        """The address other hosts reach this node's workers and adopted servers at (``advertise_host``)."""
+        return advertised_host(self.config.host, [e for e in (self.config.etcd or "").split(",") if e],
+                               self.config.advertise_host)
+
     def _specs(self) -> list[WorkerSpec]:
         c = self.config
+        advertise = self.advertise_host
+        if c.workers and c.host not in WILDCARD and is_local_only(c.host) and not is_local_only(advertise):
+            raise ConfigError(f"this node's workers would listen on {c.host}, which only this host reaches, while "
+                              f"etcd is on another host (a fleet of several hosts): set host to {advertise} (this "
+                              "host's address) or 0.0.0.0", field="host")
         specs = []
         for i in range(c.workers):
             port = ensure_port(c.host, c.worker_base_port + i if c.worker_base_port else 0, name=f"worker {i}")
             role: Role = ("prefill" if i < c.prefill_workers else "decode") if c.prefill_workers else "aggregated"
             specs.append(WorkerSpec(id=f"{c.node}-w{i}", host=c.host, port=port, model=self.backend.model_name,
-                                    node=c.node, role=role))
+                                    node=c.node, role=role,
+                                    advertise_host=advertise if advertise != c.host else None))
         return specs
 
     def _ensure_model(self) -> None:
@@ -219,7 +239,8 @@ class LocalFleet(AgentWorkers, FleetClient):
         self.agent = NodeAgent(store=self.store, bus=self.bus, keys=self.keys, backend=self.backend, node=c.node,
                                log_dir=self.log_dir, lease_ttl=c.lease_ttl_s, supervisor=c.supervisor,
                                worker_env={"FLEETWARD_ADMIN_TOKEN": self.admin_secret.get_secret_value()},
-                               worker_host=c.host, admin_token=self.admin_secret.get_secret_value())
+                               worker_host=c.host, admin_token=self.admin_secret.get_secret_value(),
+                               advertise_host=self.advertise_host)
         await self.agent.start()
         self._write_state()
         if c.prometheus.enabled:  # its address first: the controller's fleet page lists its alerts

@@ -51,7 +51,7 @@ log = logging.getLogger("fleetward")
 # Flags of `up` that map 1:1 to FleetConfig fields (flag dest -> field).
 _UP_FIELDS = ("cluster", "workers", "prefill_workers", "backend", "host", "run_dir", "etcd", "etcd_port", "mqtt",
               "mqtt_port", "worker_base_port", "lease_ttl_s", "node", "admin_token_file", "etcd_host", "mqtt_host",
-              "tls")
+              "tls", "advertise_host")
 
 
 # Flags of `autoscaler` (and `up --autoscale`) that map to the fleet file's autoscale: section.
@@ -67,7 +67,7 @@ _AUTOSCALE_FLAGS = (("autoscale_enabled", "autoscale.enabled"), ("policy", "auto
 # daemons of a production install attach to the cluster's etcd and broker; they start neither.
 _DAEMON = ("config", "cluster", "run_dir", "etcd", "mqtt", "admin_token_file")
 _AGENT = (*_DAEMON, "workers", "prefill_workers", "backend", "model", "host", "worker_base_port", "lease_ttl_s",
-          "node")
+          "node", "advertise_host")
 _CONTROLLER = (*_DAEMON, "host")
 _FLAGS_OF = {"agent": _AGENT, "controller": _CONTROLLER, "supervisor": tuple(dict.fromkeys(_AGENT + _CONTROLLER)),
              "autoscaler": (*_DAEMON, "host", "backend")}
@@ -108,6 +108,9 @@ def _add_fleet_flags(p: argparse.ArgumentParser, command: str = "up") -> None:
                                              "one"}),
         ("lease_ttl_s", ("--lease-ttl",), {"type": int, "help": "registration lease TTL in seconds"}),
         ("node", ("--node",), {"help": "this node's name; default the host name"}),
+        ("advertise_host", ("--advertise-host",), {"help": "the address other hosts reach this node's workers and "
+                                                   "adopted servers at, where they listen on loopback or every "
+                                                   "address; default this host's address on its route to etcd"}),
         ("admin_token_file", ("--admin-token-file",), {"type": Path, "help": "a file holding the admin token (mode "
                                                        "0600); FLEETWARD_ADMIN_TOKEN wins over it"}),
     ]

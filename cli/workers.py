@@ -72,11 +72,14 @@ async def add_worker(args: argparse.Namespace) -> int:
             raise FleetwardError(f"{worker} was not adopted within {args.wait:g}s: is the server answering at "
                                  f"{entry.url}, and does an agent run on node {entry.node} (`fleetward agent`, or "
                                  "`fleetward up`)? The entry stays: it is adopted as soon as both hold.") from None
-        health = (await read_fleet(store, keys)).health.get(worker)
+        fleet = await read_fleet(store, keys)
+        health, record = fleet.health.get(worker), fleet.workers.get(worker)
     watched = "its process watched" if process else "known by URL only (no process watched)"
     restart = "restarted by its command when it fails" if entry.restart_command else \
         "drained and left for an operator when it fails"
-    out.print(f"{worker}: adopted ({health.state.value if health else 'starting'}); {watched}; {restart}")
+    # A loopback URL is registered at the node's address (advertise_host): say where routers connect.
+    where = f", registered as {record.url} for other hosts" if record is not None and record.url != entry.url else ""
+    out.print(f"{worker}: adopted{where} ({health.state.value if health else 'starting'}); {watched}; {restart}")
     return 0
 
 

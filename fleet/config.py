@@ -474,6 +474,10 @@ class FleetConfig(Frozen):
     lease_ttl_s: int = Field(10, ge=2, le=3600, description="workers' registration lease (the agent's)")
     node: str = Field(default_factory=lambda: os.uname().nodename, description="this node's name (default: the "
                       "host name)")
+    advertise_host: str | None = Field(None, description="the address other hosts reach this node's workers and "
+                                       "adopted servers at, when they listen on loopback or on every address "
+                                       "(127.0.0.1, 0.0.0.0): default this host's address on its route to etcd when "
+                                       "etcd is on another host, else as they listen (docs/deploy.md)")
     router: bool = Field(True, description="start a router in front of the workers")
     controller: bool = Field(True, description="start a supervisor controller (health verdicts, remediation)")
     attach: tuple[AttachConfig, ...] = Field((), description="servers fleetward did not start, to protect")

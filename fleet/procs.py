@@ -50,9 +50,11 @@ __all__ = [
     "AdoptedProcess",
     "ManagedProcess",
     "WorkerProcess",
+    "advertised_host",
     "ensure_port",
     "free_port",
     "is_gone",
+    "is_local_only",
     "kill_tree",
     "marked_processes",
     "pid_from_file",
@@ -585,3 +587,30 @@ def pid_of_container(name: str) -> int | None:
     out = subprocess.run(["docker", "inspect", "--format", "{{.State.Pid}}", name], capture_output=True, text=True,
                          timeout=10, check=True).stdout.strip()
     return int(out) or None
+
+
+LOOPBACK = ("localhost", "::1")
+WILDCARD = ("0.0.0.0", "::", "")
+
+
+def is_local_only(host: str) -> bool:
+    """An address only this host reaches (loopback), or one that names no address (listen on all)."""
+    return host in LOOPBACK or host in WILDCARD or host.startswith("127.")
+
+
+def advertised_host(host: str, etcd_endpoints: Sequence[str], configured: str | None = None) -> str:
+    """The address other hosts reach ``host`` (where something on this node listens) at: ``configured`` when
+    given; ``host`` itself when others can reach it, or when etcd is on this host too (a one-host fleet); else
+    this host's address on its route to the first etcd endpoint (no packet is sent)."""
+    if configured:
+        return configured
+    if not is_local_only(host):
+        return host
+    remote = [e for e in etcd_endpoints if not is_local_only(e.rsplit(":", 1)[0].strip("[]"))]
+    if not remote:
+        return "127.0.0.1" if host in WILDCARD else host
+    etcd_host, _, port = remote[0].rpartition(":")
+    family = socket.AF_INET6 if ":" in etcd_host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((etcd_host.strip("[]"), int(port or 2379)))
+        return str(s.getsockname()[0])

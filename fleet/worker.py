@@ -43,6 +43,9 @@ class WorkerSpec:
     node: str = "local"
     gpus: tuple[int, ...] = ()
     advertise_url: str | None = None  # what others use (e.g. a fault proxy in front); default: bind_url
+    # The address other hosts reach it at, when it listens on loopback or on every address (advertise_host):
+    # the URL is then that host and its port (which a restart may change).
+    advertise_host: str | None = None
 
     @property
     def bind_url(self) -> str:
@@ -52,7 +55,9 @@ class WorkerSpec:
     @property
     def url(self) -> str:
         """Where routers and the supervisor reach the worker (registered in etcd)."""
-        return self.advertise_url or self.bind_url
+        if self.advertise_url:
+            return self.advertise_url
+        return f"http://{self.advertise_host}:{self.port}" if self.advertise_host else self.bind_url
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from fleetward.fleet.backends import worker_ready
 from fleetward.fleet.config import AttachConfig
 from fleetward.fleet.errors import StoreError, UnavailableError
 from fleetward.fleet.external import ExternalBackend, discover
+from fleetward.fleet.procs import is_local_only
 from fleetward.fleet.worker import WorkerSpec
 
 if TYPE_CHECKING:
@@ -118,7 +119,14 @@ class Adopter:
             found = await discover(entry.url)
         model = entry.model or found[0]
         host, port = entry.host_port
-        spec = WorkerSpec(id=worker_id, host=host, port=port, model=model, role=entry.role, node=agent.node)
+        # A URL only this host reaches (http://127.0.0.1:8000 in a fleet file shared by every host) is
+        # registered at the address other hosts reach this node at; the agent itself still uses it as given.
+        advertise = agent.advertise_host if is_local_only(host) else None
+        spec = WorkerSpec(id=worker_id, host=host, port=port, model=model, role=entry.role, node=agent.node,
+                          advertise_host=advertise)
+        if advertise is not None:
+            log.info("%s: %s is registered as %s, the address other hosts reach this node at (advertise_host)",
+                     worker_id, entry.url, spec.url)
         backend = ExternalBackend(entry, model=model, tokenizer=found[1])
         agent.adopted_backend(worker_id, backend, spec)
         await agent.initial_health(worker_id)

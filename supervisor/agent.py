@@ -99,7 +99,8 @@ class NodeAgent:
     def __init__(self, *, store: StateStore, bus: EventBus, keys: Keys, backend: Backend, node: str,
                  log_dir: Path, lease_ttl: int = 10, clock: Clock = SYSTEM_CLOCK,
                  worker_env: Mapping[str, str] | None = None, supervisor: SupervisorConfig | None = None,
-                 gpu: GpuHealthSource | None = None, worker_host: str = "127.0.0.1", admin_token: str = "") -> None:
+                 gpu: GpuHealthSource | None = None, worker_host: str = "127.0.0.1", admin_token: str = "",
+                 advertise_host: str | None = None) -> None:
         self.store = store
         self.bus = bus
         self.keys = keys
@@ -113,6 +114,9 @@ class NodeAgent:
         self.config = supervisor or SupervisorConfig()
         self.gpu = gpu  # a GpuHealthSource, when this node has GPUs (or a fake one)
         self.worker_host = worker_host  # where workers started by a ``start`` action bind
+        # Where other hosts reach what listens here on loopback or every address (fleet.procs.advertised_host);
+        # None: as it listens.
+        self.advertise_host = advertise_host if advertise_host != worker_host else None
         # Actions are carried out only when the leader signed them (fleet/signing.py); without the token, as
         # in a test that builds an agent alone, they are not checked.
         self.signer = ActionSigner(admin_token, max_age_s=self.config.action_max_age_s) if admin_token else None
@@ -742,7 +746,7 @@ class NodeAgent:
             return True, "running already"
         spec = WorkerSpec(id=worker_id, host=self.worker_host, port=free_port(self.worker_host),
                           model=self.backend.model_name, role=role if role in ROLES else "aggregated",
-                          node=self.node)
+                          node=self.node, advertise_host=self.advertise_host)
         await self.start_workers([spec])
         failed = self.failed.get(worker_id)
         return (False, failed.splitlines()[0]) if failed else (True, f"started on port {spec.port}")

@@ -22,10 +22,13 @@ import pytest_asyncio
 
 from fleetward.chaos.harness import TestFleet
 from fleetward.chaos.workload import sse_lines
+from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.config import AttachConfig, FleetConfig, RouterConfig, SimConfig, SupervisorConfig
 from fleetward.fleet.errors import ConfigError
+from fleetward.fleet.etcd import EtcdStore
+from fleetward.fleet.keys import Keys
 from fleetward.fleet.procs import is_gone
-from fleetward.fleet.registry import read_fleet
+from fleetward.fleet.registry import publish_attachments, read_fleet, wait_registered
 from fleetward.migration.policy import LeastLoadedAffinity, prefix_key
 from fleetward.sim.model import SimModel
 from fleetward.sim.tokenizer import encode
@@ -213,6 +216,41 @@ async def test_a_server_known_by_url_only_is_protected_and_given_up_without_bein
         await fleet.aclose()
     assert all(s.process is not None and not is_gone(s.process) for s in servers), \
         "giving a server up, and stopping the agent, leave it running"
+
+
+async def test_a_loopback_url_is_registered_at_the_address_other_hosts_reach_this_node_at(
+        tmp_path: Path, store: EtcdStore, bus: Any, keys: Keys, servers: list[Server], wait_until: Any) -> None:
+    """One fleet file for every host attaches http://127.0.0.1:8000, the server beside each agent: routers on
+    other hosts must get the node's address, not their own loopback (advertise_host). The agent itself still
+    reaches the server as given."""
+    from fleetward.supervisor.agent import NodeAgent
+
+    agent = NodeAgent(store=store, bus=bus, keys=keys, backend=SimBackend(), node="n1", log_dir=tmp_path,
+                      advertise_host="127.0.0.2", supervisor=SUPERVISOR)
+    await agent.start()
+    try:
+        (worker,) = await publish_attachments(store, keys, [servers[0].entry(restart=False)], "n1", signer=None)
+        await wait_registered(store, keys, [worker], timeout=30)
+        record = (await read_fleet(store, keys)).workers[worker]
+        assert record.url == f"http://127.0.0.2:{servers[0].port}", record.url
+        assert agent.handles[worker].spec.bind_url == servers[0].url
+    finally:
+        await agent.aclose(grace=5)
+
+
+def test_advertised_host_is_the_address_on_the_route_to_a_remote_etcd() -> None:
+    import psutil
+
+    from fleetward.fleet.procs import advertised_host
+
+    ours = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
+    remote = advertised_host("127.0.0.1", ["10.255.0.1:2379"])  # nothing is sent: a route lookup
+    assert remote in ours and not remote.startswith("127."), remote
+    assert advertised_host("0.0.0.0", ["10.255.0.1:2379"]) == remote
+    assert advertised_host("127.0.0.1", ["127.0.0.1:2379"]) == "127.0.0.1", "one host: as it listens"
+    assert advertised_host("0.0.0.0", []) == "127.0.0.1"
+    assert advertised_host("10.1.2.3", ["10.255.0.1:2379"]) == "10.1.2.3", "an address others reach already"
+    assert advertised_host("127.0.0.1", ["10.255.0.1:2379"], "gpu-7.internal") == "gpu-7.internal"
 
 
 def test_an_attach_entry_is_checked_with_file_line_and_field(tmp_path: Path) -> None:

@@ -133,6 +133,15 @@ async def test_three_daemons_from_one_file_protect_servers_they_did_not_start(
     assert all(not is_gone(s.process) for s in servers), "stopping the daemons leaves the servers running"
 
 
+def test_an_agent_whose_workers_would_listen_on_loopback_in_a_fleet_of_several_hosts_is_refused(
+        tmp_path: Path) -> None:
+    """etcd on another host means routers on other hosts: workers on 127.0.0.1 would be unreachable."""
+    r = subprocess.run(fleetward_argv("agent", "--etcd", "10.255.0.1:2379", "--mqtt", "10.255.0.1:1883",
+                                      "--workers", "1", "--run-dir", str(tmp_path)),
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert r.returncode == 2 and "which only this host reaches" in r.stderr and "0.0.0.0" in r.stderr, r.stderr
+
+
 def test_a_token_file_readable_by_others_is_refused(tmp_path: Path, etcd_endpoint: str,
                                                     broker_endpoint: str) -> None:
     token = tmp_path / "admin-token"
