@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from rich.markup import escape
 from rich.table import Table
 
-from fleetward.cli.common import admin_token, err, local_access, local_endpoint, out, state_file
+from fleetward.cli.common import admin_token, err, local_access, local_endpoint, operator_token, out, state_file
 from fleetward.fleet.config import (
     FleetConfig,
     RouterConfig,
@@ -120,8 +120,9 @@ def _add_fleet_flags(p: argparse.ArgumentParser, command: str = "up") -> None:
 
 
 def _add_access_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", type=Path, default=None, help="fleet YAML file whose etcd_access / mqtt_access "
-                   "reach a cluster with TLS and passwords (default: the local fleet's)")
+    p.add_argument("--config", type=Path, default=None, help="the cluster's fleet file: its etcd, broker, cluster, "
+                   "TLS and passwords, admin token (default: $FLEETWARD_CONFIG, else the local fleet's, else "
+                   "/etc/fleetward/fleet.yaml)")
 
 
 def _fleet_config(args: argparse.Namespace) -> FleetConfig:
@@ -214,6 +215,12 @@ def _parser() -> argparse.ArgumentParser:
     asc.add_argument("--per-worker-rps", dest="per_worker_rps", type=float,
                      help="a flat capacity instead: requests/s one worker carries within the SLA")
     _add_fleet_flags(asc, "autoscaler")
+
+    cf = sub.add_parser("config", help="fleet files: check one without starting anything")
+    cfsub = cf.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    check = cfsub.add_parser("check", help="validate a fleet file as the daemons read it (schema, secret files, "
+                             "TLS files, API keys), naming file, line and field")
+    check.add_argument("file", type=Path)
 
     wk = sub.add_parser("worker", help="servers fleetward did not start: adopt one (add), give one up (remove)")
     wsub = wk.add_subparsers(dest="worker_command", required=True, metavar="ACTION")
@@ -550,7 +557,7 @@ async def _cmd_operate(args: argparse.Namespace) -> int:
     from fleetward.fleet.registry import read_leader
 
     endpoint, cluster = local_endpoint(args, "etcd")
-    token = admin_token(args.run_dir, args.cluster, args.admin_token_file)
+    token = operator_token(args)
     access = local_access(args, "etcd", endpoint)
     async with EtcdStore(endpoint, attempts=3, retry_budget_s=5.0, access=access) as store:
         leader = await read_leader(store, Keys(cluster))
@@ -675,6 +682,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_cmd_agent(args))
         if args.command == "autoscaler":
             return _cmd_autoscaler(args)
+        if args.command == "config":
+            from fleetward.cli.configcheck import check_fleet_file
+
+            return check_fleet_file(args.file)
         if args.command == "worker":
             from fleetward.cli.workers import add_worker, remove_worker
 

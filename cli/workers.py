@@ -14,7 +14,7 @@ import json
 
 from pydantic import ValidationError
 
-from fleetward.cli.common import admin_token, local_access, local_endpoint, out, state_file
+from fleetward.cli.common import local_access, local_endpoint, operator_token, out, state_file
 from fleetward.fleet.config import AttachConfig, FleetConfig, validation_error
 from fleetward.fleet.errors import ConfigError, FleetwardError
 from fleetward.fleet.etcd import EtcdStore
@@ -39,7 +39,7 @@ def _endpoint(args: argparse.Namespace) -> tuple[str, str, str]:
 def _signer(args: argparse.Namespace, *, required: bool) -> AttachSigner | None:
     """The admin token's signer for the record: agents run no restart command from an unsigned one."""
     try:
-        return AttachSigner(admin_token(args.run_dir, args.cluster, args.admin_token_file))
+        return AttachSigner(operator_token(args))
     except ConfigError as exc:
         if not required:
             return None  # nothing in the record that an agent runs

@@ -129,6 +129,14 @@ async def test_three_daemons_from_one_file_protect_servers_they_did_not_start(
         # The operator's commands take the token from a file.
         drained = inst.cli("drain", "gpu0", "--admin-token-file", str(inst.token_file))
         assert drained.returncode == 0, drained.stderr
+        # Or everything from the cluster's fleet file, named once in the environment.
+        env = {**os.environ, "PYTHONSAFEPATH": "1", "FLEETWARD_CONFIG": str(inst.config)}
+        status = subprocess.run(fleetward_argv("status", "--json"), capture_output=True, text=True, timeout=120,
+                                env=env, cwd=inst.root)
+        assert status.returncode == 0 and "gpu0" in status.stdout, status.stderr
+        undrained = subprocess.run(fleetward_argv("undrain", "gpu0"), capture_output=True, text=True, timeout=120,
+                                   env=env, cwd=inst.root)
+        assert undrained.returncode == 0, undrained.stderr
     await inst.stop()
     assert all(not is_gone(s.process) for s in servers), "stopping the daemons leaves the servers running"
 
@@ -140,6 +148,27 @@ def test_an_agent_whose_workers_would_listen_on_loopback_in_a_fleet_of_several_h
                                       "--workers", "1", "--run-dir", str(tmp_path)),
                        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONSAFEPATH": "1"})
     assert r.returncode == 2 and "which only this host reaches" in r.stderr and "0.0.0.0" in r.stderr, r.stderr
+
+
+def test_config_check_validates_a_fleet_file_as_the_daemons_read_it(tmp_path: Path) -> None:
+    token = tmp_path / "admin-token"
+    token.write_text("t0ken\n")
+    token.chmod(0o600)
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(f"cluster: prod\netcd: 10.0.0.1:2379\nmqtt: 10.0.0.1:1883\nadmin_token_file: {token}\n"
+                     "workers: 0\nattach:\n  - url: http://127.0.0.1:8000\n")
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    ok = subprocess.run(fleetward_argv("config", "check", str(fleet)), capture_output=True, text=True, timeout=60,
+                        env=env)
+    assert ok.returncode == 0 and "valid" in ok.stdout and "advertise_host" in ok.stdout, ok.stdout + ok.stderr
+    token.chmod(0o644)
+    bad = subprocess.run(fleetward_argv("config", "check", str(fleet)), capture_output=True, text=True, timeout=60,
+                         env=env)
+    assert bad.returncode == 2 and "readable by others" in bad.stderr, bad.stderr
+    fleet.write_text("cluster: prod\nworkers: -1\n")
+    bad = subprocess.run(fleetward_argv("config", "check", str(fleet)), capture_output=True, text=True, timeout=60,
+                         env=env)
+    assert bad.returncode == 2 and f"{fleet}:2: workers" in bad.stderr, bad.stderr
 
 
 def test_a_token_file_readable_by_others_is_refused(tmp_path: Path, etcd_endpoint: str,
