@@ -71,6 +71,11 @@ class Install:
         for d in reversed(self.daemons):
             await d.stop(grace=30)
 
+    def cli_with_fleet_file(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """A command that finds the cluster (etcd, cluster, admin token) through FLEETWARD_CONFIG alone."""
+        return subprocess.run(fleetward_argv(*args), capture_output=True, text=True, timeout=120, cwd=self.root,
+                              env={**os.environ, "PYTHONSAFEPATH": "1", "FLEETWARD_CONFIG": str(self.config)})
+
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(fleetward_argv(*args, "--etcd", self.etcd, "--cluster", self.cluster),
                               capture_output=True, text=True, timeout=120,
@@ -130,12 +135,9 @@ async def test_three_daemons_from_one_file_protect_servers_they_did_not_start(
         drained = inst.cli("drain", "gpu0", "--admin-token-file", str(inst.token_file))
         assert drained.returncode == 0, drained.stderr
         # Or everything from the cluster's fleet file, named once in the environment.
-        env = {**os.environ, "PYTHONSAFEPATH": "1", "FLEETWARD_CONFIG": str(inst.config)}
-        status = subprocess.run(fleetward_argv("status", "--json"), capture_output=True, text=True, timeout=120,
-                                env=env, cwd=inst.root)
+        status = inst.cli_with_fleet_file("status", "--json")
         assert status.returncode == 0 and "gpu0" in status.stdout, status.stderr
-        undrained = subprocess.run(fleetward_argv("undrain", "gpu0"), capture_output=True, text=True, timeout=120,
-                                   env=env, cwd=inst.root)
+        undrained = inst.cli_with_fleet_file("undrain", "gpu0")
         assert undrained.returncode == 0, undrained.stderr
     await inst.stop()
     assert all(not is_gone(s.process) for s in servers), "stopping the daemons leaves the servers running"
