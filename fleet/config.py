@@ -219,6 +219,9 @@ class SupervisorConfig(Frozen):
                                            "one-token request at most this often, so that an idle one is checked "
                                            "too (a frozen idle engine is named within about this plus "
                                            "engine_stall_s)")
+    actions_retention_s: float = Field(86400.0, gt=0, description="how long a finished action (done, failed, "
+                                       "refused) stays in etcd (actions/) for `fleetward events` and audits before "
+                                       "the leader deletes it")
     action_max_age_s: float = Field(600.0, gt=0, description="agent: a signed action issued longer ago than this "
                                     "is refused, not carried out (clocks of the nodes must agree within it)")
     gpu_poll_interval_s: float = Field(1.0, gt=0, description="agent: how often GPU health (NVML) is read")

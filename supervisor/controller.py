@@ -297,7 +297,26 @@ class Controller:
             tg.create_task(self._scrape_metrics())
             tg.create_task(self._schedule_canaries())
             tg.create_task(self._tick())
+            tg.create_task(self._prune_actions())
             tg.create_task(self._lease_watch(lease))
+
+    async def _prune_actions(self) -> None:
+        """Delete finished actions (done, failed, refused) older than ``actions_retention_s``: without it,
+        ``actions/`` grows by every restart, stop and self-test the fleet ever had. Pending and claimed ones
+        stay, and one changed since it was read is left for the next sweep."""
+        retention = self.config.actions_retention_s
+        while True:
+            await self.clock.sleep(max(1.0, min(600.0, retention / 4)))
+            cutoff = self.clock.wall() - retention
+            for kv in (await self.store.get_prefix(self.keys.actions)).items:
+                try:
+                    body = orjson.loads(kv.value)
+                    finished = body.get("status") in ("done", "failed", "refused")
+                    old = float(body.get("done_at") or body.get("issued_at") or 0.0) < cutoff
+                except (ValueError, TypeError, AttributeError):
+                    continue
+                if finished and old:
+                    await self._fenced([Compare(kv.key, "mod", "==", kv.mod_revision)], [Delete(kv.key)])
 
     async def _lease_watch(self, lease: LeaseKeeper) -> None:
         await lease.lost.wait()

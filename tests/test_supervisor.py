@@ -331,6 +331,36 @@ async def test_a_crash_loop_quarantines_the_worker(etcd_endpoint: str, broker_en
         events.task.cancel()
 
 
+async def test_the_leader_deletes_finished_actions_past_their_retention_and_keeps_the_rest(
+        etcd_endpoint: str, broker_endpoint: str, tmp_path: Path, wait_until: Any) -> None:
+    """actions/ would otherwise grow by every restart, stop and self-test the fleet ever had."""
+    supervisor = SUPERVISOR.model_copy(update={"actions_retention_s": 4.0})
+    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="retention", run_dir=tmp_path,
+                         workers=0, supervisor=supervisor) as fleet:
+        now = fleet.agent.clock.wall()
+        bodies = {
+            "old-done": {"status": "done", "issued_at": now - 100, "done_at": now - 90},
+            "old-refused": {"status": "refused", "issued_at": now - 100, "done_at": now - 90},
+            "fresh-done": {"status": "done", "issued_at": now, "done_at": now + 3600},  # within the retention
+            "pending": {"status": "pending", "issued_at": now - 100},
+            "claimed": {"status": "claimed", "issued_at": now - 100},
+        }
+        for name, body in bodies.items():
+            await fleet.store.put(fleet.keys.action("n9", name), orjson.dumps({"id": name, "kind": "restart",
+                                                                               "worker": "w9", **body}))
+
+        async def left() -> set[str]:
+            return {kv.key.rsplit("/", 1)[1] for kv in (await fleet.store.get_prefix(fleet.keys.actions)).items}
+
+        await wait_until(lambda: _gone(left, {"old-done", "old-refused"}), timeout=30,
+                         message="the old finished actions deleted")
+        assert await left() == {"fresh-done", "pending", "claimed"}
+
+
+async def _gone(left: Any, names: set[str]) -> bool:
+    return not (await left()) & names
+
+
 async def _not_ready(fleet: TestFleet, worker: str) -> bool:
     return not await _is(fleet, worker, "ready")
 
