@@ -81,6 +81,8 @@ class SimConfig(Frozen):
                                "max_tokens is clamped to what is left (as vLLM does)")
     eos_probability: float = Field(0.0, ge=0, le=1, description="chance per step that EOS is the token")
     seed: int = Field(0, description="the simulated model's weights: same seed, same tokens")
+    engine_version: str = Field("0.32.0", description="the vLLM version it says it is (GET /version): two workers "
+                                "of one model on two versions may give other greedy tokens (another seed)")
     model_name: str = Field("sim-tiny", description="the served model name")
     kv_block_size: int = Field(16, ge=1, description="KV cache block size in tokens")
     max_num_batched_tokens: int = Field(
@@ -201,7 +203,8 @@ class SupervisorConfig(Frozen):
     canary_max_tokens: int = Field(4, ge=1, description="tokens a canary asks for")
     canary_timeout_s: float = Field(2.0, gt=0, description="deadline of a routine canary")
     canary_interval_s: float = Field(15.0, gt=0, description="an idle worker gets a canary this often")
-    golden_quorum: int = Field(2, ge=1, description="workers that must agree before an output is golden")
+    golden_quorum: int = Field(2, ge=1, description="workers of one kind (model, engine version, GPU type) that "
+                               "must agree before their canary output is golden")
     progress_interval_s: float = Field(0.25, gt=0, description="how often routers' stream progress is read")
     metrics_interval_s: float = Field(10.0, gt=0, description="how often workers' /metrics are scraped")
     metrics_frozen_after_s: float = Field(10.0, gt=0, description="token counters standing still this long while "

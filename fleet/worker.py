@@ -75,6 +75,10 @@ class WorkerRecord:
     pid: int | None = None  # the server process (None: known by URL only)
     pids: tuple[int, ...] = ()  # its whole process tree when registered (vLLM: API server, EngineCore, ...)
     tokenizer: str | None = None  # its vocabulary (a built-in name or a model folder), for routers to detokenize
+    # What decides its greedy numerics besides the model, so canaries compare it with its like only: the
+    # engine ("vllm 0.32.0", from GET /version) and the device ("NVIDIA H100 80GB HBM3"); None: not known.
+    engine: str | None = None
+    device: str | None = None
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()

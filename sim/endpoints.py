@@ -2,7 +2,7 @@
 
 ==============================================  ===================================================
 ``POST /tokenize``, ``POST /detokenize``        the API server's own: they answer while the engine hangs
-``GET /version``                                ``{"version": "0.32.0"}``
+``GET /version``                                ``{"version": "0.32.0"}`` (``sim.engine_version``)
 ``POST /v1/embeddings``, ``POST /pooling``      a unit vector per input, a function of its token ids
 ``POST /score``, ``/v1/score``                  the cosine of two inputs' vectors
 ``POST /rerank``, ``/v1/rerank``, ``/v2/rerank``  the same scores, best first, ``top_n`` of them
@@ -217,7 +217,7 @@ class _Endpoints:
     # -- the API server's own -----------------------------------------------------------------------
 
     async def version(self, request: Request) -> Response:
-        return self._json({"version": VLLM_VERSION})
+        return self._json({"version": self.w.config.engine_version})
 
     async def tokenize(self, request: Request) -> Response:
         raw = await self.w._read_json(request)

@@ -130,6 +130,7 @@ class NodeAgent:
                                            probe_interval_s=self.config.engine_probe_interval_s)
         self._lease: LeaseKeeper | None = None
         self._watchers: dict[str, asyncio.Task[None]] = {}
+        self._identity: dict[str, tuple[str | None, str | None]] = {}  # worker -> (engine, device) it registered with
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
         self._running: dict[str, tuple[int, float]] = {}  # worker -> requests running per its metrics, read at
@@ -388,17 +389,35 @@ class NodeAgent:
         for detector in sorted(self._raised.get(spec.id, set())):
             if detector != "gpu" or not self._degraded_gpus & set(spec.gpus):
                 await self.signal(spec.id, detector, Severity.OK, f"a fresh process (pid {handle.process.pid})")
+        self._identity[spec.id] = (await self._engine_of(handle), self._device_of(spec))
         await self._put_record(handle)
         await self.bus.publish("worker.up", worker=spec.id, url=spec.url, node=self.node, role=spec.role)
         self._watchers[spec.id] = asyncio.create_task(self._watch_exit(handle), name=f"watch-{spec.id}")
 
+    async def _engine_of(self, handle: WorkerHandle) -> str | None:
+        """The server's engine and version (``vllm 0.32.0``, from vLLM's ``GET /version``); None if unknown."""
+        try:
+            r = await self._http.get(f"{handle.bind_url}/version", timeout=2.0)
+            version = r.json().get("version") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return f"vllm {version}" if isinstance(version, str) and version else None
+
+    def _device_of(self, spec: WorkerSpec) -> str | None:
+        """The name of the worker's (first) GPU, from this host's GPU source; None without one."""
+        if self.gpu is None or not spec.gpus:
+            return None
+        names = {g.index: g.name for g in self.gpu.gpus()}
+        return names.get(spec.gpus[0])
+
     async def _put_record(self, handle: WorkerHandle) -> None:
         assert self._lease is not None
         spec = handle.spec
+        engine, device = self._identity.get(spec.id, (None, None))
         record = WorkerRecord(id=spec.id, url=spec.url, role=spec.role, model=spec.model, node=spec.node,
                               backend=handle.backend, gpus=spec.gpus, started_at=handle.started_at,
                               pid=handle.process.pid, pids=tuple(p.pid for p in handle.process.tree()),
-                              tokenizer=self.backend_for(spec.id).tokenizer)
+                              tokenizer=self.backend_for(spec.id).tokenizer, engine=engine, device=device)
         await self.store.put(self.keys.worker(spec.id), record.to_json(), lease=self._lease.id)
 
     async def _watch_exit(self, handle: WorkerHandle) -> None:

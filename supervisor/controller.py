@@ -65,6 +65,7 @@ from fleetward.supervisor.detectors import (
     GoldenBook,
     MetricsDetector,
     StreamProgressDetector,
+    golden_key,
     parse_prometheus,
 )
 from fleetward.supervisor.fleetpage import Timeline, page_html, parse_alerts, runbook_html
@@ -566,14 +567,14 @@ class Controller:
                 reason = f"HTTP {status}: {answer[:200].decode(errors='replace')}"
             else:
                 tokens = orjson.loads(answer)["choices"][0].get("token_ids") or []
-                verdict = self.golden.check(rec.model, tokens)
-                if verdict is False:
-                    wrong = True
-                    reason = (f"wrong tokens: {tokens} where the fleet's golden output is "
-                              f"{list(self.golden.golden[rec.model])}")
-                else:
-                    ok = True
-                    self.metrics.canary_latency.observe(self.clock.monotonic() - started)
+                key = golden_key(rec.model, rec.engine, rec.device)
+                elapsed = self.clock.monotonic() - started
+                if self.golden.check(key, tokens, worker=worker) is False:
+                    reason = await self._confirm_wrong(worker, key, tokens, body, deadline)
+                    wrong = bool(reason)
+                ok = not wrong
+                if ok:
+                    self.metrics.canary_latency.observe(elapsed)
         except TimeoutError:
             reason = f"no answer within {deadline:.2f}s"
         except (*_HTTP_ERRORS, ValueError, KeyError, IndexError) as exc:
@@ -582,6 +583,44 @@ class Controller:
         if not ok and self.machine is not None:  # the canary was sent into the failure
             self._first_evidence(self.machine, worker, self.clock.wall() - (self.clock.monotonic() - started))
         self.submit(CanaryDone(worker, ok, reason, wrong_tokens=wrong, silent=self.progress.silent(worker)))
+
+    async def _confirm_wrong(self, worker: str, key: str, tokens: list[int], body: dict[str, Any],
+                             deadline: float) -> str:
+        """Why ``worker``'s canary output (other than the golden of ``key``) is wrong, or "" when it is not.
+
+        Greedy output can change without a fault: batch composition on a loaded GPU, an engine or driver
+        update the key does not see. So a mismatch is confirmed before a verdict: by a ready peer of the same
+        key asked the same canary now (it gives the golden: the worker is wrong; it does not: the golden no
+        longer holds and is learned again), else by the worker asked again (the golden now: a passing fault)."""
+        golden = list(self.golden.golden[key])
+        states = self.machine.workers if self.machine is not None else {}
+        peers = [w for w, r in self.workers.items() if w != worker and golden_key(r.model, r.engine, r.device) == key
+                 and (ws := states.get(w)) is not None and ws.state is HealthState.READY]
+        for asked in [*peers[:1], worker]:
+            rec = self.workers.get(asked)
+            if rec is None:
+                continue
+            try:
+                async with asyncio.timeout(deadline):
+                    status, answer = await self._fetch("POST", f"{rec.url}/v1/completions", body=body,
+                                                       timeout=deadline + 1)
+                again = orjson.loads(answer)["choices"][0].get("token_ids") or [] if status == 200 else None
+            except (TimeoutError, *_HTTP_ERRORS, ValueError, KeyError, IndexError):
+                again = None
+            if again is None:
+                continue  # no answer from the peer: ask the worker itself
+            if asked != worker:
+                if again == golden:
+                    return (f"wrong tokens: {tokens} where {key} gives {golden} (its peer {asked} gave that "
+                            "just now)")
+                log.warning("canary golden of %s no longer holds: %s, a ready peer of %s, gave %s too (not %s): "
+                            "learning it again", key, asked, worker, again, golden)
+                self.golden.forget(key)
+                return ""
+            if again == golden:
+                return ""
+            return f"wrong tokens twice: {tokens}, then {again}, where {key} gives {golden} (no peer to ask)"
+        return ""
 
     async def _fetch(self, method: str, url: str, *, timeout: float, body: Any = None) -> tuple[int, bytes]:
         """One HTTP request to a worker or router: its status and body."""

@@ -44,6 +44,7 @@ __all__ = [
     "GoldenBook",
     "MetricsDetector",
     "StreamProgressDetector",
+    "golden_key",
     "parse_prometheus",
 ]
 
@@ -449,30 +450,47 @@ class EngineFrozenDetector:
 # -- canary golden outputs ------------------------------------------------------------------------------
 
 
+def golden_key(model: str, engine: str | None, device: str | None) -> str:
+    """What a canary's greedy output depends on: the model, the engine and its version, the device. Workers that
+    differ in any may answer the canary prompt with other tokens, healthy both (a rolling vLLM upgrade, a fleet
+    of two GPU types), so each such group has its own golden."""
+    return f"{model} | {engine or 'engine unknown'} | {device or 'device unknown'}"
+
+
 @dataclass
 class GoldenBook:
-    """Known greedy outputs of the canary prompt, per model, to catch workers that emit wrong tokens.
+    """Known greedy outputs of the canary prompt, per :func:`golden_key`, to catch workers that emit wrong tokens.
 
-    A golden is either configured, or learned: once ``quorum`` workers of a model agreed on an output,
-    it becomes that model's golden, and a worker that answers differently is wrong. Before that, outputs
-    are only collected, and no verdict is given.
+    A golden is either configured, or learned: once ``quorum`` workers of a key agreed on an output, it becomes
+    that key's golden. A worker that answers differently is only suspect until confirmed (the controller asks a
+    peer of the same key, else the worker again); a golden that a healthy peer no longer gives is forgotten and
+    learned again. Before a golden exists, outputs are only collected, and no verdict is given.
     """
 
     quorum: int = 2
     golden: dict[str, tuple[int, ...]] = field(default_factory=dict)
     _votes: dict[str, collections.Counter[tuple[int, ...]]] = field(
         default_factory=lambda: collections.defaultdict(collections.Counter))
+    _voters: dict[str, dict[str, tuple[int, ...]]] = field(default_factory=lambda: collections.defaultdict(dict))
 
-    def check(self, model: str, tokens: Iterable[int]) -> bool | None:
-        """True (matches), False (wrong tokens) or None (no golden yet)."""
+    def check(self, key: str, tokens: Iterable[int], *, worker: str = "") -> bool | None:
+        """True (matches), False (other tokens than the golden) or None (no golden yet). While learning, each
+        worker's latest output counts once."""
         out = tuple(tokens)
-        known = self.golden.get(model)
+        known = self.golden.get(key)
         if known is not None:
             return out == known
-        votes = self._votes[model]
-        votes[out] += 1
+        voters = self._voters[key]
+        voters[worker or f"anonymous-{len(voters)}"] = out
+        votes = self._votes[key] = collections.Counter(voters.values())
         best, count = votes.most_common(1)[0]
         if count >= self.quorum:
-            self.golden[model] = best
+            self.golden[key] = best
             return out == best
         return None
+
+    def forget(self, key: str) -> None:
+        """The golden of ``key`` no longer holds (a healthy peer gives other tokens): learn it again."""
+        self.golden.pop(key, None)
+        self._votes.pop(key, None)
+        self._voters.pop(key, None)

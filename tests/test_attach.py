@@ -253,6 +253,42 @@ def test_advertised_host_is_the_address_on_the_route_to_a_remote_etcd() -> None:
     assert advertised_host("127.0.0.1", ["10.255.0.1:2379"], "gpu-7.internal") == "gpu-7.internal"
 
 
+async def test_healthy_servers_of_two_vllm_versions_are_not_taken_for_wrong_tokens(
+        tmp_path: Path, etcd_endpoint: str, broker_endpoint: str, cluster: str, outside_servers: Any,
+        wait_until: Any) -> None:
+    """A rolling upgrade: two servers on one version agree on the canary's greedy tokens (its golden); the one
+    already upgraded answers differently (here: another seed). Goldens are kept per engine version (GET
+    /version), so it is compared with its own kind, never restarted as corrupt."""
+    old = SIM.model_copy(update={"engine_version": "0.32.0"})
+    new = SIM.model_copy(update={"engine_version": "0.33.0", "seed": SIM.seed + 1})
+    assert SimModel(seed=old.seed).continuation([1, 2, 3], 8) != SimModel(seed=new.seed).continuation([1, 2, 3], 8)
+    servers = [*outside_servers(2, old), *outside_servers(1, new)]
+    fleet = TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster=cluster, run_dir=tmp_path / "fleet",
+                      workers=0, attach=[s.entry(restart=True) for s in servers], node="n1",
+                      supervisor=SUPERVISOR.model_copy(update={"canary_interval_s": 0.5}))
+    try:
+        await fleet.start()
+        await fleet.wait_healthy(timeout=60)
+        records = (await read_fleet(fleet.store, fleet.keys)).workers
+        assert sorted(r.engine or "" for r in records.values()) == ["vllm 0.32.0", "vllm 0.32.0", "vllm 0.33.0"]
+        upgraded = next(w for w, r in records.items() if r.engine == "vllm 0.33.0")
+        pid = fleet.processes(upgraded)[0].pid
+        controller = fleet.controllers[0][0]
+        canaries = controller.metrics.registry
+
+        def passed() -> float:
+            return canaries.get_sample_value("fleetward_supervisor_canaries_total", {"result": "ok"}) or 0.0
+
+        await wait_until(lambda: len(controller.golden.golden) == 1, timeout=30, message="the old version's golden")
+        after = passed()
+        await wait_until(lambda: passed() >= after + 9, timeout=30, message="three more canary rounds")
+        assert not canaries.get_sample_value("fleetward_supervisor_canaries_total", {"result": "wrong"})
+        assert (await health(fleet, upgraded))[0] == "ready"
+        assert fleet.processes(upgraded)[0].pid == pid, "never restarted, never suspected of wrong tokens"
+    finally:
+        await fleet.aclose()
+
+
 def test_an_attach_entry_is_checked_with_file_line_and_field(tmp_path: Path) -> None:
     from fleetward.fleet.config import load_fleet_config
 

@@ -10,6 +10,7 @@ from fleetward.supervisor.detectors import (
     GoldenBook,
     MetricsDetector,
     StreamProgressDetector,
+    golden_key,
     parse_prometheus,
 )
 from fleetward.supervisor.signals import Severity
@@ -336,11 +337,26 @@ def test_an_observer_that_was_held_up_has_not_watched_the_engine_meanwhile() -> 
 
 def test_golden_outputs_are_learned_by_quorum_and_catch_wrong_tokens() -> None:
     book = GoldenBook(quorum=2)
-    assert book.check("m", [1, 2, 3]) is None
-    assert book.check("m", [9, 9, 9]) is None, "no quorum yet"
-    assert book.check("m", [1, 2, 3]) is True
-    assert book.check("m", [1, 2, 4]) is False
-    assert book.check("other", [1, 2, 4]) is None
+    assert book.check("m", [1, 2, 3], worker="a") is None
+    assert book.check("m", [1, 2, 3], worker="a") is None, "one worker twice is not a quorum"
+    assert book.check("m", [9, 9, 9], worker="b") is None, "no quorum yet"
+    assert book.check("m", [1, 2, 3], worker="c") is True
+    assert book.check("m", [1, 2, 4], worker="b") is False
+    assert book.check("other", [1, 2, 4], worker="b") is None
+    book.forget("m")
+    assert book.check("m", [1, 2, 4], worker="b") is None, "learned again"
+
+
+def test_goldens_are_kept_per_model_engine_and_device() -> None:
+    """A rolling vLLM upgrade or a second GPU type gives healthy workers other greedy tokens."""
+    book = GoldenBook(quorum=2)
+    old, new = golden_key("m", "vllm 0.32.0", "NVIDIA H100"), golden_key("m", "vllm 0.33.0", "NVIDIA H100")
+    other_gpu = golden_key("m", "vllm 0.32.0", "NVIDIA A100")
+    assert len({old, new, other_gpu, golden_key("m", None, None)}) == 4
+    book.check(old, [1, 2], worker="a")
+    assert book.check(old, [1, 2], worker="b") is True
+    assert book.check(new, [7, 8], worker="c") is None, "another version: no verdict from the old golden"
+    assert book.check(other_gpu, [5, 6], worker="d") is None
 
 
 def test_prometheus_text_is_summed_across_labels() -> None:
