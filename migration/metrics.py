@@ -48,11 +48,13 @@ class RouterMetrics:
         self.stall = Histogram("fleetward_router_migration_stall_seconds",
                                "Client-visible gap between the last token before a failure and the first after it.",
                                buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5, 10, 30), registry=r)
-        self.ttft = Histogram("fleetward_router_time_to_first_token_seconds", "Time to first token at the router.",
+        self.ttft = Histogram("fleetward_router_time_to_first_token_seconds", "Time to first token at the router, "
+                              "by the model asked for (one the fleet serves).", ["model"],
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 2.5, 3, 5, 7.5, 10, 15,
                                        30, 60), registry=r)
         self.itl = Histogram("fleetward_router_time_per_output_token_seconds",
-                             "A streamed request's mean inter-token latency after its first token, at the router.",
+                             "A streamed request's mean inter-token latency after its first token, at the router, by "
+                             "the model asked for.", ["model"],
                              buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5),
                              registry=r)
         self.checkpoint_flush = Histogram("fleetward_router_checkpoint_flush_seconds",

@@ -789,7 +789,7 @@ class Router:
                     if first_n < 0 and tokens:  # this stream's first tokens (chat or completion)
                         first_at, first_n = self.clock.monotonic(), out.n
                         if out.n == len(tokens):  # and the request's first: not a resume's
-                            self.metrics.ttft.observe(first_at - started)
+                            self.metrics.ttft.labels(str(j.body.get("model", ""))).observe(first_at - started)
                     first = not opened and delivered == 0
                     if first:
                         parts.append(encoder.opening())
@@ -813,7 +813,8 @@ class Router:
         if j.wants_usage:  # in a stream: stream_options.include_usage
             yield encoder.wrap(delivered, wire.usage_chunk(j))
         if first_n >= 0 and delivered > first_n:
-            self.metrics.itl.observe((self.clock.monotonic() - first_at) / (delivered - first_n))
+            self.metrics.itl.labels(str(j.body.get("model", ""))).observe(
+                (self.clock.monotonic() - first_at) / (delivered - first_n))
         self.metrics.requests.labels(j.kind.value, "ok").inc()
         yield wire.DONE
 
