@@ -164,14 +164,15 @@ async def worker_ready(url: str, *, client: httpx.AsyncClient | None = None) -> 
             await c.aclose()
 
 
-async def wait_serving(handle: WorkerHandle, *, timeout: float, interval: float) -> None:
+async def wait_serving(handle: WorkerHandle, *, timeout: float, interval: float,
+                       progress_cap: float | None = None) -> None:
     """Until the worker answers ``/health`` and lists its model (:func:`worker_ready`), or its process's
-    ``wait_ready`` gives up (it exited, or ``timeout`` passed)."""
+    ``wait_ready`` gives up (it exited, or ``timeout`` passed: without progress, with ``progress_cap``)."""
     async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
         async def ready() -> bool:
             return await worker_ready(handle.bind_url, client=client)
 
-        await handle.process.wait_ready(ready, timeout=timeout, interval=interval)
+        await handle.process.wait_ready(ready, timeout=timeout, interval=interval, progress_cap=progress_cap)
 
 
 class _ProcessBackend:
@@ -208,8 +209,11 @@ class _ProcessBackend:
         proc.start()
         return WorkerHandle(spec, self.name, proc)
 
+    progress_cap: float | None = None  # with it, start_timeout counts from the last progress (vLLM)
+
     async def wait_ready(self, handle: WorkerHandle, *, timeout: float | None = None) -> None:
-        await wait_serving(handle, timeout=timeout or self.start_timeout, interval=0.1)
+        await wait_serving(handle, timeout=timeout or self.start_timeout, interval=0.1,
+                           progress_cap=self.progress_cap)
 
     async def warm_up(self, url: str) -> None:
         return None
@@ -279,7 +283,8 @@ class VllmBackend(_ProcessBackend):
         # Absolute: workers run in their own folders, where a relative path is taken for a hub model id.
         self.model_path = Path(model_path or self.config.model
                                or self.default_model_path(run_dir, self.config.tokenizer)).resolve()
-        self.start_timeout = self.config.start_timeout_s
+        self.start_timeout = self.config.start_timeout_s  # without progress
+        self.progress_cap = self.config.start_max_s
         self.nice = self.config.nice
 
     @classmethod

@@ -126,7 +126,11 @@ class VllmConfig(Frozen):
     extra_args: tuple[str, ...] = Field((), description="more vLLM arguments, appended to its command line")
     nice: int = Field(0, ge=-20, le=19, description="scheduling niceness of the worker's processes; on a small "
                       "CPU host, a positive value keeps the control plane responsive next to spinning OMP threads")
-    start_timeout_s: float = Field(240.0, gt=0, description="how long a worker may take to answer /health")
+    start_timeout_s: float = Field(240.0, gt=0, description="how long a starting worker may go without progress "
+                                   "(its processes use no CPU and log nothing) before it is given up; one that "
+                                   "progresses (loading weights from slow storage, starved by a busy neighbour) "
+                                   "is waited for up to start_max_s")
+    start_max_s: float = Field(3600.0, gt=0, description="the longest a progressing start is waited for")
 
 
 class RouterConfig(Frozen):

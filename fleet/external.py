@@ -189,7 +189,8 @@ class _Restarting:
         await asyncio.Event().wait()
         return None
 
-    async def wait_ready(self, ready: Any, *, timeout: float, interval: float = 0.1) -> None:
+    async def wait_ready(self, ready: Any, *, timeout: float, interval: float = 0.1,
+                         progress_cap: float | None = None) -> None:
         await self.command_done(timeout)
 
     async def stop(self, grace: float = 5.0) -> int | None:

@@ -306,12 +306,18 @@ class ManagedProcess:
         return popen.wait()  # the process is a zombie by now: reaping does not block
 
     async def wait_ready(self, ready: Callable[[], Awaitable[bool]], *, timeout: float,
-                         interval: float = 0.1) -> None:
+                         interval: float = 0.1, progress_cap: float | None = None) -> None:
         """Poll ``ready()`` until it is true; fail fast with the log tail if the process exits first.
 
-        Exceptions from ``ready()`` count as "not yet". Raises :class:`ProcessError` on exit or timeout.
+        Exceptions from ``ready()`` count as "not yet". Raises :class:`ProcessError` on exit or timeout. With
+        ``progress_cap``, ``timeout`` counts from the last sign of progress instead of from the start: CPU time
+        used by the process's tree, or its log growing (a large model loading from slow storage, a start
+        starved by a busy neighbour); a start that stops progressing is given up, one that progresses is
+        waited for up to ``progress_cap`` seconds in all.
         """
-        deadline = time.monotonic() + timeout
+        started = last_progress = time.monotonic()
+        mark = self._progress_mark() if progress_cap is not None else None
+        looked = started
         while True:
             if not self.is_running:
                 raise ProcessError(
@@ -321,10 +327,34 @@ class ManagedProcess:
             with contextlib.suppress(Exception):
                 if await ready():
                     return
-            if time.monotonic() >= deadline:
-                raise ProcessError(f"{self.name} not ready after {timeout:.0f}s; log {self.log_path}:\n"
-                                   f"{self.log_tail()}", name=self.name, log_tail=self.log_tail())
+            now = time.monotonic()
+            if progress_cap is not None and now - looked >= 1.0:
+                looked = now
+                seen = self._progress_mark()
+                if seen != mark:
+                    mark, last_progress = seen, now
+            if now - last_progress >= timeout or (progress_cap is not None and now - started >= progress_cap):
+                tail = self.log_tail()
+                last = tail.splitlines()[-1].strip() if tail.strip() else "(nothing logged)"
+                why = (f"not ready after {timeout:.0f}s" if progress_cap is None else
+                       f"not ready: no progress for {timeout:.0f}s (no CPU time used, nothing logged)"
+                       if now - last_progress >= timeout else f"not ready after {progress_cap:.0f}s, progressing")
+                raise ProcessError(f"{self.name} {why}; it was at: {last}; log {self.log_path}:\n{tail}",
+                                   name=self.name, log_tail=tail)
             await asyncio.sleep(interval)
+
+    def _progress_mark(self) -> tuple[float, int]:
+        """(CPU seconds of the process tree, log size): either moving is progress."""
+        cpu = 0.0
+        for p in self.tree():
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                cpu += t.user + t.system + t.children_user + t.children_system
+        try:
+            size = self.log_path.stat().st_size
+        except OSError:
+            size = -1
+        return round(cpu, 1), size
 
     def _killpg(self, sig: int) -> None:
         # Only while our child is unreaped: until then its pid (= its group id) cannot be reused by anyone.
@@ -424,7 +454,7 @@ class WorkerProcess(Protocol):
     async def wait_exit(self) -> int | None: ...
 
     async def wait_ready(self, ready: Callable[[], Awaitable[bool]], *, timeout: float,
-                         interval: float = 0.1) -> None: ...
+                         interval: float = 0.1, progress_cap: float | None = None) -> None: ...
 
     async def stop(self, grace: float = 5.0) -> int | None: ...
 
@@ -511,8 +541,9 @@ class AdoptedProcess:
         return None
 
     async def wait_ready(self, ready: Callable[[], Awaitable[bool]], *, timeout: float,
-                         interval: float = 0.1) -> None:
-        """Poll ``ready()`` (finding the process again on the way) until it is true or ``timeout`` passes."""
+                         interval: float = 0.1, progress_cap: float | None = None) -> None:
+        """Poll ``ready()`` (finding the process again on the way) until it is true or ``timeout`` passes (not
+        ours: ``progress_cap`` is not used)."""
         deadline = time.monotonic() + timeout
         while True:
             with contextlib.suppress(Exception):

@@ -175,6 +175,53 @@ async def test_wait_ready_fails_fast_with_the_log_tail_when_the_process_exits(tm
     assert "crasher" in str(err.value)
 
 
+LOADING = "import time\nwhile True:\n    print('loading weights', time.monotonic(), flush=True)\n    time.sleep(0.1)\n"
+
+
+def _span(log: Path) -> float:
+    """Seconds between the first and the last line the loader logged, by its own clock."""
+    stamps = [float(line.split()[-1]) for line in log.read_text().splitlines() if line.startswith("loading")]
+    return stamps[-1] - stamps[0] if len(stamps) > 1 else 0.0
+
+
+async def test_a_start_that_progresses_is_waited_for_past_the_timeout_and_one_that_stalls_is_not(
+        tmp_path: Path, wait_until) -> None:
+    """A vLLM start beside a busy worker, or a large model on slow storage, outlasts any fixed deadline while it
+    progresses; the timeout counts from its last progress (CPU time, log output) instead."""
+    loader = ManagedProcess("loader", [sys.executable, "-c", LOADING], log_path=tmp_path / "loader.log").start()
+    ready = asyncio.Event()
+
+    async def is_ready() -> bool:
+        return ready.is_set()
+
+    try:
+        waiting = asyncio.create_task(loader.wait_ready(is_ready, timeout=2.0, progress_cap=600.0))
+        await wait_until(lambda: _span(tmp_path / "loader.log") > 5.0, timeout=60, message="five seconds logged")
+        assert not waiting.done(), "still waited for: it progresses"
+        ready.set()
+        await waiting
+    finally:
+        await loader.stop()
+    silent = ManagedProcess("silent", [sys.executable, "-c", "import time; print('at the step that hangs', "
+                                       "flush=True); time.sleep(3600)"], log_path=tmp_path / "silent.log").start()
+    try:
+        with pytest.raises(ProcessError, match="no progress for 1s") as err:
+            await silent.wait_ready(is_never, timeout=1.0, progress_cap=600.0)
+        assert "it was at: at the step that hangs" in str(err.value)
+    finally:
+        await silent.stop()
+    capped = ManagedProcess("capped", [sys.executable, "-c", LOADING], log_path=tmp_path / "capped.log").start()
+    try:
+        with pytest.raises(ProcessError, match="progressing"):
+            await capped.wait_ready(is_never, timeout=60.0, progress_cap=1.0)
+    finally:
+        await capped.stop()
+
+
+async def is_never() -> bool:
+    return False
+
+
 def test_start_of_a_missing_program_raises_process_error(tmp_path: Path) -> None:
     proc = ManagedProcess("ghost", [str(tmp_path / "no-such-program")], log_path=tmp_path / "ghost.log")
     with pytest.raises(ProcessError, match="ghost: cannot start"):
