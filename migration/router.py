@@ -220,7 +220,11 @@ class Router:
     def _on_fleet_change(self, section: str, worker: str) -> None:
         fleet = self.view.fleet
         self.metrics.workers_routable.set(len(fleet.routable()))
-        self._seen_models.update(rec.model for rec in fleet.workers.values())
+        new_models = {rec.model for rec in fleet.workers.values()} - self._seen_models
+        self._seen_models.update(new_models)
+        for model in new_models:  # exported at 0 from the start: rate() sees the first request of a model
+            self.metrics.ttft.labels(model)
+            self.metrics.itl.labels(model)
         for rec in (fleet.workers.values() if section == "*" else
                     [fleet.workers[worker]] if section == "workers" and worker in fleet.workers else []):
             self.texts.want(rec.model, rec.tokenizer)
@@ -789,7 +793,7 @@ class Router:
                     if first_n < 0 and tokens:  # this stream's first tokens (chat or completion)
                         first_at, first_n = self.clock.monotonic(), out.n
                         if out.n == len(tokens):  # and the request's first: not a resume's
-                            self.metrics.ttft.labels(str(j.body.get("model", ""))).observe(first_at - started)
+                            self.metrics.ttft.labels(j.model).observe(first_at - started)
                     first = not opened and delivered == 0
                     if first:
                         parts.append(encoder.opening())
@@ -813,7 +817,7 @@ class Router:
         if j.wants_usage:  # in a stream: stream_options.include_usage
             yield encoder.wrap(delivered, wire.usage_chunk(j))
         if first_n >= 0 and delivered > first_n:
-            self.metrics.itl.labels(str(j.body.get("model", ""))).observe(
+            self.metrics.itl.labels(j.model).observe(
                 (self.clock.monotonic() - first_at) / (delivered - first_n))
         self.metrics.requests.labels(j.kind.value, "ok").inc()
         yield wire.DONE
