@@ -47,7 +47,7 @@ from fleetward.fleet.launch import (
     wait_leader,
     write_service_config,
 )
-from fleetward.fleet.procs import free_port
+from fleetward.fleet.procs import free_port, spread_cores
 from fleetward.fleet.registry import Leader, publish_attachments, wait_registered
 from fleetward.fleet.signing import AttachSigner
 from fleetward.fleet.worker import WorkerSpec
@@ -140,8 +140,9 @@ class TestFleet(AgentWorkers, FleetClient):
             await self.start_controller()
         k = self.gpus_per_worker
         p = self.prefill_workers
+        cores = spread_cores(self.workers)
         specs = [WorkerSpec(id=f"{self.node}-w{i}", host="127.0.0.1", port=free_port(), model=self.backend.model_name,
-                            node=self.node, gpus=tuple(range(i * k, (i + 1) * k)),
+                            node=self.node, gpus=tuple(range(i * k, (i + 1) * k)), cpus=cores[i],
                             role=("prefill" if i < p else "decode") if p else "aggregated")
                  for i in range(self.workers)]
         specs = [await self._proxied_spec(s) for s in specs]

@@ -68,6 +68,7 @@ from fleetward.fleet.procs import (
     is_local_only,
     kill_tree,
     marked_processes,
+    spread_cores,
 )
 from fleetward.fleet.prometheus import LocalPrometheus, TargetsWriter
 from fleetward.fleet.registry import publish_attachments
@@ -158,11 +159,12 @@ class LocalFleet(AgentWorkers, FleetClient):
                               f"etcd is on another host (a fleet of several hosts): set host to {advertise} (this "
                               "host's address) or 0.0.0.0", field="host")
         specs = []
+        cores = spread_cores(c.workers)
         for i in range(c.workers):
             port = ensure_port(c.host, c.worker_base_port + i if c.worker_base_port else 0, name=f"worker {i}")
             role: Role = ("prefill" if i < c.prefill_workers else "decode") if c.prefill_workers else "aggregated"
             specs.append(WorkerSpec(id=f"{c.node}-w{i}", host=c.host, port=port, model=self.backend.model_name,
-                                    node=c.node, role=role,
+                                    node=c.node, role=role, cpus=cores[i],
                                     advertise_host=advertise if advertise != c.host else None))
         return specs
 

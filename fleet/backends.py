@@ -336,6 +336,7 @@ class VllmBackend(_ProcessBackend):
     def env(self, spec: WorkerSpec) -> dict[str, str]:
         return {
             **super().env(spec),
+            **self.binding(spec),
             "VLLM_CPU_KVCACHE_SPACE": str(self.config.kv_cache_space_gib),
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
@@ -343,6 +344,14 @@ class VllmBackend(_ProcessBackend):
             "DO_NOT_TRACK": "1",
             "TOKENIZERS_PARALLELISM": "false",
         }
+
+    def binding(self, spec: WorkerSpec) -> dict[str, str]:
+        """``VLLM_CPU_OMP_THREADS_BIND`` for the worker (``vllm.cpu_binding``): with ``spread``, its own cores
+        (``spec.cpus``), or vLLM's default when the spec names none."""
+        bind = self.config.cpu_binding
+        if bind == "spread":
+            return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, spec.cpus))} if spec.cpus else {}
+        return {"VLLM_CPU_OMP_THREADS_BIND": bind}
 
     async def warm_up(self, url: str) -> None:
         """One long generation and a small batch of prompt lengths: vLLM on a CPU compiles kernels lazily

@@ -124,6 +124,12 @@ class VllmConfig(Frozen):
     kv_cache_space_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts")
     enforce_eager: bool = Field(True, description="vLLM's --enforce-eager (no CUDA graphs / compilation)")
     extra_args: tuple[str, ...] = Field((), description="more vLLM arguments, appended to its command line")
+    cpu_binding: str = Field("spread", pattern=r"^(spread|auto|nobind|[0-9][0-9,|-]*)$", description="where a CPU "
+                             "worker's OpenMP threads run (VLLM_CPU_OMP_THREADS_BIND; GPU builds ignore it): spread: "
+                             "each worker this host starts gets cores of its own, one core left to the rest when "
+                             "there are more cores than workers; auto: vLLM's choice, the same cores for every "
+                             "server on the host (one starting beside a busy one then gets almost no CPU); nobind; "
+                             "or a core list such as 0-7, used by every worker")
     nice: int = Field(0, ge=-20, le=19, description="scheduling niceness of the worker's processes; on a small "
                       "CPU host, a positive value keeps the control plane responsive next to spinning OMP threads")
     start_timeout_s: float = Field(240.0, gt=0, description="how long a starting worker may go without progress "

@@ -62,6 +62,7 @@ __all__ = [
     "pid_of_unit",
     "port_is_free",
     "reserve_port",
+    "spread_cores",
     "tree_of",
 ]
 
@@ -645,3 +646,29 @@ def advertised_host(host: str, etcd_endpoints: Sequence[str], configured: str | 
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         s.connect((etcd_host.strip("[]"), int(port or 2379)))
         return str(s.getsockname()[0])
+
+
+def _host_cores(cores: Sequence[int] | None) -> list[int]:
+    return sorted(cores) if cores is not None else sorted(os.sched_getaffinity(0))
+
+
+def spread_cores(n: int, cores: Sequence[int] | None = None) -> list[tuple[int, ...]]:
+    """The cores each of ``n`` workers on this host binds its compute threads to, so that no two share one
+    while there are enough: ``cores`` (default: those this process may run on) in ``n`` contiguous slices,
+    one core left to the rest (servers, engine loops, the control plane) when there are more cores than
+    workers; with fewer cores than workers, one each, taken in turn. (vLLM's own ``auto`` binds every
+    CPU server on a host to the same cores: a server starting beside a busy one then gets almost no CPU.)"""
+    have = _host_cores(cores)
+    if n <= 0 or not have:
+        return []
+    if len(have) <= n:
+        return [(have[i % len(have)],) for i in range(n)]
+    usable = have[:-1]
+    size, extra = divmod(len(usable), n)
+    out, at = [], 0
+    for i in range(n):
+        take = size + (1 if i < extra else 0)
+        out.append(tuple(usable[at:at + take]))
+        at += take
+    return out
+

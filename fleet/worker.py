@@ -42,6 +42,7 @@ class WorkerSpec:
     role: Role = "aggregated"
     node: str = "local"
     gpus: tuple[int, ...] = ()
+    cpus: tuple[int, ...] = ()  # cores its compute threads are bound to (CPU backends; see fleet.procs.spread_cores)
     advertise_url: str | None = None  # what others use (e.g. a fault proxy in front); default: bind_url
     # The address other hosts reach it at, when it listens on loopback or on every address (advertise_host):
     # the URL is then that host and its port (which a restart may change).

@@ -47,7 +47,7 @@ from fleetward.fleet.errors import FleetwardError, StoreError, UnavailableError
 from fleetward.fleet.etcd import Compare, LeaseKeeper, Put, StateStore
 from fleetward.fleet.external import LeftForOperator
 from fleetward.fleet.keys import Keys
-from fleetward.fleet.procs import ensure_port, free_port, port_is_free
+from fleetward.fleet.procs import ensure_port, free_port, port_is_free, spread_cores
 from fleetward.fleet.signing import ActionSigner, AttachSigner
 from fleetward.fleet.telemetry import link_gauges
 from fleetward.fleet.worker import ROLES, HealthRecord, HealthState, WorkerRecord, WorkerSpec
@@ -763,9 +763,10 @@ class NodeAgent:
         """A worker the leader asked for (scale-up): this node's backend and model, a free port."""
         if worker_id in self.handles:
             return True, "running already"
+        own = [s for s in self.specs.values() if s.cpus]  # its cores: as if this host had started one more
         spec = WorkerSpec(id=worker_id, host=self.worker_host, port=free_port(self.worker_host),
                           model=self.backend.model_name, role=role if role in ROLES else "aggregated",
-                          node=self.node, advertise_host=self.advertise_host)
+                          node=self.node, advertise_host=self.advertise_host, cpus=spread_cores(len(own) + 1)[-1])
         await self.start_workers([spec])
         failed = self.failed.get(worker_id)
         return (False, failed.splitlines()[0]) if failed else (True, f"started on port {spec.port}")

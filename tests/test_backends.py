@@ -10,6 +10,7 @@ import pytest
 from fleetward.fleet.backends import BACKENDS, SimBackend, VllmBackend, backend_capabilities, make_backend
 from fleetward.fleet.config import RouterConfig, SimConfig, VllmConfig
 from fleetward.fleet.errors import ConfigError
+from fleetward.fleet.procs import spread_cores
 from fleetward.fleet.worker import WorkerSpec
 from fleetward.migration.policy import POLICIES, LeastLoaded, LeastLoadedAffinity, make_policy, prefix_key, rendezvous
 
@@ -75,3 +76,28 @@ def test_least_loaded_ignores_the_prompt_and_affinity_follows_it_until_the_slack
     assert LeastLoadedAffinity(slack=2).choose(workers, idle, key) == preferred
     busy = {**idle, preferred: 3}
     assert LeastLoadedAffinity(slack=2).choose(workers, busy, key) != preferred
+
+
+def test_each_vllm_cpu_worker_binds_its_own_cores_unless_the_config_says_otherwise(tmp_path: Path) -> None:
+    # vLLM's default binds every CPU server on a host to the same cores; one starting beside a busy one then
+    # got almost no CPU on this 2-core machine (still loading after 600 s). Each gets its own by default.
+    cores = spread_cores(2, [0, 1])
+    specs = [WorkerSpec(id=f"w{i}", host="127.0.0.1", port=1, model="tiny", cpus=c) for i, c in enumerate(cores)]
+    spread = VllmBackend(VllmConfig(), run_dir=tmp_path)
+    assert [spread.env(s)["VLLM_CPU_OMP_THREADS_BIND"] for s in specs] == ["0", "1"]
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in spread.env(WorkerSpec(id="x", host="127.0.0.1", port=1, model="m"))
+    for given in ("auto", "nobind", "0-3|4-7"):
+        assert VllmBackend(VllmConfig(cpu_binding=given), run_dir=tmp_path).env(specs[1])[
+            "VLLM_CPU_OMP_THREADS_BIND"] == given
+    with pytest.raises(ValueError, match="cpu_binding"):
+        VllmConfig(cpu_binding="core zero")
+
+
+def test_cores_are_spread_so_no_two_workers_share_one_while_there_are_enough() -> None:
+    assert spread_cores(1, [0, 1]) == [(0,)]  # as vLLM's auto: one core left to the rest
+    assert spread_cores(2, [0, 1]) == [(0,), (1,)]
+    assert spread_cores(3, [0, 1]) == [(0,), (1,), (0,)]  # more workers than cores: in turn
+    assert spread_cores(2, [4, 5, 6, 7, 8]) == [(4, 5), (6, 7)]  # 8 is left to the rest
+    wide = spread_cores(3, range(64))
+    assert sorted(c for w in wide for c in w) == list(range(63)) and {len(w) for w in wide} == {21}
+    assert spread_cores(0) == [] and len(spread_cores(2)) == 2  # this host's own cores

@@ -27,7 +27,7 @@ import pytest_asyncio
 from fleetward.chaos.harness import TestFleet
 from fleetward.fleet.backends import VllmBackend
 from fleetward.fleet.config import AttachConfig, ProcessRef, RouterConfig, SupervisorConfig, VllmConfig
-from fleetward.fleet.procs import free_port, kill_tree, pid_from_file, tree_of
+from fleetward.fleet.procs import free_port, kill_tree, pid_from_file, spread_cores, tree_of
 from fleetward.fleet.worker import WorkerSpec
 
 if importlib.util.find_spec("vllm") is None:  # pragma: no cover - the test venv has it
@@ -59,9 +59,10 @@ open(pidfile, "w").write(str(p.pid))
 """
 
 
-def vllm_server(backend: VllmBackend, worker: str, root: Path) -> AttachConfig:
-    """Start one vLLM server outside fleetward; the ``attach:`` entry that adopts it (same command to restart)."""
-    spec = WorkerSpec(id=worker, host="127.0.0.1", port=free_port(), model=backend.model_name, node="cpu")
+def vllm_server(backend: VllmBackend, worker: str, root: Path, cpus: tuple[int, ...] = ()) -> AttachConfig:
+    """Start one vLLM server outside fleetward; the ``attach:`` entry that adopts it (same command to restart).
+    ``cpus``: the cores of its OpenMP threads (:func:`spread_cores`), as an operator gives each server its own."""
+    spec = WorkerSpec(id=worker, host="127.0.0.1", port=free_port(), model=backend.model_name, node="cpu", cpus=cpus)
     command = [sys.executable, "-c", START, json.dumps(backend.argv(spec)), json.dumps(backend.env(spec)),
                str(root / f"{worker}.pid"), str(root / f"{worker}.log")]
     subprocess.run(command, check=True, timeout=60)
@@ -80,7 +81,7 @@ async def _vllm_session(tiny_model: Path, etcd_endpoint: str, broker_endpoint: s
                         tmp_path_factory: pytest.TempPathFactory, session_processes: Any) -> AsyncIterator[TestFleet]:
     backend = VllmBackend(VllmConfig(), tiny_model)
     servers = tmp_path_factory.mktemp("vllm-servers")
-    attach = [vllm_server(backend, f"cpu-w{i}", servers) for i in range(2)]
+    attach = [vllm_server(backend, f"cpu-w{i}", servers, cores) for i, cores in enumerate(spread_cores(2))]
     fleet = TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="vllm", backend=backend, attach=attach,
                       run_dir=tmp_path_factory.mktemp("vllm"), workers=0, node="cpu",
                       routing=RouterConfig(stall_floor_s=1.0),

@@ -37,7 +37,7 @@ from fleetward.chaos.harness import TestFleet
 from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.backends import VllmBackend
 from fleetward.fleet.config import RouterConfig, SupervisorConfig, VllmConfig
-from fleetward.fleet.procs import kill_tree, pid_from_file, tree_of
+from fleetward.fleet.procs import kill_tree, pid_from_file, spread_cores, tree_of
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -58,9 +58,10 @@ async def pd(tiny_model: Path, etcd_endpoint: str, broker_endpoint: str, tmp_pat
     kv = root / "kv"
     kv.mkdir()
     servers = []
-    for worker, role, kv_role in (("pd-prefill", "prefill", "kv_producer"), ("pd-decode", "decode", "kv_consumer")):
+    roles = (("pd-prefill", "prefill", "kv_producer"), ("pd-decode", "decode", "kv_consumer"))
+    for (worker, role, kv_role), cores in zip(roles, spread_cores(2), strict=True):
         backend = VllmBackend(VllmConfig(extra_args=connector(kv_role, kv)), tiny_model)
-        servers.append(start_vllm_server(backend, worker, root).model_copy(update={"role": role}))
+        servers.append(start_vllm_server(backend, worker, root, cores).model_copy(update={"role": role}))
     fleet = TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="vllm-pd", workers=0, node="cpu",
                       backend=VllmBackend(VllmConfig(), tiny_model), attach=servers, run_dir=root / "fleet",
                       routing=RouterConfig(stall_floor_s=2.0, prefill_timeout_s=5.0),
