@@ -321,8 +321,9 @@ def _print_status(status: dict[str, Any]) -> None:
     for w in status["workers"]:
         style = _HEALTH_STYLE.get(w["health"], "")
         health = f"[{style}]{w['health']}[/]" if style else w["health"]
-        if w.get("reason") and w["health"] != "ready":
-            health += f" ({w['reason'][:60]})"
+        why = w.get("phase") or w.get("reason")  # a start's phase says more than "launched"
+        if why and w["health"] != "ready":
+            health += f" ({escape(why[:80])})"
         pids = " ".join(str(p) for p in w["pids"]) or "-"
         table.add_row(w["id"], w["role"] or "-", w["url"] or "-", w["model"] or "-", w["node"] or "-", pids,
                       health, _age(w["since"]))
@@ -445,7 +446,7 @@ async def _cmd_status(args: argparse.Namespace) -> int:
     store = EtcdStore(endpoint, attempts=3, retry_budget_s=5.0, timeout_s=3.0,
                       access=local_access(args, "etcd", endpoint))
     try:
-        fleet = await read_fleet(store, Keys(cluster), leader=True)
+        fleet = await read_fleet(store, Keys(cluster), leader=True, phases=True)
     finally:
         await store.aclose()
     status = fleet.to_status()

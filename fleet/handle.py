@@ -246,7 +246,7 @@ class FleetClient:
                                      headers=self._headers())
 
     async def fleet_status(self) -> dict[str, Any]:
-        return (await read_fleet(self.store, self.keys, leader=True)).to_status()
+        return (await read_fleet(self.store, self.keys, leader=True, phases=True)).to_status()
 
     async def wait_workers_routable(self, n: int, timeout: float = 30.0) -> None:
         async with asyncio.timeout(timeout):

@@ -33,6 +33,7 @@ import ctypes.util
 import errno
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -56,6 +57,7 @@ __all__ = [
     "is_gone",
     "is_local_only",
     "kill_tree",
+    "last_log_line",
     "marked_processes",
     "pid_from_file",
     "pid_of_container",
@@ -336,7 +338,7 @@ class ManagedProcess:
                     mark, last_progress = seen, now
             if now - last_progress >= timeout or (progress_cap is not None and now - started >= progress_cap):
                 tail = self.log_tail()
-                last = tail.splitlines()[-1].strip() if tail.strip() else "(nothing logged)"
+                last = last_log_line(tail) or "(nothing logged)"
                 why = (f"not ready after {timeout:.0f}s" if progress_cap is None else
                        f"not ready: no progress for {timeout:.0f}s (no CPU time used, nothing logged)"
                        if now - last_progress >= timeout else f"not ready after {progress_cap:.0f}s, progressing")
@@ -646,6 +648,25 @@ def advertised_host(host: str, etcd_endpoints: Sequence[str], configured: str | 
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         s.connect((etcd_host.strip("[]"), int(port or 2379)))
         return str(s.getsockname()[0])
+
+
+# What servers put before each message: vLLM's "(EngineCore pid=12) INFO 11-27 05:32:51 [core.py:133] ", uvicorn's
+# "INFO:     ", Python logging's "2026-11-27 05:32:51,123 INFO name: ".
+_LOG_PREFIX = re.compile(r"^(\(\w+ pid=\d+\)\s+)?((\d{4}-)?\d\d-\d\d[ T]\d\d:\d\d:\d\d[.,\d]*\s+)?"
+                         r"((DEBUG|INFO|WARNING|ERROR|CRITICAL):?\s+)?((\d{4}-)?\d\d-\d\d \d\d:\d\d:\d\d[.,\d]*\s+)?"
+                         r"(\[[^\]]*\]\s+)?")
+
+
+def last_log_line(tail: str) -> str:
+    """The last thing a process logged, without its timestamp and level: what it was doing. Indented lines
+    (a traceback's, a warning's source line) belong to the message above them and are skipped."""
+    for line in reversed(tail.splitlines()):
+        if line[:1].isspace():
+            continue
+        text = _LOG_PREFIX.sub("", line.strip()).strip()
+        if text:
+            return text
+    return ""
 
 
 def _host_cores(cores: Sequence[int] | None) -> list[int]:

@@ -34,6 +34,7 @@ class FleetSnapshot:
     health: dict[str, HealthRecord] = field(default_factory=dict)
     routers: dict[str, dict[str, Any]] = field(default_factory=dict)
     controller: Leader | None = None  # the supervisor's leader (read by ``read_fleet(leader=True)``)
+    phases: dict[str, str] = field(default_factory=dict)  # starting workers: what they are at (``phases=True``)
 
     def health_of(self, worker_id: str) -> HealthRecord | None:
         return self.health.get(worker_id)
@@ -87,6 +88,7 @@ class FleetSnapshot:
                 "health": h.state.value if h else ("unknown" if rec else HealthState.DEAD.value),
                 "since": h.since if h else (rec.started_at if rec else None),
                 "reason": h.reason if h else "",
+                "phase": self.phases.get(wid, ""),
             })
         routers = [{"id": rid, "url": r.get("url")} for rid, r in sorted(self.routers.items())]
         return {"cluster": self.cluster, "controller": self.controller.to_json() if self.controller else None,
@@ -94,9 +96,10 @@ class FleetSnapshot:
 
 
 async def read_fleet(store: StateStore, keys: Keys, *, revision: int | None = None,
-                     leader: bool = False) -> FleetSnapshot:
+                     leader: bool = False, phases: bool = False) -> FleetSnapshot:
     """Workers, health and routers as of one revision (the current one unless ``revision`` is given);
-    with ``leader``, also who leads the supervisor now (elections are read at the current revision).
+    with ``leader``, also who leads the supervisor now (elections are read at the current revision); with
+    ``phases``, what each starting or restarting worker is at (its agent's ``start`` signal).
 
     Reads the three sections, not the whole cluster prefix: ``requests/`` holds one checkpoint per
     in-flight request (10,000 of them are some 65 MB), more than one gRPC response may carry.
@@ -110,7 +113,23 @@ async def read_fleet(store: StateStore, keys: Keys, *, revision: int | None = No
             fleet.apply(keys, "put", kv.key, kv.value)
     if leader:
         fleet.controller = await read_leader(store, keys)
+    if phases:
+        await _read_phases(store, keys, fleet)
     return fleet
+
+
+async def _read_phases(store: StateStore, keys: Keys, fleet: FleetSnapshot) -> None:
+    """The agent's ``ok`` ``start`` signal of each worker starting now (said since its health record)."""
+    for wid, h in fleet.health.items():
+        if h.state not in (HealthState.STARTING, HealthState.RESTARTING):
+            continue
+        kv = await store.get(keys.signal(wid, "start"))
+        try:
+            said = json.loads(kv.value) if kv is not None else {}
+        except ValueError:
+            continue
+        if said.get("severity") == "ok" and float(said.get("ts", 0)) >= h.since:
+            fleet.phases[wid] = str(said.get("reason", ""))
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ from fleetward.fleet.errors import FleetwardError, StoreError, UnavailableError
 from fleetward.fleet.etcd import Compare, LeaseKeeper, Put, StateStore
 from fleetward.fleet.external import LeftForOperator
 from fleetward.fleet.keys import Keys
-from fleetward.fleet.procs import ensure_port, free_port, port_is_free, spread_cores
+from fleetward.fleet.procs import ensure_port, free_port, last_log_line, port_is_free, spread_cores
 from fleetward.fleet.signing import ActionSigner, AttachSigner
 from fleetward.fleet.telemetry import link_gauges
 from fleetward.fleet.worker import ROLES, HealthRecord, HealthState, WorkerRecord, WorkerSpec
@@ -59,6 +59,8 @@ from fleetward.supervisor.signals import Severity, Signal
 __all__ = ["NodeAgent", "launched_health", "running_signal"]
 
 log = logging.getLogger(__name__)
+
+START_REPORT_S = 2.0  # how often a starting worker's phase (its last log line) is looked at, and said if it changed
 
 Progress = Callable[[str, str], None]  # (worker id, what happened)
 
@@ -194,7 +196,8 @@ class NodeAgent:
         async def one(spec: WorkerSpec, handle: WorkerHandle | None, failure: str) -> None:
             if handle is not None:
                 try:
-                    await self.backend.wait_ready(handle)
+                    async with self._reporting_start(spec.id, handle):
+                        await self.backend.wait_ready(handle)
                     await self.register(handle)
                     note(spec.id, "ready")
                     return
@@ -359,6 +362,28 @@ class NodeAgent:
         first_line = reason.splitlines()[0] if reason else "failed to start"
         await self.signal(worker_id, "start", Severity.FATAL, f"failed to start: {first_line}", action="dead")
         await self.bus.publish("worker.down", worker=worker_id, node=self.node, reason=first_line)
+
+    @contextlib.asynccontextmanager
+    async def _reporting_start(self, worker_id: str, handle: WorkerHandle) -> AsyncIterator[None]:
+        """While the worker starts, what it is at (the last line it logged) as an ``ok`` ``start`` signal every
+        ``START_REPORT_S`` it changes: ``fleetward status`` shows it beside ``starting``. The leader's health
+        record is not touched."""
+        async def report() -> None:
+            said = ""
+            while True:
+                await self.clock.sleep(START_REPORT_S)
+                line = last_log_line(handle.process.log_tail(5))[:160]
+                if line and line != said:
+                    said = line
+                    with contextlib.suppress(FleetwardError):  # a status line: not worth a failed start
+                        await self.signal(worker_id, "start", Severity.OK, line)
+
+        task = asyncio.create_task(report(), name=f"agent-start-{worker_id}")
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     async def signal(self, worker_id: str, detector: str, severity: Severity, reason: str, **extra: Any) -> None:
         sig = Signal(worker_id, detector, severity, reason, self.clock.wall(), dict(extra))
@@ -834,7 +859,8 @@ class NodeAgent:
                         handle = backend.launch(spec, self.log_dir, self.worker_env)
                         self.handles[worker_id] = handle
                         try:
-                            await backend.wait_ready(handle)
+                            async with self._reporting_start(worker_id, handle):
+                                await backend.wait_ready(handle)
                         except FleetwardError:
                             self.handles.pop(worker_id, None)
                             await backend.stop(handle, grace=2)

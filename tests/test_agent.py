@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from fleetward.fleet.keys import Keys
 from fleetward.fleet.launch import agent_argv, service_env
 from fleetward.fleet.procs import ManagedProcess, free_port
 from fleetward.fleet.registry import read_fleet
-from fleetward.fleet.worker import WorkerSpec
+from fleetward.fleet.worker import HealthRecord, HealthState, WorkerSpec
 from fleetward.supervisor.agent import NodeAgent
 from fleetward.supervisor.signals import Severity, Signal
 
@@ -235,10 +236,25 @@ import os, socket, sys
 fifo, port, argv = sys.argv[1], int(sys.argv[sys.argv.index("--port") + 1]), sys.argv[2:]
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("127.0.0.1", port)); s.listen(16)
+print("(EngineCore pid=1) INFO 11-27 05:22:13 [core.py:1] loading the weights", flush=True)
 open(fifo).read()
 s.close()
 os.execv(argv[0], argv)
 """
+
+
+@contextlib.asynccontextmanager
+async def starting_late(agent: NodeAgent, spec: WorkerSpec, fifo: Path) -> AsyncIterator[asyncio.Task[None]]:
+    """``agent`` starting a :class:`ListensEarly` worker; the worker is let go and the agent closed after."""
+    starting = asyncio.create_task(agent.start_workers([spec]))
+    try:
+        yield starting
+    finally:
+        if not starting.done():
+            with contextlib.suppress(OSError):  # let the worker go, or it waits on the FIFO for ever
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            starting.cancel()
+        await agent.aclose(grace=5)
 
 
 class ListensEarly(SimBackend):
@@ -268,8 +284,8 @@ async def test_a_worker_still_starting_is_not_judged_by_the_engine_frozen_detect
             said.append(Signal.from_json(ev.value).severity.value if ev.kind == "put" else "deleted")
 
     collector = asyncio.create_task(collect((await store.get_prefix(keys.root)).revision + 1))
-    starting = asyncio.create_task(agent.start_workers([spec]))
-    try:
+    async with starting_late(agent, spec, fifo) as starting, contextlib.AsyncExitStack() as later:
+        later.callback(collector.cancel)
         await wait_until(lambda: "late" in agent.handles, timeout=30, message="the worker was launched")
         # Not a race: nothing may be said about it at any time. The wait gives the old defect (a fatal verdict
         # some 2 s after the agent's first look) the time to show.
@@ -282,10 +298,24 @@ async def test_a_worker_still_starting_is_not_judged_by_the_engine_frozen_detect
         await asyncio.sleep(config.engine_probe_interval_s + 2 * config.engine_stall_s)  # judged now: healthy
         assert agent.handles["late"].process.pid == pid, "never restarted"
         assert all(s == "ok" for s in said), said
-    finally:
-        collector.cancel()
-        if not starting.done():
-            with contextlib.suppress(OSError):  # let the worker go, or it waits on the FIFO for ever
-                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-            starting.cancel()
-        await agent.aclose(grace=5)
+
+
+async def test_a_starting_worker_says_in_status_what_it_is_at(
+        store: EtcdStore, bus: MqttBus, keys: Keys, tmp_path: Path, wait_until: Any) -> None:
+    """A start may take minutes (a large model loading, a busy host): ``fleetward status`` shows what it is at,
+    the last line it logged, and not only ``starting``; the leader's health record stays the leader's."""
+    fifo = tmp_path / "go"
+    os.mkfifo(fifo)
+    agent = NodeAgent(store=store, bus=bus, keys=keys, backend=ListensEarly(fifo), node="n1", log_dir=tmp_path)
+    spec = WorkerSpec(id="slow", host="127.0.0.1", port=free_port(), model=agent.backend.model_name, node="n1")
+    async with starting_late(agent, spec, fifo) as starting:
+        async def phase() -> str:
+            workers = (await read_fleet(store, keys, phases=True)).to_status()["workers"]
+            return "".join(w["phase"] for w in workers)
+
+        assert await wait_until(phase, timeout=30, message="the phase is said") == "loading the weights"
+        health = HealthRecord.from_json((await store.get(keys.health_of("slow"))).value)
+        assert (health.state, health.reason, health.detector) == (HealthState.STARTING, "launched", "agent")
+        fifo.write_text("go")
+        await starting
+        assert not agent.failed, agent.failed

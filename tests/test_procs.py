@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from fleetward.fleet.errors import PortInUseError, ProcessError
-from fleetward.fleet.procs import ManagedProcess, ensure_port, free_port, is_gone, port_is_free
+from fleetward.fleet.procs import ManagedProcess, ensure_port, free_port, is_gone, last_log_line, port_is_free
 
 # A child that starts a grandchild in a session of its own (so a process-group signal cannot reach it,
 # only the remembered tree), prints the grandchild's pid, then waits for signals.
@@ -205,6 +205,8 @@ async def test_a_start_that_progresses_is_waited_for_past_the_timeout_and_one_th
     silent = ManagedProcess("silent", [sys.executable, "-c", "import time; print('at the step that hangs', "
                                        "flush=True); time.sleep(3600)"], log_path=tmp_path / "silent.log").start()
     try:
+        # Once at that step: an interpreter still starting on a loaded host has not logged it yet.
+        await wait_until(lambda: "hangs" in (tmp_path / "silent.log").read_text(), timeout=60, message="at the step")
         with pytest.raises(ProcessError, match="no progress for 1s") as err:
             await silent.wait_ready(is_never, timeout=1.0, progress_cap=600.0)
         assert "it was at: at the step that hangs" in str(err.value)
@@ -241,3 +243,16 @@ def test_ensure_port_refuses_a_port_in_use_and_picks_one_for_zero() -> None:
     picked = ensure_port("127.0.0.1", 0, name="thing")
     assert picked > 0 and port_is_free("127.0.0.1", picked)
     assert free_port() > 0
+
+
+def test_what_a_process_was_at_is_its_last_message_without_timestamp_level_or_source_lines() -> None:
+    vllm = ("(APIServer pid=7) INFO 11-27 05:31:27 [model.py:2152] Using max model len 2048\n"
+            "(EngineCore pid=9) INFO 11-27 05:33:27 [default_loader.py:501] Loading weights took 0.21 seconds\n"
+            "/usr/lib/python3.11/multiprocessing/resource_tracker.py:254: UserWarning: leaked semaphores\n"
+            "  warnings.warn('resource_tracker: There appear to be %d '\n\n")
+    assert last_log_line(vllm) == "/usr/lib/python3.11/multiprocessing/resource_tracker.py:254: UserWarning: " \
+                                  "leaked semaphores"
+    assert last_log_line(vllm.rsplit("/usr", 1)[0]) == "Loading weights took 0.21 seconds"
+    assert last_log_line("INFO:     Started server process [123]") == "Started server process [123]"
+    assert last_log_line("2026-11-27 05:32:51,123 INFO fleetward.sim: serving") == "fleetward.sim: serving"
+    assert last_log_line("") == last_log_line("\n  indented only\n") == ""
