@@ -669,17 +669,13 @@ def last_log_line(tail: str) -> str:
     return ""
 
 
-def _host_cores(cores: Sequence[int] | None) -> list[int]:
-    return sorted(cores) if cores is not None else sorted(os.sched_getaffinity(0))
-
-
 def spread_cores(n: int, cores: Sequence[int] | None = None) -> list[tuple[int, ...]]:
     """The cores each of ``n`` workers on this host binds its compute threads to, so that no two share one
     while there are enough: ``cores`` (default: those this process may run on) in ``n`` contiguous slices,
     one core left to the rest (servers, engine loops, the control plane) when there are more cores than
     workers; with fewer cores than workers, one each, taken in turn. (vLLM's own ``auto`` binds every
     CPU server on a host to the same cores: a server starting beside a busy one then gets almost no CPU.)"""
-    have = _host_cores(cores)
+    have = sorted(cores if cores is not None else os.sched_getaffinity(0))
     if n <= 0 or not have:
         return []
     if len(have) <= n:
@@ -692,4 +688,3 @@ def spread_cores(n: int, cores: Sequence[int] | None = None) -> list[tuple[int, 
         out.append(tuple(usable[at:at + take]))
         at += take
     return out
-
