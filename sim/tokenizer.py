@@ -1,6 +1,7 @@
 """The byte-level tokenizer shared by the simulated worker and the tiny local model.
 
-Ids 0, 1, 2 are ``<unk>``, ``<s>``, ``</s>`` (Llama's convention); id ``3 + b`` is the byte ``b``. No BOS is
+Ids 0, 1, 2 are ``<unk>``, ``<s>``, ``</s>`` (Llama's convention), also when written in a text, as the
+tokenizers library reads its special tokens; id ``3 + b`` is the byte ``b``. No BOS is
 added, so a text prompt and its token ids are interchangeable, which is what migration (resume from
 prompt ids + emitted ids) relies on. The tiny model's ``tokenizer.json`` (see :mod:`.tinymodel`) encodes
 exactly like :func:`encode`, so the simulated worker and real vLLM agree on ids.
@@ -11,6 +12,7 @@ Jinja in the tiny model's ``tokenizer_config.json`` for vLLM; a test checks they
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 
 __all__ = [
@@ -37,8 +39,19 @@ CHAT_TEMPLATE = (
 )
 
 
+SPECIAL_TOKENS = {"<unk>": UNK_ID, "<s>": BOS_ID, "</s>": EOS_ID}
+_SPECIAL = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
+
+
 def encode(text: str) -> list[int]:
-    return [BYTE_OFFSET + b for b in text.encode("utf-8")]
+    """Ids of ``text``; a special token written in the text is that token, as HF tokenizers (so vLLM) read it."""
+    ids: list[int] = []
+    start = 0
+    for m in _SPECIAL.finditer(text):
+        ids += [BYTE_OFFSET + b for b in text[start:m.start()].encode("utf-8")]
+        ids.append(SPECIAL_TOKENS[m.group()])
+        start = m.end()
+    return ids + [BYTE_OFFSET + b for b in text[start:].encode("utf-8")]
 
 
 def _bytes_of(ids: Iterable[int]) -> bytes:

@@ -20,7 +20,7 @@ from fleetward.migration.journal import Journal, Kind
 from fleetward.migration.text import TextSources
 
 TEXTS = ["日本語のテキスト", "Привет, мир!", " héllo wörld ", "👩🏽‍🔬🚀✨", "ऑपरेशन", "a b  c", "🏳️‍🌈 x", "한국어",
-         "ok.\n"]
+         "ok.\n", "<s>", "</s>", "a<unk>b", "<</s>s>"]
 text_st = st.lists(st.sampled_from(TEXTS) | st.text(min_size=1, max_size=8), min_size=1, max_size=6).map("".join)
 
 
