@@ -1,8 +1,8 @@
 """What the client sees: vLLM's chunks and responses, byte for byte, and the SSE framing around them.
 
 The router is a drop-in front door for vLLM, so what a client reads from it equals what it would read from
-a vLLM 0.32 server for the same request (``tests/data/vllm-0.32``, ``tests/test_wire.py``,
-``tests/test_router_dropin.py``): the same keys in the same order, ``null`` where vLLM writes ``null``
+a vLLM 0.32 server for the same request (``tests/data/vllm-0.32``, ``tests/migration/test_wire.py``,
+``tests/migration/test_router_dropin.py``): the same keys in the same order, ``null`` where vLLM writes ``null``
 (``token_ids`` without ``return_token_ids``), the opening chat chunk with the assistant's role, usage in every
 chunk with ``stream_options.continuous_usage_stats``, the worker's ``system_fingerprint`` on the last chunk,
 vLLM's in-band error, ``data: [DONE]``. Only the response's ``id`` and ``created`` are the router's own.

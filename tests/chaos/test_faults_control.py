@@ -1,4 +1,4 @@
-"""Control-plane faults on a fleet with its own 3-member etcd cluster and broker (KV faults: tests/test_pd_kv.py)."""
+"""Control-plane faults on a fleet with its own 3-member etcd cluster and broker (KV faults: tests/migration/test_pd_kv.py)."""
 
 from __future__ import annotations
 

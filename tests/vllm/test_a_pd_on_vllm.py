@@ -217,7 +217,7 @@ async def test_a_hung_prefill_server_costs_time_not_tokens(pd: tuple[TestFleet, 
         # Whichever comes first: the router's prefill times out (prefill_timeout_s), or the node agent sees the
         # stopped engine and the supervisor takes the server out of routing and restarts it (whose graceful
         # stop may let the prefill finish). Either way the stream is served, exactly; the router's own
-        # handling of a failed prefill is tested deterministically on simulated workers (tests/test_pd.py).
+        # handling of a failed prefill is tested deterministically on simulated workers (tests/migration/test_pd.py).
         tokens, workers = await through_the_router(fleet, ids, 40)
         assert workers == {"pd-decode"}
         assert tokens == want, "exact, whatever the prefill server did"

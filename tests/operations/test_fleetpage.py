@@ -17,7 +17,7 @@ import yaml
 from fleetward.fleet.bus import EVENT_KINDS, Event
 from fleetward.supervisor.fleetpage import Timeline, describe, parse_alerts, runbook_html
 
-RULES = Path(__file__).resolve().parents[1] / "runbooks" / "alerts" / "fleetward.rules.yml"
+RULES = Path(__file__).resolve().parents[2] / "runbooks" / "alerts" / "fleetward.rules.yml"
 _ROW = re.compile(r'<tr data-worker="([^"]+)" data-state="([^"]+)">')
 _EVENT = re.compile(r'<li data-kind="([^"]+)" data-worker="([^"]*)">(.*?)</li>', re.S)
 _ALERT = re.compile(r'<tr data-alert="([^"]+)" data-state="([^"]+)">(.*?)</tr>', re.S)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from fleetward.migration import wire
 from fleetward.migration.journal import Journal, Kind
 
-DATA = Path(__file__).parent / "data" / "vllm-0.32"
+DATA = Path(__file__).parents[1] / "data" / "vllm-0.32"
 
 
 def journal(kind: Kind, **body: Any) -> Journal:

@@ -22,7 +22,7 @@ from fleetward.fleet.procs import ManagedProcess, free_port, is_gone
 from fleetward.fleet.registry import read_fleet
 from fleetward.fleet.signing import AttachSigner
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SIM = SimConfig(decode_step_ms=3.0, seed=3)
 
 

@@ -22,7 +22,7 @@ import pytest
 from fleetward.fleet.config import SimConfig
 from fleetward.sim.server import SimWorker
 
-DATA = Path(__file__).parent / "data" / "vllm-0.32"
+DATA = Path(__file__).parents[1] / "data" / "vllm-0.32"
 FAST = SimConfig(decode_step_ms=0.5, decode_ms_per_seq=0.0, prefill_ms_per_token=0.0, model_name="tiny",
                  responses_store=True)
 

@@ -46,7 +46,7 @@ EXAMPLES = int(os.environ.get("FLEETWARD_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=DERANDOMIZE, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                        HealthCheck.data_too_large, HealthCheck.filter_too_much])
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = sorted((Path(fleetward.chaos.__file__).parent / "experiments").glob("*.yaml"))
 FLEET_EXAMPLE = ROOT / "deploy" / "fleet.example.yaml"
 

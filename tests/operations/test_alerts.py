@@ -15,7 +15,7 @@ import yaml
 
 from fleetward.cli.metricsref import catalogue
 
-RUNBOOKS = Path(__file__).resolve().parents[1] / "runbooks"
+RUNBOOKS = Path(__file__).resolve().parents[2] / "runbooks"
 RULES = RUNBOOKS / "alerts" / "fleetward.rules.yml"
 TESTS = RUNBOOKS / "alerts" / "fleetward.tests.yml"
 ALERTMANAGER = RUNBOOKS / "alerts" / "alertmanager.example.yml"

@@ -6,7 +6,7 @@ recovery, all read back through Prometheus' HTTP API (``/api/v1/alerts`` and the
 Prometheus runs the shipped rule file with every duration divided by ``SCALE`` (a 10-minute window becomes
 30 s, ``for: 1m`` 3 s), so that an alert also resolves within the test: the pipeline is the real one
 (exposition, discovery from etcd, scraping, rule evaluation, alert states), the timing is compressed.
-promtool's unit tests (tests/test_alerts.py) check the same expressions at their real durations.
+promtool's unit tests (tests/operations/test_alerts.py) check the same expressions at their real durations.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from fleetward.fleet.keys import Keys
 from fleetward.fleet.prometheus import LocalPrometheus, TargetsWriter
 from fleetward.fleet.sse import sse_lines
 
-RULES = Path(__file__).resolve().parents[1] / "runbooks" / "alerts" / "fleetward.rules.yml"
+RULES = Path(__file__).resolve().parents[2] / "runbooks" / "alerts" / "fleetward.rules.yml"
 SCALE = 20
 SIM = SimConfig(decode_step_ms=8.0, decode_ms_per_seq=0.1, prefill_ms_per_token=0.02, seed=31)
 SUPERVISOR = SupervisorConfig(canary_interval_s=2.0, canary_timeout_s=2.0, backoff_initial_s=0.05,

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 SIM = SimConfig(decode_step_ms=4.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=11, responses_store=True)
 TEST_SUPERVISOR = SupervisorConfig(restart_budget=1000, backoff_initial_s=0.05, backoff_max_s=0.2)
 JSON = {"content-type": "application/json"}
-EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "examples" / "resume_stream.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "resume_stream.py"
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -43,7 +43,7 @@ from fleetward.sim.model import SimModel, sim_model
 from fleetward.sim.server import SimWorker, main
 from fleetward.sim.tokenizer import EOS_ID, decode, encode, render_chat
 
-DATA = Path(__file__).parent / "data" / "vllm-0.32"
+DATA = Path(__file__).parents[1] / "data" / "vllm-0.32"
 TOKEN = "test-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 MODEL = "sim-test"

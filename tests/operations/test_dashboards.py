@@ -1,6 +1,6 @@
 """The Grafana dashboards: generated from code (grafana-foundation-sdk), importable as they are (a datasource
 variable, one query id per target), and every query reads metrics the code exposes. That every panel has
-data against a live Prometheus during a fault is in tests/test_prometheus.py."""
+data against a live Prometheus during a fault is in tests/operations/test_prometheus.py."""
 
 from __future__ import annotations
 

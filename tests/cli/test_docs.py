@@ -14,7 +14,7 @@ from fleetward.chaos.bench import _parser as bench_parser
 from fleetward.chaos.cli import _parser as chaos_parser
 from fleetward.cli.main import _parser
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "runbooks").glob("*.md"))]
 
 
