@@ -86,6 +86,7 @@ def _collected(process: str, registry: CollectorRegistry, skip: Iterable[str] = 
 
 def catalogue() -> list[MetricRow]:
     from fleetward.autoscale.daemon import _Metrics as AutoscalerMetrics
+    from fleetward.fleet.loops import LoopMetrics
     from fleetward.fleet.telemetry import link_gauges
     from fleetward.migration.metrics import RouterMetrics
     from fleetward.sim.engine import EngineStats
@@ -100,6 +101,7 @@ def catalogue() -> list[MetricRow]:
     workers.register(WorkerMetrics(EngineStats(), "sim-tiny"))
     rows = [*_wrapped("router", RouterMetrics()), *_wrapped("controller", ControllerMetrics()),
             *_wrapped("autoscaler", AutoscalerMetrics()), *_wrapped("agent", AgentMetrics()), *shared,
+            *_wrapped("router, agent", LoopMetrics()),
             *_collected("worker", workers)]
     return sorted(rows, key=lambda r: (r.name.startswith("vllm:"), r.name))
 
