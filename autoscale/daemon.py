@@ -43,9 +43,11 @@ from fleetward.autoscale.planner import DynamoStyle, Observation, Planner, Polic
 from fleetward.fleet.bus import EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import Access, AutoscaleConfig, SimConfig
+from fleetward.fleet.election import Election, LeadershipLost, lead_forever
 from fleetward.fleet.errors import ConfigError
-from fleetward.fleet.etcd import Election, LeadershipLost, LeaseKeeper, Put, StateStore, lead_forever
+from fleetward.fleet.etcd import Put, StateStore
 from fleetward.fleet.keys import Keys
+from fleetward.fleet.lease import LeaseKeeper
 from fleetward.fleet.registry import FleetSnapshot, read_fleet
 from fleetward.fleet.telemetry import link_gauges
 from fleetward.fleet.worker import HealthState, Role

@@ -21,10 +21,10 @@ Contract of :class:`StateStore` (the only thing the rest of fleetward sees):
   had in fact been applied then reports ``succeeded=False``, so callers that must know re-read.
 - Leases: :meth:`~StateStore.grant`, :meth:`~StateStore.keepalive` (returns the remaining TTL, 0 once
   expired), :meth:`~StateStore.revoke` (revoking an unknown or expired lease is not an error);
-  :class:`LeaseKeeper` keeps one alive in the background and reports when it was lost.
+  :class:`~fleetward.fleet.lease.LeaseKeeper` keeps one alive in the background and reports when it was lost.
 - Transactions are all-or-nothing compare-and-swap over :class:`Compare` and :class:`Put` / :class:`Delete`.
-- :class:`Election` is the usual etcd recipe (lowest create-revision under a prefix wins) and gives the
-  leader a fencing comparison to put in every transaction it makes as leader.
+- The recipes built on these calls live beside this module, over :class:`StateStore` only: the lease keeper
+  (``fleet/lease.py``) and leader election with its lead-campaign-again loop (``fleet/election.py``).
 
 Any other failure etcd reports becomes :class:`StoreError`; so does any call on a closed store, and a refusal
 of this client's credentials (a wrong password, a user without the permission: the message says so).
@@ -36,8 +36,8 @@ on connecting and sends etcd's token with every call. etcd drops a token it has 
 for its token authenticates again and is retried. Several
 endpoints may be given (a 3-member cluster); an unavailable one makes the client move to the next.
 
-One module (over 600 lines) because the store, its leases and its elections share one client, its
-endpoint failover and its error translation.
+One module (over 600 lines) because the store's calls share one client, its endpoint failover and its error
+translation.
 """
 
 from __future__ import annotations
@@ -69,16 +69,13 @@ from tenacity import (
 
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import Access
-from fleetward.fleet.errors import FleetwardError, StoreError, StoreUnavailable, UnavailableError
+from fleetward.fleet.errors import StoreError, StoreUnavailable
 
 __all__ = [
     "KV",
     "Compare",
     "Delete",
-    "Election",
     "EtcdStore",
-    "LeadershipLost",
-    "LeaseKeeper",
     "Put",
     "Snapshot",
     "StateStore",
@@ -86,7 +83,6 @@ __all__ = [
     "WatchEvent",
     "dumps",
     "enable_auth",
-    "lead_forever",
     "loads_all",
     "prefix_end",
 ]
@@ -721,166 +717,6 @@ class EtcdStore:
                 await client.close()
 
 
-class LeaseKeeper:
-    """Grants a lease and keeps it alive until :meth:`aclose` revokes it.
-
-    Use as ``async with LeaseKeeper(store, ttl) as lease:`` or ``lease = await LeaseKeeper(...).start()``.
-    A keepalive goes out every ``ttl / 3`` seconds; a failed one is logged and tried again at the next
-    tick. ``lost`` is set when etcd says the lease expired (e.g. after a partition longer than the TTL):
-    keys bound to it are gone, and the owner must register again under a new lease.
-    """
-
-    def __init__(self, store: StateStore, ttl: int, *, clock: Clock = SYSTEM_CLOCK) -> None:
-        if ttl < 1:
-            raise ValueError("lease ttl must be at least 1 second")
-        self.store = store
-        self.ttl = ttl
-        self.id = 0
-        self.lost = asyncio.Event()
-        self._clock = clock
-        self._task: asyncio.Task[None] | None = None
-
-    async def start(self) -> LeaseKeeper:
-        """Grant the lease and start keeping it alive (:class:`StoreUnavailable` if etcd is away)."""
-        if self._task is not None:
-            raise StoreError(f"lease {self.id:x} is already being kept alive")
-        self.id = await self.store.grant(self.ttl)
-        self.lost.clear()
-        self._task = asyncio.create_task(self._run(), name=f"lease-keepalive-{self.id:x}")
-        return self
-
-    async def __aenter__(self) -> LeaseKeeper:
-        return await self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def _run(self) -> None:
-        interval = max(0.3, self.ttl / 3)
-        last_ok = self._clock.monotonic()
-        while True:
-            await self._clock.sleep(interval)
-            try:
-                remaining = await self.store.keepalive(self.id)
-            except (UnavailableError, StoreError) as exc:
-                log.warning("lease %x keepalive failed: %s", self.id, exc)
-                continue
-            now = self._clock.monotonic()
-            if now - last_ok > 2 * interval + 0.5:
-                log.warning("lease %x: %.2fs between successful keepalives (TTL %ds); is the event loop blocked?",
-                            self.id, now - last_ok, self.ttl)
-            last_ok = now
-            if remaining <= 0:
-                log.warning("lease %x expired; its keys are gone", self.id)
-                self.lost.set()
-                return
-
-    async def aclose(self, *, revoke: bool = True) -> None:
-        """Stop keeping the lease alive and revoke it unless ``revoke`` is false.
-
-        When this returns after a successful revoke, the keys bound to the lease are gone. If etcd cannot
-        be reached the revoke is given up (logged) and the keys vanish when the TTL runs out.
-        """
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        if revoke and self.id and not self.lost.is_set():
-            try:
-                await self.store.revoke(self.id)
-            except (UnavailableError, StoreError) as exc:
-                log.warning("lease %x not revoked (%s); its keys expire within %ds", self.id, exc, self.ttl)
-
-
-class LeadershipLost(FleetwardError):
-    """This candidate no longer leads (its lease expired, or a fenced write failed): stop acting, campaign again."""
-
-
-class Election:
-    """Leader election under ``prefix`` (e.g. ``/fleetward/c/leader/supervisor/``).
-
-    Each candidate puts ``prefix + <lease id>`` bound to its (started) lease; the key with the lowest create
-    revision is the leader. :meth:`campaign` returns once this candidate leads; if it is cancelled, the
-    candidate's key stays until :meth:`resign` or the lease ends. Every action the leader takes should
-    include :attr:`fence` in its transaction: it fails as soon as leadership is lost (the key was deleted,
-    e.g. because the lease expired or was revoked), so two leaders never both act.
-    """
-
-    def __init__(self, store: StateStore, prefix: str, *, candidate: str, lease: LeaseKeeper) -> None:
-        self.store = store
-        self.prefix = prefix if prefix.endswith("/") else prefix + "/"
-        self.candidate = candidate
-        self.lease = lease
-        self.key = ""
-        self.create_revision = 0
-
-    @property
-    def fence(self) -> Compare:
-        """A comparison that holds only while this candidate's key still stands (it is the leader)."""
-        if not self.create_revision:
-            raise StoreError("not campaigning")
-        return Compare(self.key, "create", "==", self.create_revision)
-
-    async def campaign(self) -> None:
-        """Become the leader: wait until every candidate that came earlier is gone.
-
-        Raises :class:`StoreError` if this candidate's own key disappears meanwhile (its lease ended).
-        """
-        if not self.lease.id:
-            raise StoreError("campaign needs a started lease (LeaseKeeper.start)")
-        self.key = f"{self.prefix}{self.lease.id:x}"
-        value = dumps({"candidate": self.candidate})
-        # Create only if absent: campaigning again with the same lease keeps the original place in line.
-        await self.store.txn([Compare(self.key, "create", "==", 0)], [Put(self.key, value, self.lease.id)])
-        kv = await self.store.get(self.key)
-        if kv is None:
-            raise StoreError(f"election key {self.key} vanished right after it was created (lease expired?)")
-        self.create_revision = kv.create_revision
-        while True:
-            snap = await self.store.get_prefix(self.prefix)
-            if not any(kv.key == self.key for kv in snap.items):
-                self.create_revision = 0
-                raise StoreError(f"election key {self.key} was deleted while campaigning")
-            older = [kv for kv in snap.items if kv.create_revision < self.create_revision]
-            if not older:
-                return
-            # Wait for the candidate right before us (or our own key) to go away, then look again.
-            watched = {max(older, key=lambda kv: kv.create_revision).key, self.key}
-            async with contextlib.aclosing(
-                    self.store.watch_prefix(self.prefix, start_revision=snap.revision + 1)) as changes:
-                async for ev in changes:
-                    if ev.kind == "delete" and ev.key in watched:
-                        break
-
-    async def leader(self) -> str | None:
-        """The current leader's candidate name, or None."""
-        return await election_leader(self.store, self.prefix)
-
-    async def is_leader(self) -> bool:
-        """Whether this candidate still leads (its key stands; nobody older can appear later)."""
-        if not self.create_revision:
-            return False
-        res = await self.store.txn([self.fence], ())
-        return res.succeeded
-
-    async def resign(self) -> None:
-        """Step down (or leave the line): delete this candidate's key if it is still ours."""
-        if self.key and self.create_revision:
-            await self.store.txn([self.fence], [Delete(self.key)])
-        self.create_revision = 0
-
-
-async def election_leader(store: StateStore, prefix: str) -> str | None:
-    """The candidate name of whoever leads the election under ``prefix`` (see :class:`Election`), or None."""
-    snap = await store.get_prefix(prefix if prefix.endswith("/") else prefix + "/")
-    if not snap.items:
-        return None
-    first = min(snap.items, key=lambda kv: kv.create_revision)
-    candidate: str = first.json()["candidate"]
-    return candidate
-
-
 def dumps(obj: Any) -> bytes:
     """The JSON encoding used for every value fleetward writes to etcd."""
     return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
@@ -888,27 +724,3 @@ def dumps(obj: Any) -> bytes:
 
 def loads_all(items: Iterable[KV]) -> dict[str, Any]:
     return {kv.key: kv.json() for kv in items}
-
-
-async def lead_forever(store: StateStore, prefix: str, *, candidate: str, ttl_s: int, name: str,
-                       lead: Callable[[LeaseKeeper], Awaitable[None]], on_leading: Callable[[Election], None],
-                       on_stepped_down: Callable[[], None], clock: Clock = SYSTEM_CLOCK) -> None:
-    """Campaign under ``prefix`` with a fresh lease, lead (``await lead(lease)``) until leadership is lost (a
-    :class:`LeadershipLost` or a :class:`StoreError` out of it), step down (resign, revoke the lease), and
-    campaign again; until cancelled. ``on_leading(election)`` runs once this candidate leads, before ``lead``;
-    ``on_stepped_down()`` whenever a term (or a campaign) ends. The supervisor's controllers and the
-    autoscalers both run this way."""
-    while True:
-        lease = await LeaseKeeper(store, ttl_s, clock=clock).start()
-        election = Election(store, prefix, candidate=candidate, lease=lease)
-        try:
-            await election.campaign()
-            on_leading(election)
-            await lead(lease)
-        except (LeadershipLost, StoreError) as exc:
-            log.warning("%s lost leadership: %s", name, exc)
-        finally:
-            on_stepped_down()
-            with contextlib.suppress(FleetwardError):
-                await election.resign()
-            await lease.aclose()

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetward.fleet.config import AttachConfig
-from fleetward.fleet.etcd import StateStore, election_leader
+from fleetward.fleet.election import election_leader
+from fleetward.fleet.etcd import StateStore
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.signing import AttachSigner
 from fleetward.fleet.worker import HealthRecord, HealthState, WorkerRecord

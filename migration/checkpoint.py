@@ -38,8 +38,9 @@ import orjson
 
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.errors import FleetwardError
-from fleetward.fleet.etcd import Compare, Delete, LeaseKeeper, Put, StateStore
+from fleetward.fleet.etcd import Compare, Delete, Put, StateStore
 from fleetward.fleet.keys import Keys
+from fleetward.fleet.lease import LeaseKeeper
 from fleetward.migration.journal import Journal
 
 __all__ = ["Checkpointer", "read_checkpoint"]

@@ -35,9 +35,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fleetward.fleet.bus import EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import RouterConfig
-from fleetward.fleet.etcd import LeaseKeeper, StateStore
+from fleetward.fleet.etcd import StateStore
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.kv import KV_ERROR_TYPE
+from fleetward.fleet.lease import LeaseKeeper
 from fleetward.fleet.registry import FleetView
 from fleetward.fleet.telemetry import link_gauges
 from fleetward.fleet.worker import HealthState

@@ -44,9 +44,10 @@ from fleetward.fleet.bus import EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import SupervisorConfig
 from fleetward.fleet.errors import FleetwardError, StoreError, UnavailableError
-from fleetward.fleet.etcd import Compare, LeaseKeeper, Put, StateStore
+from fleetward.fleet.etcd import Compare, Put, StateStore
 from fleetward.fleet.external import LeftForOperator
 from fleetward.fleet.keys import Keys
+from fleetward.fleet.lease import LeaseKeeper
 from fleetward.fleet.procs import ensure_port, free_port, last_log_line, port_is_free, spread_cores
 from fleetward.fleet.signing import ActionSigner, AttachSigner
 from fleetward.fleet.telemetry import link_gauges

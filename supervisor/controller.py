@@ -53,9 +53,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from fleetward.fleet.bus import EVENT_KINDS, FAULT_FAMILIES, EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import ID_PATTERN, Access, SupervisorConfig
+from fleetward.fleet.election import Election, LeadershipLost, lead_forever
 from fleetward.fleet.errors import StoreError
-from fleetward.fleet.etcd import Compare, Delete, Election, LeadershipLost, LeaseKeeper, Put, StateStore, lead_forever
+from fleetward.fleet.etcd import Compare, Delete, Put, StateStore
 from fleetward.fleet.keys import Keys
+from fleetward.fleet.lease import LeaseKeeper
 from fleetward.fleet.registry import read_leader
 from fleetward.fleet.signing import ActionSigner
 from fleetward.fleet.telemetry import link_gauges

@@ -34,7 +34,7 @@ from fleetward.chaos.bench._detect import ADMIN_TOKEN, SIM, DetectBench, Events
 from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.bus import MqttBus
 from fleetward.fleet.config import SupervisorConfig
-from fleetward.fleet.etcd import Compare, EtcdStore, LeaseKeeper, Put
+from fleetward.fleet.etcd import Compare, EtcdStore, Put
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.launch import (
     ServiceProcess,
@@ -45,6 +45,7 @@ from fleetward.fleet.launch import (
     wait_leader,
     write_service_config,
 )
+from fleetward.fleet.lease import LeaseKeeper
 from fleetward.fleet.procs import ManagedProcess, free_port
 from fleetward.fleet.worker import WorkerRecord
 from fleetward.migration.policy import prefix_key, rendezvous

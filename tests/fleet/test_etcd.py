@@ -9,15 +9,18 @@ from collections.abc import AsyncIterator
 import aetcd
 import pytest
 
+from fleetward.fleet.election import Election
 from fleetward.fleet.errors import StoreError, StoreUnavailable
-from fleetward.fleet.etcd import Compare, Delete, Election, EtcdStore, LeaseKeeper, Put, WatchEvent
+from fleetward.fleet.etcd import Compare, Delete, EtcdStore, Put, WatchEvent
 from fleetward.fleet.keys import Keys
+from fleetward.fleet.lease import LeaseKeeper
 from fleetward.fleet.procs import free_port
 
 # A lease holder in its own process: registers keys bound to its lease, says READY, then runs until killed.
 LEASE_HOLDER = """
 import asyncio, sys
-from fleetward.fleet.etcd import EtcdStore, LeaseKeeper
+from fleetward.fleet.etcd import EtcdStore
+from fleetward.fleet.lease import LeaseKeeper
 
 async def main(endpoint, prefix, ttl, n):
     store = EtcdStore(endpoint)
@@ -33,7 +36,9 @@ asyncio.run(main(*sys.argv[1:]))
 # A candidate in its own process: campaigns, says LEADER once it leads, then runs until killed.
 CANDIDATE = """
 import asyncio, sys
-from fleetward.fleet.etcd import Election, EtcdStore, LeaseKeeper
+from fleetward.fleet.election import Election
+from fleetward.fleet.etcd import EtcdStore
+from fleetward.fleet.lease import LeaseKeeper
 
 async def main(endpoint, prefix, ttl, name):
     store = EtcdStore(endpoint)

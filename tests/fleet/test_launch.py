@@ -41,7 +41,8 @@ async def test_a_service_that_never_serves_fails_with_its_log_and_is_stopped(tmp
 
 async def test_wait_leader_finds_the_controller_that_leads(store: EtcdStore, keys: Keys) -> None:
     assert await read_leader(store, keys) is None
-    from fleetward.fleet.etcd import Election, LeaseKeeper
+    from fleetward.fleet.election import Election
+    from fleetward.fleet.lease import LeaseKeeper
 
     lease = await LeaseKeeper(store, 5).start()
     try:

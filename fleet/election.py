@@ -1,0 +1,135 @@
+"""Leader election over any :class:`~fleetward.fleet.etcd.StateStore`, and the loop services lead by.
+
+- :class:`Election` is the usual etcd recipe (lowest create-revision under a prefix wins) and gives the
+  leader a fencing comparison to put in every transaction it makes as leader; :func:`election_leader` reads
+  who leads without campaigning.
+- :func:`lead_forever` campaigns with a fresh lease, leads until leadership is lost (:class:`LeadershipLost`
+  or a :class:`~fleetward.fleet.errors.StoreError`), steps down and campaigns again, until cancelled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
+from fleetward.fleet.errors import FleetwardError, StoreError
+from fleetward.fleet.etcd import Compare, Delete, Put, StateStore, dumps
+from fleetward.fleet.lease import LeaseKeeper
+
+__all__ = ["Election", "LeadershipLost", "election_leader", "lead_forever"]
+
+log = logging.getLogger(__name__)
+
+
+class LeadershipLost(FleetwardError):
+    """This candidate no longer leads (its lease expired, or a fenced write failed): stop acting, campaign again."""
+
+
+class Election:
+    """Leader election under ``prefix`` (e.g. ``/fleetward/c/leader/supervisor/``).
+
+    Each candidate puts ``prefix + <lease id>`` bound to its (started) lease; the key with the lowest create
+    revision is the leader. :meth:`campaign` returns once this candidate leads; if it is cancelled, the
+    candidate's key stays until :meth:`resign` or the lease ends. Every action the leader takes should
+    include :attr:`fence` in its transaction: it fails as soon as leadership is lost (the key was deleted,
+    e.g. because the lease expired or was revoked), so two leaders never both act.
+    """
+
+    def __init__(self, store: StateStore, prefix: str, *, candidate: str, lease: LeaseKeeper) -> None:
+        self.store = store
+        self.prefix = prefix if prefix.endswith("/") else prefix + "/"
+        self.candidate = candidate
+        self.lease = lease
+        self.key = ""
+        self.create_revision = 0
+
+    @property
+    def fence(self) -> Compare:
+        """A comparison that holds only while this candidate's key still stands (it is the leader)."""
+        if not self.create_revision:
+            raise StoreError("not campaigning")
+        return Compare(self.key, "create", "==", self.create_revision)
+
+    async def campaign(self) -> None:
+        """Become the leader: wait until every candidate that came earlier is gone.
+
+        Raises :class:`StoreError` if this candidate's own key disappears meanwhile (its lease ended).
+        """
+        if not self.lease.id:
+            raise StoreError("campaign needs a started lease (LeaseKeeper.start)")
+        self.key = f"{self.prefix}{self.lease.id:x}"
+        value = dumps({"candidate": self.candidate})
+        # Create only if absent: campaigning again with the same lease keeps the original place in line.
+        await self.store.txn([Compare(self.key, "create", "==", 0)], [Put(self.key, value, self.lease.id)])
+        kv = await self.store.get(self.key)
+        if kv is None:
+            raise StoreError(f"election key {self.key} vanished right after it was created (lease expired?)")
+        self.create_revision = kv.create_revision
+        while True:
+            snap = await self.store.get_prefix(self.prefix)
+            if not any(kv.key == self.key for kv in snap.items):
+                self.create_revision = 0
+                raise StoreError(f"election key {self.key} was deleted while campaigning")
+            older = [kv for kv in snap.items if kv.create_revision < self.create_revision]
+            if not older:
+                return
+            # Wait for the candidate right before us (or our own key) to go away, then look again.
+            watched = {max(older, key=lambda kv: kv.create_revision).key, self.key}
+            async with contextlib.aclosing(
+                    self.store.watch_prefix(self.prefix, start_revision=snap.revision + 1)) as changes:
+                async for ev in changes:
+                    if ev.kind == "delete" and ev.key in watched:
+                        break
+
+    async def leader(self) -> str | None:
+        """The current leader's candidate name, or None."""
+        return await election_leader(self.store, self.prefix)
+
+    async def is_leader(self) -> bool:
+        """Whether this candidate still leads (its key stands; nobody older can appear later)."""
+        if not self.create_revision:
+            return False
+        res = await self.store.txn([self.fence], ())
+        return res.succeeded
+
+    async def resign(self) -> None:
+        """Step down (or leave the line): delete this candidate's key if it is still ours."""
+        if self.key and self.create_revision:
+            await self.store.txn([self.fence], [Delete(self.key)])
+        self.create_revision = 0
+
+
+async def election_leader(store: StateStore, prefix: str) -> str | None:
+    """The candidate name of whoever leads the election under ``prefix`` (see :class:`Election`), or None."""
+    snap = await store.get_prefix(prefix if prefix.endswith("/") else prefix + "/")
+    if not snap.items:
+        return None
+    first = min(snap.items, key=lambda kv: kv.create_revision)
+    candidate: str = first.json()["candidate"]
+    return candidate
+
+
+async def lead_forever(store: StateStore, prefix: str, *, candidate: str, ttl_s: int, name: str,
+                       lead: Callable[[LeaseKeeper], Awaitable[None]], on_leading: Callable[[Election], None],
+                       on_stepped_down: Callable[[], None], clock: Clock = SYSTEM_CLOCK) -> None:
+    """Campaign under ``prefix`` with a fresh lease, lead (``await lead(lease)``) until leadership is lost (a
+    :class:`LeadershipLost` or a :class:`StoreError` out of it), step down (resign, revoke the lease), and
+    campaign again; until cancelled. ``on_leading(election)`` runs once this candidate leads, before ``lead``;
+    ``on_stepped_down()`` whenever a term (or a campaign) ends. The supervisor's controllers and the
+    autoscalers both run this way."""
+    while True:
+        lease = await LeaseKeeper(store, ttl_s, clock=clock).start()
+        election = Election(store, prefix, candidate=candidate, lease=lease)
+        try:
+            await election.campaign()
+            on_leading(election)
+            await lead(lease)
+        except (LeadershipLost, StoreError) as exc:
+            log.warning("%s lost leadership: %s", name, exc)
+        finally:
+            on_stepped_down()
+            with contextlib.suppress(FleetwardError):
+                await election.resign()
+            await lease.aclose()
