@@ -168,7 +168,7 @@ def test_exiting_names_a_process_whose_exit_started_and_not_a_live_one() -> None
     import subprocess
     import time
 
-    from fleetward.supervisor.agent import exiting
+    from fleetward.supervisor.watchers import exiting
 
     child = subprocess.Popen(["sleep", "600"])
     try:
