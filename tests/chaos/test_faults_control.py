@@ -1,27 +1,25 @@
-"""Control-plane faults on a fleet with its own 3-member etcd cluster and broker (KV faults: tests/migration/test_pd_kv.py)."""
+"""Control-plane faults on a fleet with its own 3-member etcd cluster and broker (KV faults:
+tests/migration/test_pd_kv.py)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import httpx
-import orjson
 import pytest
 import pytest_asyncio
+from testkit import fleet_serves, fleet_sim
 
 from fleetward.chaos.fault import CATALOGUE, Target
 from fleetward.chaos.faults import FaultUnavailable, cycle
 from fleetward.chaos.faults.control import etcd_leader
 from fleetward.chaos.harness import FleetContext, TestFleet
-from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.backends import SimBackend
-from fleetward.fleet.config import RouterConfig, SimConfig
+from fleetward.fleet.config import RouterConfig
 from fleetward.sim.model import SimModel
-from fleetward.sim.tokenizer import encode
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-SIM = SimConfig(decode_step_ms=4.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=9)
+SIM = fleet_sim(seed=9)
 MODEL = SimModel(seed=SIM.seed)
 
 
@@ -42,25 +40,13 @@ async def ctx(fleet: TestFleet) -> AsyncIterator[FleetContext]:
         link.clear()
 
 
-async def fleet_serves(fleet: TestFleet, tag: str) -> None:
-    prompt = encode(f"control plane {tag}: ")
-    tokens: list[int] = []
-    body = {"model": SIM.model_name, "prompt": prompt, "max_tokens": 16, "stream": True, "return_token_ids": True}
-    async with httpx.AsyncClient(timeout=60) as c, \
-            c.stream("POST", fleet.routers[0].url + "/v1/completions", json=body) as r:
-        async for line in sse_lines(r.aiter_bytes()):
-            if line.startswith("data: {"):
-                tokens += orjson.loads(line[6:])["choices"][0]["token_ids"]
-    assert tokens == MODEL.continuation(prompt, 16)
-
-
 async def test_the_fleet_runs_on_three_members_and_every_component_gets_them_all(fleet: TestFleet) -> None:
     assert len(fleet.etcd_endpoints) == 3
     assert len(fleet.proxies.get("agent->etcd").proxies) == 3
     assert fleet.proxies.get("r0->etcd").proxies[0].upstreams == [
         fleet._hostport(e) for e in fleet.etcd_endpoints]
     assert await etcd_leader(fleet.etcd_cluster) is not None
-    await fleet_serves(fleet, "baseline")
+    await fleet_serves(fleet, SIM, "baseline", tokens=16, all_workers=False)
 
 
 @pytest.mark.parametrize("name", ["control.etcd_member_kill", "control.etcd_member_pause",
@@ -68,13 +54,13 @@ async def test_the_fleet_runs_on_three_members_and_every_component_gets_them_all
 async def test_an_etcd_member_fault_and_the_fleet_keeps_serving(fleet: TestFleet, ctx: FleetContext,
                                                                name: str) -> None:
     await cycle(ctx, name, Target(kind="etcd", ids=("etcd-1",)))
-    await fleet_serves(fleet, name)
+    await fleet_serves(fleet, SIM, name, tokens=16, all_workers=False)
 
 
 async def test_losing_the_etcd_leader_elects_another(fleet: TestFleet, ctx: FleetContext) -> None:
     fault = await cycle(ctx, "control.etcd_leader_loss", Target(kind="etcd", pick="all"))
     assert fault.detail["new_leader"] != fault.targets[0]
-    await fleet_serves(fleet, "leader loss")
+    await fleet_serves(fleet, SIM, "leader loss", tokens=16, all_workers=False)
 
 
 async def test_partitioning_the_agent_from_etcd_expires_its_lease_and_it_registers_again(
@@ -82,7 +68,7 @@ async def test_partitioning_the_agent_from_etcd_expires_its_lease_and_it_registe
     fault = await cycle(ctx, "control.lease_expiry", Target(kind="link", ids=("agent->etcd",)))
     assert fault.detail["keys"] == [fleet.keys.worker(w) for w in fleet.worker_ids]
     await fleet.wait_workers_routable(2)
-    await fleet_serves(fleet, "agent lease")
+    await fleet_serves(fleet, SIM, "agent lease", tokens=16, all_workers=False)
 
 
 async def test_partitioning_a_router_from_etcd_expires_its_lease_and_it_registers_again(
@@ -92,14 +78,14 @@ async def test_partitioning_a_router_from_etcd_expires_its_lease_and_it_register
 
 async def test_a_broker_restart(fleet: TestFleet, ctx: FleetContext) -> None:
     await cycle(ctx, "control.broker_restart", Target(kind="broker", pick="all"))
-    await fleet_serves(fleet, "broker restart")
+    await fleet_serves(fleet, SIM, "broker restart", tokens=16, all_workers=False)
 
 
 async def test_a_router_restart_comes_back_on_the_same_address(fleet: TestFleet, ctx: FleetContext) -> None:
     url = fleet.routers[0].url
     await cycle(ctx, "control.router_restart", Target(kind="router", ids=("r0",)))
     assert fleet.routers[0].url == url
-    await fleet_serves(fleet, "router restart")
+    await fleet_serves(fleet, SIM, "router restart", tokens=16, all_workers=False)
 
 
 async def test_the_supervisor_leader_kill_needs_the_supervisor_service(ctx: FleetContext) -> None:

@@ -11,18 +11,19 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from testkit import fleet_sim
 
 from fleetward.chaos.fakegpu import FakeGpuSource
 from fleetward.chaos.fault import CATALOGUE, Target
 from fleetward.chaos.faults import FaultUnavailable, cycle
 from fleetward.chaos.harness import FleetContext, TestFleet
 from fleetward.fleet.backends import SimBackend
-from fleetward.fleet.config import SimConfig, SupervisorConfig
+from fleetward.fleet.config import SupervisorConfig
 from fleetward.fleet.registry import read_fleet
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-SIM = SimConfig(decode_step_ms=4.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=13)
+SIM = fleet_sim(seed=13)
 SUPERVISOR = SupervisorConfig(gpu_poll_interval_s=0.1, restart_budget=1000, backoff_initial_s=0.05, backoff_max_s=0.2,
                               canary_interval_s=5.0, canary_timeout_s=1.0)
 RESTART_XIDS = (13, 31, 43)

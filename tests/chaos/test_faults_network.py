@@ -6,25 +6,24 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-import orjson
 import pytest
 import pytest_asyncio
+from testkit import fleet_sim, stream_completion
 
 from fleetward.chaos.fault import CATALOGUE, Target
 from fleetward.chaos.faults import FaultUnavailable, cycle, probe_link
 from fleetward.chaos.faults.network import LinkFault, LinkParams, _catalogue, _ToxicFault
 from fleetward.chaos.harness import FleetContext, TestFleet
 from fleetward.chaos.net import IptablesFilter, Latency, ProxyRegistry, SseCut
-from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.backends import SimBackend
-from fleetward.fleet.config import RouterConfig, SimConfig
+from fleetward.fleet.config import RouterConfig
 from fleetward.migration.policy import LeastLoadedAffinity, prefix_key
 from fleetward.sim.model import SimModel
 from fleetward.sim.tokenizer import encode
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-SIM = SimConfig(decode_step_ms=4.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=11)
+SIM = fleet_sim(seed=11)
 MODEL = SimModel(seed=SIM.seed)
 
 
@@ -47,18 +46,8 @@ async def ctx(fleet: TestFleet) -> AsyncIterator[FleetContext]:
 
 
 async def stream(url: str, prompt: list[int], n: int) -> tuple[list[int], list[dict[str, Any]]]:
-    tokens: list[int] = []
-    events: list[dict[str, Any]] = []
-    body = {"model": SIM.model_name, "prompt": prompt, "max_tokens": n, "stream": True, "return_token_ids": True}
-    async with httpx.AsyncClient(timeout=60) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in sse_lines(r.aiter_bytes()):
-            if line.startswith("data: {"):
-                data = orjson.loads(line[6:])
-                events.append(data)
-                for choice in data.get("choices") or []:
-                    tokens += choice.get("token_ids") or []
-    return tokens, events
+    got = await stream_completion(url, prompt, n, model=SIM.model_name)
+    return got.tokens, got.events
 
 
 async def steady(fleet: TestFleet, tag: str) -> None:

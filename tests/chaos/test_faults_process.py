@@ -5,26 +5,23 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
-import orjson
 import pytest
 import pytest_asyncio
+from testkit import fleet_serves, fleet_sim
 
 from fleetward.chaos.fault import CATALOGUE, Target
 from fleetward.chaos.faults import FaultUnavailable, cycle
 from fleetward.chaos.faults._base import running_tree
 from fleetward.chaos.faults.process import FreezerGroup, MemoryGroup
 from fleetward.chaos.harness import FleetContext, TestFleet
-from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.backends import SimBackend
-from fleetward.fleet.config import RouterConfig, SimConfig
+from fleetward.fleet.config import RouterConfig
 from fleetward.sim.model import SimModel
-from fleetward.sim.tokenizer import encode
 from fleetward.supervisor.signals import Severity, Signal
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-SIM = SimConfig(decode_step_ms=4.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=5)
+SIM = fleet_sim(seed=5)
 MODEL = SimModel(seed=SIM.seed)
 
 
@@ -48,46 +45,32 @@ async def fault_cycle(ctx: FleetContext, name: str, worker: str, **params: Any) 
     return await cycle(ctx, name, Target(kind="worker", ids=(worker,)), **params)
 
 
-async def fleet_serves(fleet: TestFleet, tag: str) -> None:
-    """The steady state: the fleet takes all its workers back and a stream through the router is exact."""
-    await fleet.wait_workers_routable(len(fleet.worker_ids), timeout=60)
-    prompt = encode(f"serving after {tag}: ")
-    tokens: list[int] = []
-    body = {"model": SIM.model_name, "prompt": prompt, "max_tokens": 20, "stream": True, "return_token_ids": True}
-    async with httpx.AsyncClient(timeout=60) as c, \
-            c.stream("POST", fleet.routers[0].url + "/v1/completions", json=body) as r:
-        async for line in sse_lines(r.aiter_bytes()):
-            if line.startswith("data: {"):
-                tokens += orjson.loads(line[6:])["choices"][0]["token_ids"]
-    assert tokens == MODEL.continuation(prompt, 20)
-
-
 @pytest.mark.parametrize("scope", ["tree", "root"])
 async def test_kill_worker(fleet: TestFleet, ctx: FleetContext, scope: str) -> None:
     old = fleet.handle("node-w0").process.pid
     await fault_cycle(ctx, "process.kill_worker", "node-w0", scope=scope)
     assert fleet.handle("node-w0").process.pid != old
-    await fleet_serves(fleet, f"process.kill_worker {scope}")
+    await fleet_serves(fleet, SIM, f"process.kill_worker {scope}")
 
 
 async def test_kill_engine_on_the_sim_kills_its_one_process(fleet: TestFleet, ctx: FleetContext) -> None:
     old = fleet.handle("node-w1").process.pid
     fault = await fault_cycle(ctx, "process.kill_engine", "node-w1")
     assert fault.detail["engine_pids"] == {"node-w1": [old]}
-    await fleet_serves(fleet, "process.kill_engine")
+    await fleet_serves(fleet, SIM, "process.kill_engine")
 
 
 async def test_a_silent_hang_keeps_health_green_and_clears(fleet: TestFleet, ctx: FleetContext) -> None:
     fault = await fault_cycle(ctx, "process.hang", "node-w2", mode="silent")
     assert fault.detail["switched"] == ["node-w2"]
     assert not (await fleet.state("node-w2"))["hung"]
-    await fleet_serves(fleet, "silent hang")
+    await fleet_serves(fleet, SIM, "silent hang")
 
 
 async def test_a_frozen_worker_stops_answering_and_resumes(fleet: TestFleet, ctx: FleetContext) -> None:
     fault = await fault_cycle(ctx, "process.hang", "node-w2", mode="freeze")
     assert fault.detail["stopped_pids"]["node-w2"]
-    await fleet_serves(fleet, "freeze")
+    await fleet_serves(fleet, SIM, "freeze")
 
 
 async def test_a_worker_frozen_by_the_cgroup_freezer_is_named_hung_by_its_agent_and_thaws(
@@ -117,18 +100,18 @@ async def test_a_worker_frozen_by_the_cgroup_freezer_is_named_hung_by_its_agent_
         await fault.recover(ctx)
     assert await fault.verify_recovered(ctx), fault.describe()
     assert not leftover_groups(fault), "the freezer cgroup is gone"
-    await fleet_serves(fleet, "cgroup freeze")
+    await fleet_serves(fleet, SIM, "cgroup freeze")
 
 
 async def test_a_crash_loop_fails_every_start_until_recovered(fleet: TestFleet, ctx: FleetContext) -> None:
     fault = await fault_cycle(ctx, "process.crash_loop", "node-w1", verify_timeout_s=20)
     assert fault.detail["starts"]["node-w1"] >= 1, "it was started, and that start failed"
-    await fleet_serves(fleet, "crash loop")
+    await fleet_serves(fleet, SIM, "crash loop")
 
 
 async def test_a_slow_start_is_seen_starting_and_then_serves(fleet: TestFleet, ctx: FleetContext) -> None:
     await fault_cycle(ctx, "process.slow_start", "node-w0", delay_s=2.0)
-    await fleet_serves(fleet, "slow start")
+    await fleet_serves(fleet, SIM, "slow start")
 
 
 async def test_the_oom_killer_kills_the_worker_in_its_memory_cgroup_only(fleet: TestFleet, ctx: FleetContext) -> None:
@@ -140,7 +123,7 @@ async def test_the_oom_killer_kills_the_worker_in_its_memory_cgroup_only(fleet: 
     assert fault.detail["oom_kills"]["node-w1"] >= 1
     assert {w: fleet.handle(w).process.pid for w in others} == others, "nothing else was killed"
     assert not leftover_groups(fault), "the cgroup is gone"
-    await fleet_serves(fleet, "oom kill")
+    await fleet_serves(fleet, SIM, "oom kill")
 
 
 def leftover_groups(fault: Any) -> list[str]:

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from testkit import fleet_sim
 
 from fleetward.chaos.harness import TestFleet
 from fleetward.chaos.workload import sse_lines
@@ -18,7 +19,7 @@ from fleetward.fleet.config import RouterConfig, SimConfig, SupervisorConfig
 from fleetward.sim.model import SimModel
 from fleetward.sim.tokenizer import encode
 
-SIM = SimConfig(decode_step_ms=4.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=5)
+SIM = fleet_sim(seed=5)
 MODEL = SimModel(seed=SIM.seed)
 
 

@@ -16,11 +16,12 @@ import orjson
 import psutil
 import pytest
 import pytest_asyncio
+from testkit import fleet_sim
 
 from fleetward.chaos.harness import RouterProcess, TestFleet
 from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.backends import SimBackend
-from fleetward.fleet.config import RouterConfig, SimConfig, SupervisorConfig
+from fleetward.fleet.config import RouterConfig, SupervisorConfig
 from fleetward.fleet.worker import HealthRecord, HealthState
 from fleetward.migration.checkpoint import read_checkpoint
 from fleetward.sim.model import SimModel
@@ -28,7 +29,7 @@ from fleetward.sim.tokenizer import encode, render_chat
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-SIM = SimConfig(decode_step_ms=4.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=7)
+SIM = fleet_sim(seed=7)
 MODEL = SimModel(seed=SIM.seed)
 # Tests kill and hang workers on purpose, many times: the supervisor restarts them at once, never quarantines.
 TEST_SUPERVISOR = SupervisorConfig(restart_budget=1000, backoff_initial_s=0.05, backoff_max_s=0.2)

@@ -15,17 +15,17 @@ import httpx
 import openai
 import pytest
 import pytest_asyncio
+from testkit import fleet_sim
 
 from fleetward.chaos.harness import TestFleet
 from fleetward.fleet.backends import SimBackend
-from fleetward.fleet.config import SimConfig
 from fleetward.fleet.errors import ConfigError
 from fleetward.migration.apikeys import ApiKeys
 from fleetward.migration.checkpoint import read_checkpoint
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-SIM = SimConfig(decode_step_ms=4.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=5)
+SIM = fleet_sim(seed=5)
 ONE = "sk-one-" + "a" * 24  # at most one request in flight
 MANY = "sk-many-" + "b" * 24  # listed by its SHA-256: no limit
 

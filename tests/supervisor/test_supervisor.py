@@ -16,13 +16,14 @@ import httpx
 import orjson
 import pytest
 import pytest_asyncio
+from testkit import fleet_sim
 
 from fleetward.chaos.fakegpu import FakeGpuSource
 from fleetward.chaos.harness import TestFleet
 from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.bus import Event, MqttBus
-from fleetward.fleet.config import RouterConfig, SimConfig, SupervisorConfig
+from fleetward.fleet.config import RouterConfig, SupervisorConfig
 from fleetward.fleet.launch import controller_argv, service_env
 from fleetward.fleet.procs import ManagedProcess, free_port
 from fleetward.fleet.registry import read_fleet
@@ -33,7 +34,7 @@ from fleetward.sim.tokenizer import encode
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-SIM = SimConfig(decode_step_ms=4.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=3)
+SIM = fleet_sim(seed=3)
 MODEL = SimModel(seed=SIM.seed)
 SUPERVISOR = SupervisorConfig(canary_interval_s=5.0, canary_timeout_s=1.0, restart_budget=100,
                               backoff_initial_s=0.05, backoff_max_s=0.2, lease_ttl_s=2)

@@ -1,0 +1,214 @@
+"""Helpers the test modules share (importable as ``testkit``: the pytest config puts tests/ on the path).
+
+- Simulated workers at a test's pace: :func:`fleet_sim` (a fleet behind a router: a few ms a token, so a
+  fault lands mid-stream) and :func:`instant_sim` (the worker alone: as fast as it goes).
+- A stream as a client reads it: :func:`stream_completion` returns the ids, the events and an in-band error;
+  :func:`fleet_serves` is the steady state of the fault tests (the fleet takes its workers back and a
+  stream through the router is the model's exact continuation).
+- The simulated worker in-process: :func:`asgi` (httpx's ASGI transport, buffered) and :func:`serve`
+  (uvicorn on a free port in the test's loop, for tests that act mid-stream); :func:`eventually` and
+  :func:`pump` (a :class:`ManualClock` jumped one engine step at a time).
+- SSE bodies and metrics: :func:`sse`, :func:`sse_events`, :func:`tokens_of`, :func:`ids_of`, :func:`metric`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from fleetward.chaos.harness import TestFleet
+from fleetward.fleet.clock import SYSTEM_CLOCK, Clock, ManualClock
+from fleetward.fleet.config import SimConfig
+from fleetward.fleet.procs import free_port
+from fleetward.fleet.sse import sse_data, sse_lines
+from fleetward.sim.engine import Faults
+from fleetward.sim.model import sim_model
+from fleetward.sim.server import SimWorker
+from fleetward.sim.tokenizer import encode
+
+TOKEN = "test-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+# -- simulated workers at a test's pace ---------------------------------------------------------------------
+
+
+def fleet_sim(**overrides: Any) -> SimConfig:
+    """Workers of a fleet test: 4 ms a decode step (a 20-token stream is long enough to cut mid-way)."""
+    return SimConfig(**{"decode_step_ms": 4.0, "decode_ms_per_seq": 0.05, "prefill_ms_per_token": 0.01,
+                        **overrides})
+
+
+def instant_sim(**overrides: Any) -> SimConfig:
+    """A worker tested alone: half a millisecond a step, no per-sequence or prefill cost."""
+    return SimConfig(**{"decode_step_ms": 0.5, "decode_ms_per_seq": 0.0, "prefill_ms_per_token": 0.0,
+                        **overrides})
+
+
+# -- streams as a client reads them ---------------------------------------------------------------------------
+
+
+@dataclass
+class Streamed:
+    """What a client read: the token ids of every choice, each event, the in-band error if one came."""
+
+    tokens: list[int] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    error: dict[str, Any] | None = None
+
+
+async def stream_completion(url: str, prompt: list[int], max_tokens: int, *, model: str,
+                            headers: dict[str, str] | None = None,
+                            on_event: Callable[[Streamed, dict[str, Any]], Awaitable[None]] | None = None,
+                            ) -> Streamed:
+    """POST a streamed completion to ``url``/v1/completions with ``return_token_ids`` and read it to the end
+    (a status other than 200 fails the test with the body)."""
+    got = Streamed()
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "return_token_ids": True}
+    async with httpx.AsyncClient(timeout=60) as c, \
+            c.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in sse_lines(r.aiter_bytes()):
+            if not line.startswith("data: {"):
+                continue
+            data = orjson.loads(line[6:])
+            got.events.append(data)
+            if "error" in data:
+                got.error = data["error"]
+                continue
+            for choice in data.get("choices") or []:
+                got.tokens += choice.get("token_ids") or []
+            if on_event is not None:
+                await on_event(got, data)
+    return got
+
+
+async def fleet_serves(fleet: TestFleet, config: SimConfig, tag: str, *, tokens: int = 20,
+                       all_workers: bool = True) -> None:
+    """The steady state: the fleet takes all its workers back (unless not ``all_workers``) and a stream
+    through its router is the model's exact continuation."""
+    if all_workers:
+        await fleet.wait_workers_routable(len(fleet.worker_ids), timeout=60)
+    prompt = encode(f"serving after {tag}: ")
+    got = await stream_completion(fleet.routers[0].url, prompt, tokens, model=config.model_name)
+    assert got.tokens == sim_model(config).continuation(prompt, tokens)
+
+
+# -- the simulated worker in-process ---------------------------------------------------------------------------
+
+
+async def eventually(cond: Callable[[], object], *, within: float = 10.0) -> None:
+    """Wait until ``cond()`` is true; fail after ``within`` seconds (a deadline, not a timing claim)."""
+    async with asyncio.timeout(within):
+        # Polling: the conditions are other tasks' state (engine, server, client) with no event to await.
+        while not cond():  # noqa: ASYNC110
+            await asyncio.sleep(0.001)
+
+
+async def until(check: Callable[[], Awaitable[bool]], *, within: float = 10.0) -> None:
+    """Ask ``check()`` again until it is true (e.g. a worker process's state); fail after ``within`` s."""
+    async with asyncio.timeout(within):
+        while not await check():
+            pass
+
+
+async def pump(clock: ManualClock, until: Callable[[], bool]) -> None:
+    """Jump ``clock`` one engine step at a time until ``until()`` holds."""
+    while not until():
+        await eventually(lambda: until() or clock.sleepers > 0)
+        if not until():
+            clock.advance(1.0)
+
+
+def _no_crash() -> None:
+    raise AssertionError("an in-process test asked the worker to crash")
+
+
+@contextlib.asynccontextmanager
+async def asgi(config: SimConfig, *, clock: Clock = SYSTEM_CLOCK, faults: Faults | None = None
+               ) -> AsyncIterator[tuple[httpx.AsyncClient, SimWorker]]:
+    """The app in-process through httpx's ASGI transport (responses are buffered), engine running."""
+    worker = SimWorker(config, admin_token=TOKEN, clock=clock, crash=_no_crash, faults=faults)
+    async with worker.app.router.lifespan_context(worker.app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(worker.app), base_url="http://sim") as c:
+            yield c, worker
+
+
+class _InProcessServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:  # leave pytest's signal handlers alone
+        yield
+
+
+@contextlib.asynccontextmanager
+async def serve(config: SimConfig, *, clock: Clock = SYSTEM_CLOCK) -> AsyncIterator[tuple[str, SimWorker]]:
+    """The app on a real socket (uvicorn in this event loop), for tests that act mid-stream."""
+    worker = SimWorker(config, admin_token=TOKEN, clock=clock, crash=_no_crash)
+    port = free_port()
+    server = _InProcessServer(uvicorn.Config(worker.app, host="127.0.0.1", port=port, log_config=None,
+                                             lifespan="on", timeout_graceful_shutdown=2))
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(server.serve())
+        try:
+            await eventually(lambda: server.started)
+            yield f"http://127.0.0.1:{port}", worker
+        finally:
+            server.should_exit = True
+
+
+# -- SSE bodies and metrics -------------------------------------------------------------------------------------
+
+
+def sse(text: str) -> list[Any]:
+    """The events of an SSE body: parsed JSON objects, and the string ``"[DONE]"``."""
+    out: list[Any] = []
+    for block in text.split("\n\n"):
+        if not block:
+            continue
+        assert block.startswith("data: "), block
+        payload = block[len("data: "):]
+        out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def sse_events(response: httpx.Response) -> AsyncIterator[Any]:
+    """The events of a streamed response as they arrive (JSON objects, and ``"[DONE]"``)."""
+    return sse_data(response.aiter_bytes())
+
+
+def vllm_error(r: httpx.Response) -> dict[str, Any]:
+    """The ``error`` of a vLLM-shaped error body, after checking the shape (keys in vLLM's order, code = status)."""
+    body = r.json()
+    assert list(body) == ["error"], body
+    error = body["error"]
+    assert list(error) == ["message", "type", "param", "code"]
+    assert error["code"] == r.status_code
+    return error
+
+
+def tokens_of(events: list[Any]) -> list[int]:
+    return [t for e in events if isinstance(e, dict) and e.get("choices") for t in e["choices"][0]["token_ids"]]
+
+
+def ids_of(events: list[Any]) -> list[int]:
+    """Token ids of completion or chat events (a chat stream's role chunk has none)."""
+    return [t for e in events if isinstance(e, dict) and e.get("choices")
+            for t in e["choices"][0].get("token_ids") or []]
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of the sample ``name`` with ``labels`` in a Prometheus exposition."""
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise AssertionError(f"no sample {name} {labels}")
