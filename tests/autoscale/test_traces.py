@@ -1,4 +1,4 @@
-"""Request traces: the real files in the shared traces folder, each format by its columns, the load options,
+"""Request traces: the real files fleetward ships (chaos/traces), each format by its columns, the load options,
 and bad input named by file and line."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import pytest
 from fleetward.autoscale.traces import FORMATS, Trace, TraceError, TraceRequest, load_trace
 from fleetward.fleet.errors import ConfigError
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces"
-real = pytest.mark.skipif(not SHARED.is_dir(), reason="the shared traces folder is not beside this checkout")
+SHARED = Path(__file__).resolve().parents[2] / "chaos" / "traces"
 REQUESTS = "arrival_s,input_tokens,output_tokens\n"
 
 
@@ -41,7 +40,6 @@ def servegen_day() -> Trace:
     return load_trace(SHARED / "servegen_m-large_day0_peak10rps.csv")
 
 
-@real
 def test_the_azure_trace_is_19366_requests_over_58_minutes(azure: Trace) -> None:
     assert (azure.name, azure.format, len(azure.requests)) == ("azure2023_conv", "azure", 19366)
     assert azure.requests[0] == TraceRequest(0.0, 374, 44)
@@ -49,14 +47,12 @@ def test_the_azure_trace_is_19366_requests_over_58_minutes(azure: Trace) -> None
     assert is_sorted(azure) and 57.5 * 60 < azure.duration_s < 58.5 * 60
 
 
-@real
 def test_the_servegen_day_is_242856_requests_from_zero(servegen_day: Trace) -> None:
     assert (servegen_day.format, len(servegen_day.requests)) == ("servegen", 242856)
     assert servegen_day.requests[0] == TraceRequest(0.0, 2480, 353)  # the first arrival (0.018 s) becomes 0
     assert is_sorted(servegen_day) and 86_000 < servegen_day.duration_s < 86_400
 
 
-@real
 def test_the_rate_trace_makes_as_many_requests_as_its_windows_hold() -> None:
     path = SHARED / "servegen_m-large_rate_10min_days0-6.csv"
     rates = [float(line.split(",")[1]) for line in path.read_text().splitlines()[1:]]
