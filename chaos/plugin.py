@@ -7,7 +7,8 @@ proxies and experiments are imported when a test asks.
 
 Fixtures
     ``fleetward_etcd`` / ``fleetward_mqtt`` (session): ``host:port`` of an etcd and an MQTT broker started
-    for the session (override either in a conftest to use your own).
+    for the session (override either in a conftest to use your own); ``fleetward_etcd_server`` /
+    ``fleetward_mqtt_server`` are the servers themselves (``LocalEtcd`` / ``LocalBroker``).
     ``fleetward_fleet``: a factory of :class:`~fleetward.chaos.harness.TestFleet` on them, each used as
     ``async with fleetward_fleet(workers=2) as fleet:`` (a unique cluster and run folder per fleet).
     ``fleetward_proxy``: a factory of :class:`fleetward.chaos.net.Proxy` (``async with
@@ -46,9 +47,12 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from fleetward.fleet.infra import LocalBroker, LocalEtcd
 
 __all__ = ["ExperimentFailed", "ExperimentFile", "ExperimentItem"]
 
@@ -69,7 +73,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "root: needs root (skipped with a reason otherwise)")
 
 
-_FIXTURES = ("fleetward_etcd", "fleetward_mqtt", "fleetward_fleet", "fleetward_proxy", "fleetward_gpu",
+_FIXTURES = ("fleetward_etcd", "fleetward_mqtt", "fleetward_etcd_server", "fleetward_mqtt_server", "fleetward_fleet", "fleetward_proxy", "fleetward_gpu",
              "fleetward_experiment")
 _ASYNC_MARKERS = ("asyncio", "anyio")  # pytest-asyncio (its auto mode adds the marker at collection), anyio
 
@@ -118,7 +122,7 @@ class ExperimentFailed(Exception):
 
 class ExperimentFile(pytest.File):
     def collect(self) -> Iterator[pytest.Item]:
-        from fleetward.chaos.experiment import fault_catalogue
+        from fleetward.chaos.catalogue import fault_catalogue
         from fleetward.chaos.runner import experiment_of
         from fleetward.fleet.errors import ConfigError
 
@@ -175,8 +179,8 @@ class ExperimentItem(pytest.Item):
 
 
 @pytest.fixture(scope="session")
-def fleetward_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``host:port`` of an etcd for the session."""
+def fleetward_etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEtcd]:
+    """The session's etcd (:class:`~fleetward.fleet.infra.LocalEtcd`, its process as ``.process``)."""
     from fleetward.fleet.infra import LocalEtcd
 
     root = tmp_path_factory.mktemp("fleetward-etcd")
@@ -184,14 +188,14 @@ def fleetward_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     etcd.start(root / "logs")
     try:
         asyncio.run(etcd.wait_ready())
-        yield etcd.endpoint
+        yield etcd
     finally:
         asyncio.run(etcd.stop())
 
 
 @pytest.fixture(scope="session")
-def fleetward_mqtt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``host:port`` of an MQTT broker for the session."""
+def fleetward_mqtt_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBroker]:
+    """The session's MQTT broker (:class:`~fleetward.fleet.infra.LocalBroker`, its process as ``.process``)."""
     from fleetward.fleet.infra import LocalBroker
 
     root = tmp_path_factory.mktemp("fleetward-mqtt")
@@ -199,9 +203,21 @@ def fleetward_mqtt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     broker.start(root / "logs")
     try:
         asyncio.run(broker.wait_ready())
-        yield broker.endpoint
+        yield broker
     finally:
         asyncio.run(broker.stop())
+
+
+@pytest.fixture(scope="session")
+def fleetward_etcd(fleetward_etcd_server: LocalEtcd) -> str:
+    """``host:port`` of an etcd for the session."""
+    return fleetward_etcd_server.endpoint
+
+
+@pytest.fixture(scope="session")
+def fleetward_mqtt(fleetward_mqtt_server: LocalBroker) -> str:
+    """``host:port`` of an MQTT broker for the session."""
+    return fleetward_mqtt_server.endpoint
 
 
 @pytest.fixture

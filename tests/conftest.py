@@ -160,44 +160,50 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+# -- running on several processes (pytest-xdist, ``./dev test`` asks for it) ----------------------------------
+
+# Modules that take minutes, longest first: they start first, so none of them is left for the end. The vLLM
+# modules share one group (one process, one set of vLLM servers on the cores): two vLLM sessions on 2 cores
+# would starve each other's engines.
+_FIRST = ("tests/vllm/", "tests/chaos/test_soak.py", "tests/cli/test_bench.py", "tests/chaos/test_library.py",
+          "tests/operations/test_alert_lifecycle.py", "tests/autoscale/test_live.py",
+          "tests/autoscale/test_replay_cli.py", "tests/operations/test_prometheus.py", "tests/clients/")
+
+
+def _rank(item: pytest.Item) -> int:
+    path = Path(str(item.fspath)).as_posix()
+    return next((i for i, part in enumerate(_FIRST) if f"/{part}" in path), len(_FIRST))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each module is one xdist group (its module-scoped fixtures start once); the vLLM modules are one."""
+    items.sort(key=_rank)  # stable: a module's tests keep their order
+    root = Path(str(config.rootpath))
+    for item in items:
+        path = Path(str(item.fspath))
+        group = "vllm" if "vllm" in path.relative_to(root).parts[:2] else path.relative_to(root).as_posix()
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 # -- session infrastructure ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def infra_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("infra")
-
-
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def local_etcd(infra_dir: Path) -> AsyncIterator[LocalEtcd]:
-    etcd = LocalEtcd(infra_dir / "etcd-data")
-    _SESSION_PROCESSES.register(etcd.start(infra_dir / "logs"))
-    try:
-        await etcd.wait_ready()
-        yield etcd
-    finally:
-        await etcd.stop()
-
-
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def local_broker(infra_dir: Path) -> AsyncIterator[LocalBroker]:
-    broker = LocalBroker(infra_dir / "broker")
-    _SESSION_PROCESSES.register(broker.start(infra_dir / "logs"))
-    try:
-        await broker.wait_ready()
-        yield broker
-    finally:
-        await broker.stop()
+# The session's etcd and broker are the plugin's (fleetward.chaos.plugin, loaded by the pytest config): one
+# fixture for users' tests and ours. Their processes live for the whole session.
 
 
 @pytest.fixture(scope="session")
-def etcd_endpoint(local_etcd: LocalEtcd) -> str:
-    return local_etcd.endpoint
+def etcd_endpoint(fleetward_etcd_server: LocalEtcd) -> str:
+    assert fleetward_etcd_server.process is not None
+    _SESSION_PROCESSES.register(fleetward_etcd_server.process)
+    return fleetward_etcd_server.endpoint
 
 
 @pytest.fixture(scope="session")
-def broker_endpoint(local_broker: LocalBroker) -> str:
-    return local_broker.endpoint
+def broker_endpoint(fleetward_mqtt_server: LocalBroker) -> str:
+    assert fleetward_mqtt_server.process is not None
+    _SESSION_PROCESSES.register(fleetward_mqtt_server.process)
+    return fleetward_mqtt_server.endpoint
 
 
 # -- per-test views ---------------------------------------------------------------------------------------

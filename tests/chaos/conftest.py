@@ -1,5 +1,5 @@
-"""Chaos engine tests: the plugin's infrastructure fixtures use the session's etcd and broker, and the test
-doubles in ``chaos_doubles`` are in the fault catalogue (``FLEETWARD_FAULT_MODULES``)."""
+"""Chaos engine tests: the test doubles in ``chaos_doubles`` are in the fault catalogue
+(``FLEETWARD_FAULT_MODULES``)."""
 
 from __future__ import annotations
 
@@ -13,16 +13,6 @@ HERE = Path(__file__).resolve().parent
 os.environ["FLEETWARD_FAULT_MODULES"] = "chaos_doubles"
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
-
-
-@pytest.fixture(scope="session")
-def fleetward_etcd(etcd_endpoint: str) -> str:
-    return etcd_endpoint
-
-
-@pytest.fixture(scope="session")
-def fleetward_mqtt(broker_endpoint: str) -> str:
-    return broker_endpoint
 
 
 @pytest.fixture

@@ -25,6 +25,18 @@ def test_every_source_folder_is_a_listed_package() -> None:
         assert pkg.startswith("fleetward."), "nothing installs a top-level module but fleetward"
 
 
+MAX_LINES = 1000
+
+
+def test_no_module_is_over_1000_lines() -> None:
+    """A module does one job; one that passes 1,000 lines has grown a second (docs/architecture.md)."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = [ROOT / folder for folder in config["package-dir"].values()] + [ROOT / "tests"]
+    over = {str(f.relative_to(ROOT)): n for folder in folders for f in folder.rglob("*.py")
+            if "node_modules" not in f.parts and (n := len(f.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not over, f"modules over {MAX_LINES} lines (split them along their seams): {over}"
+
+
 def test_subpackages_depend_only_the_way_the_design_allows() -> None:
     lint = shutil.which("lint-imports") or str(Path(sys.executable).parent / "lint-imports")
     result = subprocess.run([lint, "--config", str(ROOT / "pyproject.toml")], cwd=ROOT, capture_output=True,
