@@ -14,45 +14,29 @@ stand by. The leader:
    as ``actions/<node>/<id>`` for the node's agent. The ids are deterministic, and a create-only compare
    makes them idempotent, so nothing is done twice across a failover.
 
-The control API (bearer token) serves operators and the autoscaler:
-
-- ``GET /v1/workers``;
-- ``POST /v1/workers/<id>/drain`` (``{"deadline_s", "then": "stop"|"restart"}``), ``.../undrain``,
-  ``.../restart``;
-- ``POST /v1/workers/<id>/quarantine/clear``;
-- ``POST /v1/workers`` (``{"id", "node", "role", "reason"}``): start a new worker on a node (its agent
-  carries it out; the autoscaler's scale-up). Idempotent per id: asking again is answered, not repeated;
-- ``GET /health``, ``GET /metrics``.
-
-Read-only, without the token: the live fleet page ``GET /`` with its feed ``GET /v1/fleet`` and the runbooks
-``GET /runbooks/<name>.md`` (see :mod:`fleetward.supervisor.fleetpage`).
-
-A standby answers 409 with the leader's address.
+The control API (bearer token: operators and the autoscaler) and the live fleet page are its HTTP side, in
+:mod:`fleetward.supervisor.api`: commands go to the leader's machine through :meth:`Controller.submit`, and a
+new worker is asked for with :meth:`Controller.issue_start`. A standby answers 409 with the leader's address.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
-import math
-import re
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import aiohttp
 import orjson
-from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from fleetward.fleet.bus import EVENT_KINDS, FAULT_FAMILIES, EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
-from fleetward.fleet.config import ID_PATTERN, Access, SupervisorConfig
+from fleetward.fleet.config import Access, SupervisorConfig
 from fleetward.fleet.election import Election, LeadershipLost, lead_forever
 from fleetward.fleet.errors import StoreError
 from fleetward.fleet.etcd import Compare, Delete, Put, StateStore
@@ -61,7 +45,8 @@ from fleetward.fleet.lease import LeaseKeeper
 from fleetward.fleet.registry import read_leader
 from fleetward.fleet.signing import ActionSigner
 from fleetward.fleet.telemetry import link_gauges
-from fleetward.fleet.worker import ROLES, HealthRecord, HealthState, WorkerRecord
+from fleetward.fleet.worker import HealthRecord, HealthState, WorkerRecord
+from fleetward.supervisor.api import build_app
 from fleetward.supervisor.detectors import (
     Detector,
     GoldenBook,
@@ -70,14 +55,12 @@ from fleetward.supervisor.detectors import (
     golden_key,
     parse_prometheus,
 )
-from fleetward.supervisor.fleetpage import Timeline, page_html, parse_alerts, runbook_html
+from fleetward.supervisor.fleetpage import Timeline
 from fleetward.supervisor.health import (
     ActionDone,
     AgentAction,
     CanaryDone,
-    Command,
     Deregistered,
-    DrainRequested,
     Event,
     HealthMachine,
     HealthPolicy,
@@ -85,14 +68,11 @@ from fleetward.supervisor.health import (
     Load,
     Publish,
     Quarantine,
-    QuarantineCleared,
     Registered,
-    RestartRequested,
     RunCanary,
     SetHealth,
     SignalSeen,
     Tick,
-    Undrain,
 )
 from fleetward.supervisor.signals import Severity, Signal
 
@@ -100,7 +80,6 @@ __all__ = ["Controller", "LeadershipLost"]
 
 log = logging.getLogger(__name__)
 
-_WORKER_ID = re.compile(ID_PATTERN)
 _HTTP_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 
 
@@ -178,7 +157,6 @@ class Controller:
         self._signal_revision: dict[str, int] = {}  # signals/ key -> mod revision already submitted
         self._onset: dict[str, float] = {}  # worker -> wall time of the first evidence of its current failure
         self.timeline = Timeline()
-        self._alerts: tuple[float, list[dict[str, Any]] | None, str | None] = (-1e9, None, None)
         # aiohttp, not httpx: with a connection per worker, httpx's pool scans every connection on each request
         # (two thirds of the controller's CPU at 1,000 workers, see docs/benchmarks.md); aiohttp keys by origin.
         self._http: aiohttp.ClientSession | None = None
@@ -428,6 +406,18 @@ class Controller:
         """An agent action with the leader's signature (fleet/signing.py), when there is an admin token."""
         return self._signer.sign(action) if self._signer is not None else action
 
+    async def issue_start(self, worker: str, node: str, *, role: str, reason: str) -> bool:
+        """Write the action that starts a new worker on ``node`` (fenced, create-only per id, signed); False when
+        it was asked for already."""
+        action_id = f"{worker}.start"
+        key = self.keys.action(node, action_id)
+        action = {"id": action_id, "worker": worker, "node": node, "kind": "start", "role": role, "delay_s": 0.0,
+                  "reason": reason, "status": "pending", "issued_by": self.id, "issued_at": self.clock.wall()}
+        created = await self._fenced([Compare(key, "create", "==", 0)], [Put(key, orjson.dumps(self._signed(action)))])
+        if created:
+            self.metrics.actions.labels("start").inc()
+        return created
+
     async def _apply(self, actions: list[Any]) -> None:
         for action in actions:
             if self.on_action is not None:
@@ -480,7 +470,7 @@ class Controller:
 
             async def one(rid: str, url: str) -> None:
                 try:
-                    status, body = await self._fetch("GET", f"{url}/fleetward/v1/progress", timeout=1.0)
+                    status, body = await self.fetch("GET", f"{url}/fleetward/v1/progress", timeout=1.0)
                     if status == 200:
                         self.progress.observe(rid, orjson.loads(body))
                 except (*_HTTP_ERRORS, ValueError):
@@ -503,7 +493,7 @@ class Controller:
             async def one(wid: str, url: str) -> None:
                 async with limit:
                     try:
-                        status, body = await self._fetch("GET", f"{url}/metrics", timeout=2.0)
+                        status, body = await self.fetch("GET", f"{url}/metrics", timeout=2.0)
                     except _HTTP_ERRORS as exc:
                         signals = self.metrics_detector.failed(wid, f"{type(exc).__name__}: {exc}")
                     else:
@@ -563,7 +553,7 @@ class Controller:
         ok, reason, wrong = False, "", False
         try:
             async with asyncio.timeout(deadline):
-                status, answer = await self._fetch("POST", f"{rec.url}/v1/completions", body=body,
+                status, answer = await self.fetch("POST", f"{rec.url}/v1/completions", body=body,
                                                    timeout=deadline + 1)
             if status != 200:
                 reason = f"HTTP {status}: {answer[:200].decode(errors='replace')}"
@@ -604,7 +594,7 @@ class Controller:
                 continue
             try:
                 async with asyncio.timeout(deadline):
-                    status, answer = await self._fetch("POST", f"{rec.url}/v1/completions", body=body,
+                    status, answer = await self.fetch("POST", f"{rec.url}/v1/completions", body=body,
                                                        timeout=deadline + 1)
                 again = orjson.loads(answer)["choices"][0].get("token_ids") or [] if status == 200 else None
             except (TimeoutError, *_HTTP_ERRORS, ValueError, KeyError, IndexError):
@@ -624,7 +614,7 @@ class Controller:
             return f"wrong tokens twice: {tokens}, then {again}, where {key} gives {golden} (no peer to ask)"
         return ""
 
-    async def _fetch(self, method: str, url: str, *, timeout: float, body: Any = None) -> tuple[int, bytes]:
+    async def fetch(self, method: str, url: str, *, timeout: float, body: Any = None) -> tuple[int, bytes]:
         """One HTTP request to a worker or router: its status and body."""
         if self._http is None:
             self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256, limit_per_host=8),
@@ -632,234 +622,11 @@ class Controller:
         async with self._http.request(method, url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             return r.status, await r.read()
 
-    # -- the fleet page's feed ----------------------------------------------------------------------------
-
-    async def fleet_view(self) -> dict[str, Any]:
-        """What the fleet page shows (read-only: worker ids, states and reasons, as ``/metrics`` and events do)."""
-        machine = self.machine if self.leading.is_set() else None
-        workers = []
-        for wid, ws in sorted((machine.workers if machine is not None else {}).items()):
-            rec = self.workers.get(wid)
-            workers.append({"id": wid, "node": ws.node or (rec.node if rec else ""), "role": rec.role if rec else "",
-                            "url": rec.url if rec else "", "state": ws.state.value, "detector": ws.detector,
-                            "reason": ws.reason, "since": ws.since, "in_flight": self.progress.in_flight(wid),
-                            "restarts": ws.restart_count})
-        alerts, error = await self._alerts_now()
-        return {"cluster": self.keys.cluster, "now": self.clock.wall(),
-                "controller": {"id": self.id, "leading": self.leading.is_set(),
-                               "leader": None if self.leading.is_set() else await self._leader_or_none()},
-                "prometheus": self.config.prometheus_url, "alerts": alerts, "alerts_error": error,
-                "workers": workers, "events": self.timeline.recent(),
-                "faults_active": self.timeline.faults_by_family()}
-
-    async def _leader_or_none(self) -> dict[str, Any] | None:
-        try:
-            return await self.leader()
-        except StoreError:
-            return None
-
-    async def _alerts_now(self) -> tuple[list[dict[str, Any]] | None, str | None]:
-        """Prometheus' pending and firing alerts (asked at most once a second, however many pages poll)."""
-        url = self.config.prometheus_url.rstrip("/")
-        if not url:
-            return None, None
-        at, alerts, error = self._alerts
-        if self.clock.monotonic() - at < 1.0:
-            return alerts, error
-        try:
-            status, body = await self._fetch("GET", f"{url}/api/v1/alerts", timeout=2.0)
-            if status != 200:
-                raise ValueError(f"HTTP {status}")
-            alerts, error = parse_alerts(orjson.loads(body)), None
-        except (*_HTTP_ERRORS, ValueError, TypeError, AttributeError) as exc:
-            alerts, error = None, f"Prometheus at {url} did not answer: {type(exc).__name__}: {exc}"
-        self._alerts = (self.clock.monotonic(), alerts, error)
-        return alerts, error
-
-    # -- control API ------------------------------------------------------------------------------------
+    # -- the control API and the fleet page (supervisor/api.py) ---------------------------------------------
 
     def app(self) -> FastAPI:
-        # The OpenAPI spec (/openapi.json) describes the bodies the handlers parse themselves, and the token.
-        app = FastAPI(title="fleetward supervisor", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
-
-        def authorised(request: Request) -> bool:
-            scheme, _, given = request.headers.get("authorization", "").partition(" ")
-            return bool(self.admin_token) and scheme.lower() == "bearer" and \
-                hmac.compare_digest(given.strip().encode(), self.admin_token.encode())
-
-        async def command(request: Request, event: Command) -> Response:
-            """An operator's command: applied, or refused with why (never "accepted" and then nothing)."""
-            if not authorised(request):
-                return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
-            machine = self.machine
-            if not self.leading.is_set() or machine is None:
-                return JSONResponse({"error": "not the leader", "leader": await self.leader()}, status_code=409)
-            ws = machine.workers.get(event.worker)
-            if ws is None:
-                known = sorted(machine.workers)
-                return JSONResponse({"error": f"no worker {event.worker!r} in this cluster (workers: "
-                                              f"{', '.join(known) or 'none'})", "workers": known}, status_code=404)
-            why = machine.admit(event)
-            if why is not None:
-                return JSONResponse({"error": f"{event.worker}: {why}", "state": ws.state.value}, status_code=409)
-            self.submit(event)
-            return JSONResponse({"accepted": True, "leader": self.id, "state": ws.state.value,
-                                 "what": _what(event, ws.state)})
-
-        @app.get("/health")
-        async def health() -> Response:
-            return Response(status_code=200)
-
-        @app.get("/metrics")
-        async def metrics() -> Response:
-            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-        @app.get("/", response_class=HTMLResponse)
-        async def page() -> Response:
-            return HTMLResponse(page_html(), headers={"cache-control": "no-cache"})
-
-        @app.get("/v1/fleet")
-        async def fleet() -> Response:
-            return JSONResponse(await self.fleet_view(), headers={"cache-control": "no-store"})
-
-        @app.get("/runbooks/{name}.md", response_class=HTMLResponse)
-        async def runbook(name: str) -> Response:
-            body = runbook_html(name)
-            if body is None:
-                return JSONResponse({"error": f"no runbook {name!r}"}, status_code=404)
-            return HTMLResponse(body)
-
-        @app.get("/v1/workers", openapi_extra=_ADMIN)
-        async def workers(request: Request) -> Response:
-            if not authorised(request):
-                return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
-            machine = self.machine if self.leading.is_set() else None
-            out = {wid: ws.record().to_json().decode() for wid, ws in (machine.workers.items() if machine else [])}
-            return JSONResponse({"leader": self.leading.is_set(), "id": self.id,
-                                 "workers": {k: json.loads(v) for k, v in out.items()}})
-
-        @app.post("/v1/workers", operation_id="start_worker", openapi_extra=_openapi_start())
-        async def start(request: Request) -> Response:
-            if not authorised(request):
-                return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
-            try:
-                body = await request.json()
-                wid, node = str(body["id"]), str(body["node"])
-                role, reason = str(body.get("role", "aggregated")), str(body.get("reason", "asked for"))
-                if not _WORKER_ID.fullmatch(wid) or not _WORKER_ID.fullmatch(node):
-                    raise ValueError("id and node must be 1-63 of [A-Za-z0-9_.-], starting with a letter or digit")
-                if role not in ROLES:
-                    raise ValueError(f"role must be one of {', '.join(ROLES)}")
-            except (ValueError, TypeError, KeyError, json.JSONDecodeError) as exc:
-                return JSONResponse({"error": f"bad start request: {exc!s} (needs id and node)"}, status_code=400)
-            machine = self.machine
-            if not self.leading.is_set() or machine is None:
-                return JSONResponse({"error": "not the leader", "leader": await self.leader()}, status_code=409)
-            ws = machine.workers.get(wid)
-            if ws is not None or wid in self.workers:
-                state = ws.state.value if ws is not None else "registered"
-                return JSONResponse({"error": f"{wid}: a worker with this id exists ({state}); `undrain` or "
-                                              "`restart` brings a stopped one back", "state": state}, status_code=409)
-            action_id = f"{wid}.start"
-            key = self.keys.action(node, action_id)
-            action = {"id": action_id, "worker": wid, "node": node, "kind": "start", "role": role, "delay_s": 0.0,
-                      "reason": reason, "status": "pending", "issued_by": self.id, "issued_at": self.clock.wall()}
-            created = await self._fenced([Compare(key, "create", "==", 0)],
-                                         [Put(key, orjson.dumps(self._signed(action)))])
-            if created:
-                self.metrics.actions.labels("start").inc()
-            return JSONResponse({"accepted": True, "leader": self.id, "worker": wid, "node": node, "new": created,
-                                 "what": f"starting {wid} on {node}" if created else f"{wid} was asked for already"})
-
-        @app.post("/v1/workers/{worker}/drain", operation_id="drain", openapi_extra=_openapi_drain())
-        async def drain(worker: str, request: Request) -> Response:
-            if not authorised(request):  # before the body: a caller without the token learns nothing of it
-                return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
-            try:
-                body = await request.json() if await request.body() else {}
-                if not isinstance(body, dict):
-                    raise ValueError("the body must be a JSON object")
-                then = body.get("then", "cordon")
-                deadline = float(body.get("deadline_s", self.config.drain_timeout_s))
-                if not math.isfinite(deadline) or deadline < 0:
-                    raise ValueError(f"deadline_s must be a finite number of seconds, 0 or more, not {deadline}")
-                if then not in ("cordon", "stop", "restart"):
-                    raise ValueError("then must be cordon, stop or restart")
-            except (ValueError, TypeError) as exc:
-                return JSONResponse({"error": f"bad drain request: {exc}"}, status_code=400)
-            return await command(request, DrainRequested(worker, deadline, then))
-
-        @app.post("/v1/workers/{worker}/undrain", operation_id="undrain", openapi_extra=_ADMIN)
-        async def undrain(worker: str, request: Request) -> Response:
-            return await command(request, Undrain(worker))
-
-        @app.post("/v1/workers/{worker}/restart", operation_id="restart", openapi_extra=_ADMIN)
-        async def restart(worker: str, request: Request) -> Response:
-            return await command(request, RestartRequested(worker))
-
-        @app.post("/v1/workers/{worker}/quarantine/clear", operation_id="clear_quarantine", openapi_extra=_ADMIN)
-        async def clear(worker: str, request: Request) -> Response:
-            return await command(request, QuarantineCleared(worker))
-
-        spec = app.openapi()
-        spec.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-        return app
-
-
-# The control API's commands, for the OpenAPI spec: the bearer token, and the answers every command can give.
-_ADMIN: dict[str, Any] = {
-    "security": [{"bearer": []}],
-    "responses": {"401": {"description": "missing or wrong bearer token"},
-                  "404": {"description": "no such worker"},
-                  "409": {"description": "not the leader (its address given), or the worker's state refuses it"}},
-}
-
-
-def _with_body(schema: dict[str, Any], *, required: bool,
-               links: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A command that takes a JSON body (a malformed one is a 400 saying what is wrong)."""
-    responses: dict[str, Any] = {**_ADMIN["responses"], "400": {"description": "a malformed body, what is wrong said"}}
-    if links:
-        responses["200"] = {"description": "accepted", "links": links}
-    return {"security": _ADMIN["security"], "responses": responses,
-            "requestBody": {"required": required, "content": {"application/json": {"schema": schema}}}}
-
-
-def _openapi_drain() -> dict[str, Any]:
-    return _with_body({"type": "object", "additionalProperties": False, "properties": {
-        "deadline_s": {"type": "number", "minimum": 0, "description": "open streams move elsewhere after it"},
-        "then": {"type": "string", "enum": ["cordon", "stop", "restart"]}}}, required=False)
-
-
-def _openapi_start() -> dict[str, Any]:
-    """Starting a worker, linked to the commands on the worker it started."""
-    name = {"type": "string", "pattern": ID_PATTERN}
-    body = {"type": "object", "required": ["id", "node"], "additionalProperties": False, "properties": {
-        "id": name, "node": name, "role": {"type": "string", "enum": list(ROLES)}, "reason": {"type": "string"}}}
-    links = {op.title(): {"operationId": op, "parameters": {"path.worker": "$request.body#/id"}}
-             for op in ("drain", "undrain", "restart")}
-    return _with_body(body, required=True, links=links)
-
-
-def _what(command: Command, state: HealthState) -> str:
-    """What an accepted command does to a worker in ``state``, in words (the CLI prints it)."""
-    match command:
-        case DrainRequested(deadline_s=deadline, then=then):
-            after = {"cordon": "it then stays out of routing (cordoned) until `fleetward undrain`",
-                     "stop": "it is then stopped", "restart": "it is then restarted"}[then]
-            return (f"draining: no new work goes to it; its open streams finish, or move to other workers after "
-                    f"{deadline:g} s; {after}")
-        case RestartRequested():
-            if state is HealthState.DEAD:
-                return "starting it again"
-            return "restarting it gracefully: its open streams move to other workers, then it restarts"
-        case Undrain():
-            if state is HealthState.DEAD:
-                return "it was stopped: starting it again"
-            return "taking it back into routing once a canary passes"
-        case QuarantineCleared():
-            return "the GPU self-test runs first; when it passes the worker is restarted"
-    return "accepted"
+        """The control API and the live fleet page (:func:`~fleetward.supervisor.api.build_app`)."""
+        return build_app(self)
 
 
 async def serve_controller(config: SupervisorConfig, *, etcd: str, mqtt: str, cluster: str, admin_token: str,
