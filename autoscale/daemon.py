@@ -43,7 +43,7 @@ from fleetward.autoscale.planner import DynamoStyle, Observation, Planner, Polic
 from fleetward.fleet.bus import EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import Access, AutoscaleConfig, SimConfig
-from fleetward.fleet.election import Election, LeadershipLost, lead_forever
+from fleetward.fleet.election import Election, Leadership, LeadershipLost, lead_forever
 from fleetward.fleet.errors import ConfigError
 from fleetward.fleet.etcd import Put, StateStore
 from fleetward.fleet.keys import Keys
@@ -193,33 +193,34 @@ class Autoscaler:
             else (lambda pool: make_policy(config, capacity, pool)))
         self.policies: dict[str, Policy] = {}
         self.records: dict[str, PoolRecord] = {}
-        self.election: Election | None = None
-        self.leading = asyncio.Event()
         self.metrics = _Metrics()
+        self.leadership = Leadership(is_leader=self.metrics.leader, changes=self.metrics.leaderships)
         link_gauges(self.metrics.registry, store=store, bus=bus)
         self.steps = 0  # intervals planned while leading (tests wait on it)
         self.on_step: Callable[[dict[str, PoolRecord]], None] | None = None
 
     # -- election ---------------------------------------------------------------------------------------
 
+    @property
+    def leading(self) -> asyncio.Event:
+        """Set while this autoscaler leads."""
+        return self.leadership.leading
+
+    @property
+    def election(self) -> Election | None:
+        """The election of the current (or last) term; its fence goes into every write made as leader."""
+        return self.leadership.election
+
     async def run(self) -> None:
         """Campaign, lead until leadership is lost, campaign again; until cancelled."""
 
         def leading(election: Election) -> None:
-            self.election = election
             log.info("autoscaler %s leads cluster %s", self.id, self.keys.cluster)
-            self.leading.set()
-            self.metrics.leader.set(1)
-            self.metrics.leaderships.inc()
-
-        def stepped_down() -> None:
-            self.leading.clear()
-            self.metrics.leader.set(0)
 
         try:
             await lead_forever(self.store, self.keys.leader("autoscaler"), name=f"autoscaler {self.id}",
                                candidate=json.dumps({"id": self.id, "url": self.url}), ttl_s=self.config.lease_ttl_s,
-                               lead=self._lead, on_leading=leading, on_stepped_down=stepped_down, clock=self.clock)
+                               lead=self._lead, leadership=self.leadership, on_leading=leading, clock=self.clock)
         finally:
             await self.observer.aclose()
 

@@ -5,20 +5,25 @@
   who leads without campaigning.
 - :func:`lead_forever` campaigns with a fresh lease, leads until leadership is lost (:class:`LeadershipLost`
   or a :class:`~fleetward.fleet.errors.StoreError`), steps down and campaigns again, until cancelled.
+  It keeps a :class:`Leadership` up to date (the "leading" event, the current election, the is-leader gauge
+  and the leadership-changes counter), so every service that leads reports it the same way.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+
+from prometheus_client import Counter, Gauge
 
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.errors import FleetwardError, StoreError
 from fleetward.fleet.etcd import Compare, Delete, Put, StateStore, dumps
 from fleetward.fleet.lease import LeaseKeeper
 
-__all__ = ["Election", "LeadershipLost", "election_leader", "lead_forever"]
+__all__ = ["Election", "Leadership", "LeadershipLost", "election_leader", "lead_forever"]
 
 log = logging.getLogger(__name__)
 
@@ -111,25 +116,59 @@ async def election_leader(store: StateStore, prefix: str) -> str | None:
     return candidate
 
 
+class Leadership:
+    """What a service knows of its own leadership, kept up to date by :func:`lead_forever`.
+
+    ``leading`` is set while this candidate leads. ``election`` is the :class:`Election` of the current (or
+    the last) term: its :attr:`~Election.fence` goes into every transaction the leader makes. ``is_leader``,
+    if given, reads 1 while leading and 0 otherwise; ``changes``, if given, counts the terms won.
+    """
+
+    def __init__(self, *, is_leader: Gauge | None = None, changes: Counter | None = None) -> None:
+        self.leading = asyncio.Event()
+        self.election: Election | None = None
+        self._is_leader = is_leader
+        self._changes = changes
+
+    def won(self, election: Election) -> None:
+        self.election = election
+        self.leading.set()
+        if self._is_leader is not None:
+            self._is_leader.set(1)
+        if self._changes is not None:
+            self._changes.inc()
+
+    def stepped_down(self) -> None:
+        self.leading.clear()
+        if self._is_leader is not None:
+            self._is_leader.set(0)
+
+
 async def lead_forever(store: StateStore, prefix: str, *, candidate: str, ttl_s: int, name: str,
-                       lead: Callable[[LeaseKeeper], Awaitable[None]], on_leading: Callable[[Election], None],
-                       on_stepped_down: Callable[[], None], clock: Clock = SYSTEM_CLOCK) -> None:
+                       lead: Callable[[LeaseKeeper], Awaitable[None]], leadership: Leadership,
+                       on_leading: Callable[[Election], None] | None = None,
+                       on_stepped_down: Callable[[], None] | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
     """Campaign under ``prefix`` with a fresh lease, lead (``await lead(lease)``) until leadership is lost (a
     :class:`LeadershipLost` or a :class:`StoreError` out of it), step down (resign, revoke the lease), and
-    campaign again; until cancelled. ``on_leading(election)`` runs once this candidate leads, before ``lead``;
-    ``on_stepped_down()`` whenever a term (or a campaign) ends. The supervisor's controllers and the
+    campaign again; until cancelled. Once this candidate leads, ``leadership.won(election)`` and then
+    ``on_leading(election)`` run, before ``lead``; whenever a term (or a campaign) ends,
+    ``leadership.stepped_down()`` and then ``on_stepped_down()``. The supervisor's controllers and the
     autoscalers both run this way."""
     while True:
         lease = await LeaseKeeper(store, ttl_s, clock=clock).start()
         election = Election(store, prefix, candidate=candidate, lease=lease)
         try:
             await election.campaign()
-            on_leading(election)
+            leadership.won(election)
+            if on_leading is not None:
+                on_leading(election)
             await lead(lease)
         except (LeadershipLost, StoreError) as exc:
             log.warning("%s lost leadership: %s", name, exc)
         finally:
-            on_stepped_down()
+            leadership.stepped_down()
+            if on_stepped_down is not None:
+                on_stepped_down()
             with contextlib.suppress(FleetwardError):
                 await election.resign()
             await lease.aclose()

@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from fleetward.fleet.bus import EVENT_KINDS, FAULT_FAMILIES, EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import Access, SupervisorConfig
-from fleetward.fleet.election import Election, LeadershipLost, lead_forever
+from fleetward.fleet.election import Election, Leadership, LeadershipLost, lead_forever
 from fleetward.fleet.errors import StoreError
 from fleetward.fleet.etcd import Compare, Delete, Put, StateStore
 from fleetward.fleet.keys import Keys
@@ -140,9 +140,8 @@ class Controller:
                                    restart_budget=config.restart_budget, restart_window_s=config.restart_window_s,
                                    backoff_initial_s=config.backoff_initial_s, backoff_max_s=config.backoff_max_s)
         self.machine: HealthMachine | None = None
-        self.election: Election | None = None
-        self.leading = asyncio.Event()
         self.metrics = _Metrics()
+        self.leadership = Leadership(is_leader=self.metrics.leader, changes=self.metrics.leaderships)
         link_gauges(self.metrics.registry, store=store, bus=bus)
         self.workers: dict[str, WorkerRecord] = {}
         self.routers: dict[str, str] = {}
@@ -164,19 +163,23 @@ class Controller:
 
     # -- election ---------------------------------------------------------------------------------------
 
+    @property
+    def leading(self) -> asyncio.Event:
+        """Set while this controller leads."""
+        return self.leadership.leading
+
+    @property
+    def election(self) -> Election | None:
+        """The election of the current (or last) term; its fence goes into every write made as leader."""
+        return self.leadership.election
+
     async def run(self) -> None:
         """Campaign, lead until leadership is lost, campaign again; until cancelled."""
 
         def leading(election: Election) -> None:
-            self.election = election
             log.info("controller %s leads cluster %s", self.id, self.keys.cluster)
-            self.leading.set()
-            self.metrics.leader.set(1)
-            self.metrics.leaderships.inc()
 
         def stepped_down() -> None:
-            self.leading.clear()
-            self.metrics.leader.set(0)
             for t in self._canaries.values():
                 t.cancel()
             self._canaries.clear()
@@ -185,7 +188,8 @@ class Controller:
         try:
             await lead_forever(self.store, self.keys.leader("supervisor"), name=f"controller {self.id}",
                                candidate=json.dumps({"id": self.id, "url": self.url}), ttl_s=self.config.lease_ttl_s,
-                               lead=self._lead, on_leading=leading, on_stepped_down=stepped_down, clock=self.clock)
+                               lead=self._lead, leadership=self.leadership, on_leading=leading,
+                               on_stepped_down=stepped_down, clock=self.clock)
         finally:
             follower.cancel()
             with contextlib.suppress(asyncio.CancelledError):
