@@ -8,8 +8,9 @@ from collections.abc import AsyncIterator
 
 import aetcd
 import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from fleetward.fleet.election import Election
+from fleetward.fleet.election import Election, Leadership, LeadershipLost, lead_forever
 from fleetward.fleet.errors import StoreError, StoreUnavailable
 from fleetward.fleet.etcd import Compare, Delete, EtcdStore, Put, WatchEvent
 from fleetward.fleet.keys import Keys
@@ -350,3 +351,42 @@ async def test_resign_hands_leadership_to_the_next_candidate(store: EtcdStore, k
         assert await b.leader() == "b"
         with pytest.raises(StoreError, match="not campaigning"):
             _ = a.fence
+
+async def test_lead_forever_keeps_the_leadership_gauge_counter_and_event(store: EtcdStore, keys: Keys) -> None:
+    registry = CollectorRegistry()
+    gauge = Gauge("t_is_leader", "1 while leading.", registry=registry)
+    changes = Counter("t_leadership_changes", "Terms won.", registry=registry)
+    leadership = Leadership(is_leader=gauge, changes=changes)
+    terms: list[Election | None] = []
+    lose_first = asyncio.Event()
+    stepped_down = asyncio.Event()
+
+    async def lead(lease: LeaseKeeper) -> None:
+        terms.append(leadership.election)
+        if len(terms) == 1:
+            await lose_first.wait()
+            raise LeadershipLost("told to")
+        await asyncio.Event().wait()
+
+    def count() -> tuple[float | None, float | None]:
+        return (registry.get_sample_value("t_is_leader"), registry.get_sample_value("t_leadership_changes_total"))
+
+    assert not leadership.leading.is_set() and leadership.election is None
+    task = asyncio.create_task(lead_forever(store, keys.leader("autoscaler"), candidate="a", ttl_s=5, name="a",
+                                            lead=lead, leadership=leadership, on_stepped_down=stepped_down.set))
+    try:
+        async with asyncio.timeout(10):
+            await leadership.leading.wait()
+        assert count() == (1.0, 1.0) and len(terms) == 1 and terms[0] is leadership.election
+        lose_first.set()
+        async with asyncio.timeout(10):
+            await stepped_down.wait()
+            while len(terms) < 2:
+                await leadership.leading.wait()
+                await asyncio.sleep(0)  # the next term's lead() runs right after leading is set
+        assert count() == (1.0, 2.0) and leadership.leading.is_set() and terms[1] is not terms[0]
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert count() == (0.0, 2.0) and not leadership.leading.is_set()
