@@ -48,6 +48,7 @@ from fleetward.fleet.errors import StoreError, UnavailableError
 from fleetward.fleet.etcd import Compare, Put, StateStore
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.lease import LeaseKeeper
+from fleetward.fleet.loops import LoopMetrics, Loops
 from fleetward.fleet.procs import ensure_port
 from fleetward.fleet.signing import ActionSigner, AttachSigner
 from fleetward.fleet.telemetry import link_gauges
@@ -129,7 +130,6 @@ class NodeAgent:
         self.closing = False
         self._lease: LeaseKeeper | None = None
         self._identity: dict[str, tuple[str | None, str | None]] = {}  # worker -> (engine, device) it registered with
-        self._tasks: list[asyncio.Task[None]] = []
         self._http = httpx.AsyncClient(timeout=2.0)
         self._raised: dict[str, set[str]] = {}  # worker -> detectors whose last signal here was not ok
         # One write at a time per signal key, in the order they were decided: two concurrent puts may reach
@@ -138,6 +138,8 @@ class NodeAgent:
         self._signal_locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self.metrics = _Metrics()
         self.metrics.workers.set_function(lambda: float(len(self.handles)))
+        # Every task of the agent's and of its parts: the loops (restarted when they crash), and one-off tasks.
+        self.loops = Loops(service="agent", metrics=LoopMetrics(self.metrics.registry), clock=clock)
         link_gauges(self.metrics.registry, store=store, bus=bus)
         self.metrics_url = ""  # where /metrics is served (``agents/<node>`` in etcd), once started
         self._metrics_site: web.AppRunner | None = None
@@ -155,23 +157,19 @@ class NodeAgent:
         self._lease = await LeaseKeeper(self.store, self.lease_ttl, clock=self.clock).start()
         if self.config.agent_metrics_port is not None:
             await self._serve_metrics(self.config.agent_metrics_port)
-        self._tasks = [
-            asyncio.create_task(self._renew_lost_lease(), name="agent-lease"),
-            asyncio.create_task(self.actions.follow(), name="agent-actions"),
-            asyncio.create_task(self.engines.monitor(), name="agent-engines"),
-            asyncio.create_task(self.exits.watch_dying(), name="agent-exits"),
-            asyncio.create_task(self.adopter.follow(), name="agent-attach"),
-        ]
+        loops = self.loops.start()
+        loops.run("lease", self._renew_lost_lease)
+        loops.run("actions", self.actions.follow)
+        loops.run("engines", self.engines.monitor)
+        loops.run("exits", self.exits.watch_dying)
+        loops.run("attach", self.adopter.follow)
         if self.gpus is not None:
-            self._tasks.append(asyncio.create_task(self.gpus.monitor(), name="agent-gpus"))
+            loops.run("gpus", self.gpus.monitor)
 
     def spawn(self, coro: Coroutine[Any, Any, None], *, name: str) -> asyncio.Task[None]:
-        """A task of the agent's (an action carried out, a signal written, a read or probe of a worker):
-        cancelled when the agent closes."""
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.append(task)
-        self._tasks = [t for t in self._tasks if not t.done()]
-        return task
+        """A one-off task of the agent's (an action carried out, a signal written, a read or probe of a worker,
+        the wait for a worker's exit): dropped once done, cancelled when the agent closes."""
+        return self.loops.spawn(name, coro)
 
     async def start_workers(self, specs: Sequence[WorkerSpec], *, progress: Progress | None = None) -> None:
         """Launch every worker, then register each as soon as it is ready. A worker that fails to start is
@@ -214,13 +212,7 @@ class NodeAgent:
         """Stop every worker (ordered), revoke the lease (keys vanish now), publish ``worker.down``."""
         self.closing = True
         await self.adopter.aclose()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._tasks.clear()
+        await self.loops.aclose()
         await self.exits.aclose()
         await self.engines.aclose()
         handles = list(self.handles.values())

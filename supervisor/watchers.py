@@ -280,7 +280,7 @@ class EngineWatch:
             except (httpx.HTTPError, ValueError):
                 self._running.pop(wid, None)
 
-        self._reads[wid] = self.agent.spawn(read(), name=f"agent-metrics-{wid}")
+        self._reads[wid] = self.agent.spawn(read(), name=f"metrics-{wid}")
 
     def _start_probe(self, wid: str, handle: WorkerHandle) -> None:
         """A one-token request to the worker, unless one is under way: while it is unanswered, work waits."""
@@ -308,7 +308,7 @@ class EngineWatch:
                     self.detector.probe_done(wid)
 
         # Sent when its bytes are written, not when it is asked for: a held-up event loop may write it late.
-        self._probes[wid] = (sent, agent.spawn(probe(), name=f"agent-probe-{wid}"))
+        self._probes[wid] = (sent, agent.spawn(probe(), name=f"probe-{wid}"))
 
 
 class GpuWatch:
