@@ -6,8 +6,9 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import typing
 from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import httpx
 import psutil
@@ -17,7 +18,8 @@ from fleetward.chaos.fault import CATALOGUE, Family, FaultContext, FaultSpec, Ta
 from fleetward.fleet.errors import FleetwardError
 from fleetward.fleet.handle import AgentWorkers, Fleet, NotOurs
 
-__all__ = ["BaseFault", "FaultCheckFailed", "FaultParams", "FaultUnavailable", "catalogued", "cycle", "eventually"]
+__all__ = ["BaseFault", "FaultCheckFailed", "FaultParams", "FaultUnavailable", "ParamsT", "catalogued", "cycle",
+           "eventually"]
 
 log = logging.getLogger("fleetward.chaos.faults")
 
@@ -35,19 +37,57 @@ class FaultParams(BaseModel):
     recover_timeout_s: float = Field(60.0, gt=0, description="how long recovery may take")
 
 
-class BaseFault:
-    """Common state: parameters, target selector, resolved targets, and a ``detail`` dict for the journal."""
+P = TypeVar("P", bound=BaseModel)  # a fault's parameters (a FaultParams, or a plain frozen model: load faults)
+ParamsT = TypeVar("ParamsT", bound=FaultParams)  # a family base's: its faults name theirs
+FaultT = TypeVar("FaultT", bound="type[BaseFault[Any]]")
+
+
+class BaseFault(Generic[P]):
+    """Common state: parameters, target selector, resolved targets, and a ``detail`` dict for the journal.
+
+    A fault names its parameters' model as the type argument and writes no ``__init__``::
+
+        class KillWorker(BaseFault[KillParams]):
+            name = "process.kill_worker"
+            family = "process"
+
+            def setup(self) -> None:  # its own state, empty until it is injected
+                self._killed: dict[str, list[psutil.Process]] = {}
+
+    ``Params`` (what the catalogue validates an experiment's ``params`` against) is that type argument;
+    ``self.params`` is typed by it. Every fault takes the same :class:`~fleetward.chaos.fault.Target` selector.
+    """
 
     name: ClassVar[str]
     family: ClassVar[Family]
-    Params: ClassVar[type[FaultParams]] = FaultParams
+    Params: ClassVar[type[BaseModel]] = FaultParams
 
-    def __init__(self, params: BaseModel, target: Target) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "Params" in vars(cls):  # said outright (a class made at run time, network's toxic faults)
+            return
+        for base in vars(cls).get("__orig_bases__", ()):
+            args = typing.get_args(base)
+            origin = typing.get_origin(base)
+            if not (args and isinstance(origin, type) and issubclass(origin, BaseFault)):
+                continue
+            arg = args[0]
+            if isinstance(arg, TypeVar):  # a family's generic base: its bound until a fault names its own
+                arg = arg.__bound__
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                cls.Params = arg
+
+    def __init__(self, params: P, target: Target) -> None:
         assert isinstance(params, self.Params), f"{self.name}: expected {self.Params.__name__}"
-        self.params = params
+        self.params: P = params
         self.target = target
         self.targets: list[str] = []
         self.detail: dict[str, Any] = {}
+        self.setup()
+
+    def setup(self) -> None:
+        """Make the fault's own state (what it injected, to undo at recovery); called once, at construction.
+        A fault under a family base with state of its own (``GpuFault``) calls ``super().setup()`` first."""
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "family": self.family, "targets": list(self.targets),
@@ -55,14 +95,15 @@ class BaseFault:
 
 
 def catalogued(summary: str, *, needs_root: bool = False, needs: tuple[str, ...] = (),
-               target: str = "worker", **extra: Any) -> Callable[[type[BaseFault]], type[BaseFault]]:
-    """Register the class in :data:`~fleetward.chaos.fault.CATALOGUE` under its ``name``. ``needs`` are the
-    backend capabilities the fault acts through (``fault_switches``, ``model_reference``)."""
+               target: str | None = "worker", **extra: Any) -> Callable[[FaultT], FaultT]:
+    """Register the class in :data:`~fleetward.chaos.fault.CATALOGUE` under its ``name``, with its ``Params``.
+    ``needs`` are the backend capabilities the fault acts through (``fault_switches``, ``model_reference``);
+    ``target`` the kind of component it hits (None: it says ``target_kinds`` in ``extra``, as load faults do)."""
 
-    def deco(cls: type[BaseFault]) -> type[BaseFault]:
+    def deco(cls: FaultT) -> FaultT:
         register(FaultSpec(name=cls.name, family=cls.family, summary=summary, params=cls.Params,
                            factory=cls, needs_root=needs_root, needs=needs,  # type: ignore[arg-type]
-                           extra={"target": target, **extra}))
+                           extra={**({"target": target} if target else {}), **extra}))
         return cls
 
     return deco

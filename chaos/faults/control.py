@@ -36,11 +36,12 @@ import orjson
 import psutil
 from pydantic import Field
 
-from fleetward.chaos.fault import EtcdCluster, FaultContext, OwnBroker, Target
+from fleetward.chaos.fault import EtcdCluster, FaultContext, OwnBroker
 from fleetward.chaos.faults._base import (
     BaseFault,
     FaultParams,
     FaultUnavailable,
+    ParamsT,
     catalogued,
     eventually,
     fleet_of,
@@ -98,7 +99,7 @@ def _members(ctx: FaultContext) -> list[LocalEtcd]:
     return list(_cluster(ctx).etcd_cluster)
 
 
-class _EtcdFault(BaseFault):
+class _EtcdFault(BaseFault[ParamsT]):
     family = "control"
 
     async def _start(self, fleet: EtcdCluster, m: LocalEtcd) -> None:
@@ -121,12 +122,10 @@ class EtcdKillParams(FaultParams):
 
 
 @catalogued("SIGKILL an etcd member; recovery starts it again (it rejoins with its data)", target="etcd")
-class EtcdMemberKill(_EtcdFault):
+class EtcdMemberKill(_EtcdFault[EtcdKillParams]):
     name = "control.etcd_member_kill"
-    Params = EtcdKillParams
 
-    def __init__(self, params: Any, target: Target) -> None:
-        super().__init__(params, target)
+    def setup(self) -> None:
         self._killed: list[LocalEtcd] = []
 
     async def inject(self, ctx: FaultContext) -> None:
@@ -154,19 +153,17 @@ class EtcdMemberKill(_EtcdFault):
 
     async def recover(self, ctx: FaultContext) -> None:
         cluster = _cluster(ctx)
-        params: Any = self.params
+        params = self.params
         if params.restart:
             for m in self._killed:
                 await quietly(f"start {m.name}", self._start(cluster, m))
 
 
 @catalogued("SIGSTOP an etcd member (it accepts connections, answers nothing); recovery SIGCONTs it", target="etcd")
-class EtcdMemberPause(_EtcdFault):
+class EtcdMemberPause(_EtcdFault[FaultParams]):
     name = "control.etcd_member_pause"
-    Params = FaultParams
 
-    def __init__(self, params: Any, target: Target) -> None:
-        super().__init__(params, target)
+    def setup(self) -> None:
         self._paused: list[LocalEtcd] = []
 
     async def inject(self, ctx: FaultContext) -> None:
@@ -201,19 +198,17 @@ class EtcdRestartParams(FaultParams):
 
 
 @catalogued("stop an etcd member (SIGTERM or SIGKILL) and start it again at once", target="etcd")
-class EtcdMemberRestart(_EtcdFault):
+class EtcdMemberRestart(_EtcdFault[EtcdRestartParams]):
     name = "control.etcd_member_restart"
-    Params = EtcdRestartParams
 
-    def __init__(self, params: Any, target: Target) -> None:
-        super().__init__(params, target)
+    def setup(self) -> None:
         self._old: dict[str, int] = {}
         self._members: list[LocalEtcd] = []
 
     async def inject(self, ctx: FaultContext) -> None:
         cluster = _cluster(ctx)
         self.targets = ctx.resolve(self.target)
-        params: Any = self.params
+        params = self.params
         for name in self.targets:
             m = cluster.etcd_member(name)
             assert m.process is not None
@@ -241,12 +236,10 @@ class EtcdMemberRestart(_EtcdFault):
 
 
 @catalogued("SIGKILL the current etcd leader; a new one is elected; recovery restarts the old one", target="etcd")
-class EtcdLeaderLoss(_EtcdFault):
+class EtcdLeaderLoss(_EtcdFault[EtcdKillParams]):
     name = "control.etcd_leader_loss"
-    Params = EtcdKillParams
 
-    def __init__(self, params: Any, target: Target) -> None:
-        super().__init__(params, target)
+    def setup(self) -> None:
         self._killed: LocalEtcd | None = None
         self._old_id = ""
 
@@ -284,7 +277,7 @@ class EtcdLeaderLoss(_EtcdFault):
         return self._killed is not None and await eventually(new_leader, self.params.verify_timeout_s, 0.1)
 
     async def recover(self, ctx: FaultContext) -> None:
-        params: Any = self.params
+        params = self.params
         if self._killed is not None and params.restart:
             await quietly(f"start {self._killed.name}", self._start(_cluster(ctx), self._killed))
 
@@ -295,15 +288,13 @@ class LeaseParams(FaultParams):
 
 @catalogued("partition the node agent or a router from etcd until its lease expires (its keys vanish)",
             target="link")
-class LeaseExpiry(BaseFault):
+class LeaseExpiry(BaseFault[LeaseParams]):
     """Targets: ``Target(kind="link", ids=("agent->etcd",))`` or ``Target(kind="router", ids=("r0",))``."""
 
     name = "control.lease_expiry"
     family = "control"
-    Params = LeaseParams
 
-    def __init__(self, params: Any, target: Target) -> None:
-        super().__init__(params, target)
+    def setup(self) -> None:
         self._added: list[tuple[Link, Partition]] = []
         self._keys: list[str] = []
 
@@ -356,13 +347,11 @@ class BrokerParams(FaultParams):
 
 
 @catalogued("kill (or stop) the MQTT broker; recovery starts it again on the same port", target="broker")
-class BrokerRestart(BaseFault):
+class BrokerRestart(BaseFault[BrokerParams]):
     name = "control.broker_restart"
     family = "control"
-    Params = BrokerParams
 
-    def __init__(self, params: Any, target: Target) -> None:
-        super().__init__(params, target)
+    def setup(self) -> None:
         self._broker: LocalBroker | None = None
 
     async def inject(self, ctx: FaultContext) -> None:
@@ -373,7 +362,7 @@ class BrokerRestart(BaseFault):
             raise FaultUnavailable(why)
         self.targets = ["broker"]
         self._broker = broker
-        params: Any = self.params
+        params = self.params
         if params.kill:
             broker.process.kill()
         await broker.process.stop(grace=5)
@@ -395,13 +384,11 @@ class BrokerRestart(BaseFault):
 
 
 @catalogued("SIGKILL a router; recovery starts it again (same id, port and links)", target="router")
-class RouterRestart(BaseFault):
+class RouterRestart(BaseFault[FaultParams]):
     name = "control.router_restart"
     family = "control"
-    Params = FaultParams
 
-    def __init__(self, params: Any, target: Target) -> None:
-        super().__init__(params, target)
+    def setup(self) -> None:
         self._routers: list[RouterRef] = []
 
     async def inject(self, ctx: FaultContext) -> None:
@@ -458,7 +445,7 @@ class LeaderKillParams(FaultParams):
 
 @catalogued("SIGKILL the supervisor's leader; a standby takes over, and nothing is done twice", target="supervisor",
             requires=("standby",), picks_target=True)
-class SupervisorLeaderKill(BaseFault):
+class SupervisorLeaderKill(BaseFault[LeaderKillParams]):
     """The leader is killed without a chance to resign. ``verify`` passes once another controller leads
     and the takeover did nothing twice:
 
@@ -474,10 +461,8 @@ class SupervisorLeaderKill(BaseFault):
 
     name = "control.supervisor_leader_kill"
     family = "control"
-    Params = LeaderKillParams
 
-    def __init__(self, params: Any, target: Target) -> None:
-        super().__init__(params, target)
+    def setup(self) -> None:
         self._sup: SupervisorControl | None = None
         self._old: str | None = None
         self._new: str | None = None

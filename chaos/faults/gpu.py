@@ -70,13 +70,13 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 import httpx
 import orjson
 from pydantic import Field, field_validator
 
-from fleetward.chaos.fault import FaultContext, Target
+from fleetward.chaos.fault import FaultContext
 from fleetward.chaos.faults._base import (
     BaseFault,
     FaultParams,
@@ -133,15 +133,16 @@ class GpuParams(FaultParams):
     recover_timeout_s: float = Field(60.0, gt=0, description="how long the worker may take to be ready again")
 
 
-class GpuFault(BaseFault):
+GpuP = TypeVar("GpuP", bound=GpuParams)
+
+
+class GpuFault(BaseFault[GpuP]):
     """A GPU event on each targeted worker's GPU, judged by the reaction the policy prescribes."""
 
     family = "gpu"
-    Params: ClassVar[type[FaultParams]] = GpuParams
     dcgm: ClassVar[bool] = True  # whether DCGM can inject it
 
-    def __init__(self, params: Any, target: Target) -> None:
-        super().__init__(params, target)
+    def setup(self) -> None:
         self.gpus: dict[str, int] = {}  # worker -> the GPU hit (the source's index)
         self._since = 0.0
         self._before: dict[str, int] = {}  # worker -> restart count before the injection
@@ -169,7 +170,7 @@ class GpuFault(BaseFault):
     async def inject(self, ctx: FaultContext) -> None:
         fleet = fleet_of(ctx)
         self.targets = ctx.resolve(self.target)
-        p: Any = self.params
+        p = self.params
         for w in self.targets:
             spec = fleet.spec(w)
             if not spec.gpus:
@@ -293,20 +294,19 @@ class XidParams(GpuParams):
 
 @catalogued("an Xid on the worker's GPU: 13/31/43 restart the worker, 48/63/64/74/79/92/94/95 quarantine the GPU",
             requires=("gpus",))
-class XidFault(GpuFault):
+class XidFault(GpuFault[XidParams]):
     name = "gpu.xid"
-    Params = XidParams
 
     def event(self, gpu: int) -> GpuEvent:
-        p: Any = self.params
+        p = self.params
         return GpuEvent(gpu, GpuEventKind.XID, 0.0, code=p.code)
 
     def apply(self, source: Any, gpu: int) -> None:
-        p: Any = self.params
+        p = self.params
         source.inject_xid(gpu, p.code)
 
     def dcgm_values(self) -> list[tuple[int, int]]:
-        p: Any = self.params
+        p = self.params
         return [(DCGM_FIELDS["xid"], p.code)]
 
 
@@ -315,19 +315,18 @@ class EccParams(GpuParams):
 
 
 @catalogued("an uncorrectable double-bit ECC error (Xid 48): the GPU is quarantined", requires=("gpus",))
-class EccDbeFault(GpuFault):
+class EccDbeFault(GpuFault[EccParams]):
     name = "gpu.ecc_dbe"
-    Params = EccParams
 
     def event(self, gpu: int) -> GpuEvent:
         return GpuEvent(gpu, GpuEventKind.ECC_DBE, 0.0, count=1)
 
     def apply(self, source: Any, gpu: int) -> None:
-        p: Any = self.params
+        p = self.params
         source.inject_ecc_dbe(gpu, p.count)
 
     def dcgm_values(self) -> list[tuple[int, int]]:
-        p: Any = self.params
+        p = self.params
         return [(DCGM_FIELDS["xid"], 48), (DCGM_FIELDS["ecc_dbe_volatile"], p.count)]
 
 
@@ -336,15 +335,14 @@ class LostParams(GpuParams):
 
 
 @catalogued("the GPU is lost (or falls off the bus: Xid 79): the GPU is quarantined", requires=("gpus",))
-class LostFault(GpuFault):
+class LostFault(GpuFault[LostParams]):
     name = "gpu.lost"
-    Params = LostParams
 
     def event(self, gpu: int) -> GpuEvent:
         return GpuEvent(gpu, GpuEventKind.LOST, 0.0)
 
     def apply(self, source: Any, gpu: int) -> None:
-        p: Any = self.params
+        p = self.params
         if p.off_bus:
             source.inject_xid(gpu, 79)
         else:
@@ -372,32 +370,31 @@ class ThrottleParams(GpuParams):
 
 @catalogued("thermal throttling: the worker is marked degraded (suspect, not restarted) and really slows down",
             requires=("gpus",))
-class ThermalThrottle(GpuFault):
+class ThermalThrottle(GpuFault[ThrottleParams]):
     name = "gpu.thermal_throttle"
-    Params = ThrottleParams
 
-    def __init__(self, params: Any, target: Target) -> None:
-        super().__init__(params, target)
+    def setup(self) -> None:
+        super().setup()
         self._slowed: list[str] = []
         self._groups: dict[str, Any] = {}
         self._reinject: asyncio.Task[None] | None = None
 
     def event(self, gpu: int) -> GpuEvent:
-        p: Any = self.params
+        p = self.params
         return GpuEvent(gpu, GpuEventKind.THROTTLE_STARTED, 0.0, reasons=frozenset({p.reason}))
 
     def apply(self, source: Any, gpu: int) -> None:
-        p: Any = self.params
+        p = self.params
         source.throttle(gpu, p.reason)
 
     def dcgm_values(self) -> list[tuple[int, int]]:
-        p: Any = self.params
+        p = self.params
         return [(DCGM_FIELDS["clocks_event_reasons"], _REASON_BITS[p.reason])]
 
     async def inject(self, ctx: FaultContext) -> None:
         await super().inject(ctx)
         fleet = fleet_of(ctx)
-        p: Any = self.params
+        p = self.params
         if self._dcgm is not None:
             self._reinject = asyncio.create_task(self._keep_injecting(), name=f"{self.name}-dcgm")  # owned: recover
         for w in self.targets:
@@ -428,7 +425,7 @@ class ThermalThrottle(GpuFault):
     async def _slow(self, fleet: Fleet, worker: str) -> bool:
         if worker in self._groups:
             return True
-        p: Any = self.params
+        p = self.params
         return bool(float((await fleet.state(worker))["faults"]["slowdown"]) == p.slowdown)
 
     async def _reacted(self, fleet: Fleet, worker: str) -> bool:
@@ -462,12 +459,11 @@ class CorruptionParams(GpuParams):
 
 @catalogued("silent data corruption: the worker emits wrong tokens with HTTP 200 (vLLM cannot be made to compute "
             "wrong)", needs=("fault_switches", "model_reference"), requires=("gpus",))
-class SilentCorruption(GpuFault):
+class SilentCorruption(GpuFault[CorruptionParams]):
     """No GPU event: the source reports nothing (that is what makes it silent). Only the supervisor's golden
     canaries can catch it, and only on idle workers: a busy worker gets none."""
 
     name = "gpu.silent_corruption"
-    Params = CorruptionParams
     dcgm = False
     _PROMPT = (40, 41, 42, 43, 44, 45, 46, 47)
 
@@ -476,7 +472,7 @@ class SilentCorruption(GpuFault):
         return Action.IGNORE  # no GPU event, no policy verdict
 
     async def inject(self, ctx: FaultContext) -> None:
-        p: Any = self.params
+        p = self.params
         if p.source == "dcgm":
             raise FaultUnavailable("silent data corruption cannot be injected through DCGM")
         fleet = fleet_of(ctx)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import aiohttp
 from pydantic import Field
@@ -77,13 +77,14 @@ class KvParams(FaultParams):
 _KV: dict[str, Any] = {"target": "kv", "counts_toward_share": False, "needs": ("fault_switches",)}
 
 
-class _KvFault(BaseFault):
+KvP = TypeVar("KvP", bound=KvParams)
+
+
+class _KvFault(BaseFault[KvP]):
     family = "kv"
     kind: ClassVar[str]
-    Params: ClassVar[type[FaultParams]] = KvParams
 
-    def __init__(self, params: Any, target: Any) -> None:
-        super().__init__(params, target)
+    def setup(self) -> None:
         self.rule_id = f"{self.name}-{uuid.uuid4().hex[:8]}"
 
     def rule(self) -> dict[str, Any]:
@@ -109,7 +110,7 @@ class _KvFault(BaseFault):
 
     async def verify(self, ctx: FaultContext) -> bool:
         fleet = fleet_of(ctx)
-        p: Any = self.params
+        p = self.params
         probes: list[asyncio.Task[str]] = []
         hits: dict[str, int] = {}
 
@@ -160,7 +161,7 @@ class _KvFault(BaseFault):
 
 
 @catalogued("KV transfers are dropped (never arrive)", **_KV)
-class KvDrop(_KvFault):
+class KvDrop(_KvFault[KvParams]):
     name = "kv.drop"
     kind = "drop"
 
@@ -170,13 +171,12 @@ class KvDelayParams(KvParams):
 
 
 @catalogued("KV transfers arrive delay_ms late", **_KV)
-class KvDelay(_KvFault):
+class KvDelay(_KvFault[KvDelayParams]):
     name = "kv.delay"
     kind = "delay"
-    Params = KvDelayParams
 
     def rule(self) -> dict[str, Any]:
-        p: Any = self.params
+        p = self.params
         return {**super().rule(), "delay_ms": p.delay_ms}
 
 
@@ -186,13 +186,12 @@ class KvCorruptParams(KvParams):
 
 
 @catalogued("KV transfers arrive with one byte flipped", **_KV)
-class KvCorrupt(_KvFault):
+class KvCorrupt(_KvFault[KvCorruptParams]):
     name = "kv.corrupt"
     kind = "corrupt"
-    Params = KvCorruptParams
 
     def rule(self) -> dict[str, Any]:
-        p: Any = self.params
+        p = self.params
         return {**super().rule(), "at": p.at}
 
 
@@ -201,30 +200,29 @@ class KvTruncateParams(KvParams):
 
 
 @catalogued("KV transfers arrive with only their first blocks", **_KV)
-class KvTruncate(_KvFault):
+class KvTruncate(_KvFault[KvTruncateParams]):
     name = "kv.truncate"
     kind = "truncate"
-    Params = KvTruncateParams
 
     def rule(self) -> dict[str, Any]:
-        p: Any = self.params
+        p = self.params
         return {**super().rule(), "keep": p.keep}
 
 
 @catalogued("KV transfers carry a block twice", **_KV)
-class KvDuplicate(_KvFault):
+class KvDuplicate(_KvFault[KvParams]):
     name = "kv.duplicate"
     kind = "duplicate"
 
 
 @catalogued("KV transfers carry stale blocks (another transfer's, framed soundly)", **_KV)
-class KvStale(_KvFault):
+class KvStale(_KvFault[KvParams]):
     name = "kv.stale"
     kind = "stale"
 
 
 @catalogued("KV transfers stall until recovery (then arrive whole)", **_KV)
-class KvStall(_KvFault):
+class KvStall(_KvFault[KvParams]):
     name = "kv.stall"
     kind = "stall"
 
@@ -235,11 +233,10 @@ class KvPrefillDiesParams(KvParams):
 
 
 @catalogued("the prefill side dies mid-transfer (optionally its worker process exits)", **_KV)
-class KvPrefillDies(_KvFault):
+class KvPrefillDies(_KvFault[KvPrefillDiesParams]):
     name = "kv.prefill_dies"
     kind = "prefill_dies"
-    Params = KvPrefillDiesParams
 
     def rule(self) -> dict[str, Any]:
-        p: Any = self.params
+        p = self.params
         return {**super().rule(), "blocks_before": p.blocks_before, "kill": p.kill_worker}

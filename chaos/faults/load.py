@@ -22,12 +22,13 @@ import contextlib
 import dataclasses
 import random
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 from pydantic import Field
 
 from fleetward.chaos.experiment import Lengths
-from fleetward.chaos.fault import CATALOGUE, FaultContext, FaultSpec, Target, register
+from fleetward.chaos.fault import FaultContext
+from fleetward.chaos.faults._base import BaseFault, P, catalogued
 from fleetward.chaos.workload import SlowRead, Workload
 from fleetward.fleet.config import Frozen
 
@@ -67,14 +68,14 @@ class SlowClientParams(Frozen):
     stall_s: float = Field(5.0, ge=0, le=600, description="how long a stalled client reads nothing")
 
 
-class _LoadFault:
-    name: ClassVar[str]
-    family: ClassVar[Any] = "load"
+# Load faults target the fleet as a whole (no "target" kind of their own) and take nothing out of service.
+_LOAD: dict[str, Any] = {"target": None, "counts_toward_share": False, "target_kinds": ("fleet",)}
 
-    def __init__(self, params: Any, target: Target) -> None:
-        self.params = params
-        self.target = target
-        self.targets: list[str] = []
+
+class _LoadFault(BaseFault[P]):
+    family = "load"
+
+    def setup(self) -> None:
         self.tag = ""
         self.workload: Workload | None = None
 
@@ -106,12 +107,13 @@ class _LoadFault:
     async def verify_recovered(self, ctx: FaultContext) -> bool:
         return True
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, Any]:  # no detail: what a load fault did is in its own keys
         return {"name": self.name, "family": self.family, "targets": self.targets,
                 "params": self.params.model_dump(mode="json")}
 
 
-class BurstFault(_LoadFault):
+@catalogued("a burst of requests at once (open loop, on top of the workload)", **_LOAD)
+class BurstFault(_LoadFault[BurstParams]):
     name = "load.burst"
 
     async def inject(self, ctx: FaultContext) -> None:
@@ -136,7 +138,8 @@ class BurstFault(_LoadFault):
         return await self._until(ctx, lambda: self.running.by_source[self.name] - self.before >= 1)
 
 
-class LongPromptStorm(_LoadFault):
+@catalogued("long prompts arrive at a rate while the fault holds (prefill pressure)", **_LOAD)
+class LongPromptStorm(_LoadFault[StormParams]):
     name = "load.long_prompt_storm"
 
     async def inject(self, ctx: FaultContext) -> None:
@@ -172,7 +175,9 @@ class LongPromptStorm(_LoadFault):
         return {**super().describe(), "sent": sent}
 
 
-class MassCancel(_LoadFault):
+@catalogued("clients disconnect mid-stream: a share of open streams now, and of new ones while the fault "
+            "holds", **_LOAD)
+class MassCancel(_LoadFault[MassCancelParams]):
     name = "load.mass_cancel"
 
     async def inject(self, ctx: FaultContext) -> None:
@@ -200,7 +205,8 @@ class MassCancel(_LoadFault):
         return {**super().describe(), "cancelled": done}
 
 
-class RetryStorm(_LoadFault):
+@catalogued("clients retry every failed request at once while the fault holds", **_LOAD)
+class RetryStorm(_LoadFault[RetryStormParams]):
     name = "load.retry_storm"
 
     async def inject(self, ctx: FaultContext) -> None:
@@ -226,7 +232,9 @@ class RetryStorm(_LoadFault):
         return {**super().describe(), "retries": done}
 
 
-class SlowClients(_LoadFault):
+@catalogued("a share of the clients read their streams slowly or stall for a while (no other stream may "
+            "wait on them)", **_LOAD)
+class SlowClients(_LoadFault[SlowClientParams]):
     name = "load.slow_clients"
 
     async def inject(self, ctx: FaultContext) -> None:
@@ -259,26 +267,3 @@ class SlowClients(_LoadFault):
     def describe(self) -> dict[str, Any]:
         done = self.workload.slowed_by[self.tag] if self.workload is not None else 0
         return {**super().describe(), "slowed": done}
-
-
-_LOAD = {"counts_toward_share": False, "target_kinds": ("fleet",)}
-
-
-def _factory(cls: type[_LoadFault]) -> Callable[[Any, Target], Any]:
-    return lambda params, target: cls(params, target)
-
-
-for _spec in (
-    FaultSpec("load.burst", "load", "a burst of requests at once (open loop, on top of the workload)", BurstParams,
-              _factory(BurstFault), extra=_LOAD),
-    FaultSpec("load.long_prompt_storm", "load", "long prompts arrive at a rate while the fault holds (prefill "
-              "pressure)", StormParams, _factory(LongPromptStorm), extra=_LOAD),
-    FaultSpec("load.mass_cancel", "load", "clients disconnect mid-stream: a share of open streams now, and of "
-              "new ones while the fault holds", MassCancelParams, _factory(MassCancel), extra=_LOAD),
-    FaultSpec("load.retry_storm", "load", "clients retry every failed request at once while the fault holds",
-              RetryStormParams, _factory(RetryStorm), extra=_LOAD),
-    FaultSpec("load.slow_clients", "load", "a share of the clients read their streams slowly or stall for a while "
-              "(no other stream may wait on them)", SlowClientParams, _factory(SlowClients), extra=_LOAD),
-):
-    if _spec.name not in CATALOGUE:
-        register(_spec)

@@ -36,7 +36,14 @@ import httpx
 from pydantic import Field
 
 from fleetward.chaos.fault import FaultContext, Target
-from fleetward.chaos.faults._base import BaseFault, FaultParams, FaultUnavailable, catalogued, eventually
+from fleetward.chaos.faults._base import (
+    BaseFault,
+    FaultParams,
+    FaultUnavailable,
+    ParamsT,
+    catalogued,
+    eventually,
+)
 from fleetward.chaos.net import (
     Bandwidth,
     Blackhole,
@@ -128,15 +135,13 @@ class SseParams(FaultParams):
     probe: bool = Field(True, description="stream a short completion through the link while verifying")
 
 
-class LinkFault(BaseFault):
+class LinkFault(BaseFault[ParamsT]):
     """A toxic on every targeted link (subclasses say which)."""
 
     family = "network"
-    Params: ClassVar[type[FaultParams]] = LinkParams
     sse_probe: ClassVar[bool] = False
 
-    def __init__(self, params: Any, target: Target) -> None:
-        super().__init__(params, target)
+    def setup(self) -> None:
         self._added: list[tuple[Link, Toxic]] = []
 
     def toxics(self) -> list[Toxic]:
@@ -159,7 +164,7 @@ class LinkFault(BaseFault):
     async def verify(self, ctx: FaultContext) -> bool:
         if not self._added:
             return False
-        params: Any = self.params
+        params: Any = self.params  # LinkParams or SseParams: both say whether to probe
         probes: list[asyncio.Task[bool]] = []
         try:
             async def acted() -> bool:
@@ -315,7 +320,7 @@ def _constructor_arguments(toxic: type[Toxic]) -> frozenset[str]:
     return frozenset(names)
 
 
-class _OneToxicFault(LinkFault):
+class _OneToxicFault(LinkFault[ParamsT]):
     """A :class:`LinkFault` whose one toxic is built from its parameters (see :class:`_ToxicFault`)."""
 
     toxic: ClassVar[type[Toxic]]
@@ -340,9 +345,9 @@ def _catalogue(entry: _ToxicFault) -> type[LinkFault]:
     if unknown:
         raise TypeError(f"{entry.name}: {entry.toxic.__name__} takes no {', '.join(sorted(unknown))}")
 
-    class Fault(_OneToxicFault):
+    class Fault(_OneToxicFault[FaultParams]):
         name = entry.name
-        Params = entry.params
+        Params = entry.params  # a class made at run time: its params named outright
         toxic = entry.toxic
         arguments = tuple(sorted(passed))
         sse_probe = entry.sse_probe or entry.toxic.sse
@@ -364,13 +369,11 @@ class DownParams(FaultParams):
 
 
 @catalogued("take a link down: nothing listens (connection refused) and open connections are reset", target="link")
-class NetDown(BaseFault):
+class NetDown(BaseFault[DownParams]):
     name = "network.down"
     family = "network"
-    Params = DownParams
 
-    def __init__(self, params: Any, target: Target) -> None:
-        super().__init__(params, target)
+    def setup(self) -> None:
         self._down: list[Link] = []
 
     async def inject(self, ctx: FaultContext) -> None:
@@ -411,13 +414,11 @@ class KernelPartitionParams(FaultParams):
 
 @catalogued("iptables: drop (or reset) every packet to and from the link's upstream ports (root)",
             needs_root=True, target="link")
-class NetPartitionKernel(BaseFault):
+class NetPartitionKernel(BaseFault[KernelPartitionParams]):
     name = "network.partition_kernel"
     family = "network"
-    Params = KernelPartitionParams
 
-    def __init__(self, params: Any, target: Target) -> None:
-        super().__init__(params, target)
+    def setup(self) -> None:
         self._filter: IptablesFilter | None = None
         self._ports: list[tuple[str, int]] = []
         self._links: list[Link] = []
@@ -429,7 +430,7 @@ class NetPartitionKernel(BaseFault):
         self.targets = link_names(ctx, self.target)
         self._links = [ctx.service(f"proxy:{n}") for n in self.targets]
         self._filter = IptablesFilter(f"{self.targets[0]}"[:20])
-        p: Any = self.params
+        p = self.params
         for link in self._links:
             for proxy in link.proxies:
                 for host, port in proxy.upstreams:

@@ -54,6 +54,7 @@ from fleetward.chaos.faults._base import (
     BaseFault,
     FaultParams,
     FaultUnavailable,
+    ParamsT,
     catalogued,
     eventually,
     fleet_of,
@@ -106,7 +107,7 @@ def _stopped(p: psutil.Process) -> bool:
         return False
 
 
-class _WorkerFault(BaseFault):
+class _WorkerFault(BaseFault[ParamsT]):
     family = "process"
 
     def _resolve(self, ctx: FaultContext) -> Fleet:
@@ -133,13 +134,11 @@ class KillParams(FaultParams):
 
 
 @catalogued("SIGKILL a worker (its whole process tree, or its root process only)")
-class KillWorker(_WorkerFault):
+class KillWorker(_WorkerFault[KillParams]):
     name = "process.kill_worker"
-    Params = KillParams
     params: KillParams
 
-    def __init__(self, params: Any, target: Any) -> None:
-        super().__init__(params, target)
+    def setup(self) -> None:
         self._killed: dict[str, list[psutil.Process]] = {}
 
     async def inject(self, ctx: FaultContext) -> None:
@@ -174,13 +173,11 @@ class KillEngineParams(FaultParams):
 
 
 @catalogued("SIGKILL the engine process only (vLLM EngineCore; the sim's one process)")
-class KillEngine(_WorkerFault):
+class KillEngine(_WorkerFault[KillEngineParams]):
     name = "process.kill_engine"
-    Params = KillEngineParams
     params: KillEngineParams
 
-    def __init__(self, params: Any, target: Any) -> None:
-        super().__init__(params, target)
+    def setup(self) -> None:
         self._engines: dict[str, list[psutil.Process]] = {}
 
     async def inject(self, ctx: FaultContext) -> None:
@@ -212,13 +209,11 @@ class HangParams(FaultParams):
 
 @catalogued("hang a worker: the engine stops (silent: /health still 200), the whole tree is SIGSTOPped, or the "
             "engine is frozen by the cgroup freezer (no signal)")
-class HangWorker(_WorkerFault):
+class HangWorker(_WorkerFault[HangParams]):
     name = "process.hang"
-    Params = HangParams
     params: HangParams
 
-    def __init__(self, params: Any, target: Any) -> None:
-        super().__init__(params, target)
+    def setup(self) -> None:
         self._stopped: dict[str, list[psutil.Process]] = {}
         self._groups: dict[str, FreezerGroup] = {}  # cgroup_freeze: each worker's freezer cgroup
         self._switched: list[str] = []
@@ -350,13 +345,11 @@ class CrashLoopParams(FaultParams):
 
 
 @catalogued("the worker dies on every start (exits N times) until recovered; it is killed to make it start")
-class CrashLoop(_WorkerFault):
+class CrashLoop(_WorkerFault[CrashLoopParams]):
     name = "process.crash_loop"
-    Params = CrashLoopParams
     params: CrashLoopParams
 
-    def __init__(self, params: Any, target: Any) -> None:
-        super().__init__(params, target)
+    def setup(self) -> None:
         self._state: dict[str, Path] = {}
         self._dir = Path(tempfile.mkdtemp(prefix="fleetward-crashloop-"))
 
@@ -409,13 +402,11 @@ class SlowStartParams(FaultParams):
 
 
 @catalogued("the worker is restarted and takes delay_s longer to become ready")
-class SlowStart(_WorkerFault):
+class SlowStart(_WorkerFault[SlowStartParams]):
     name = "process.slow_start"
-    Params = SlowStartParams
     params: SlowStartParams
 
-    def __init__(self, params: Any, target: Any) -> None:
-        super().__init__(params, target)
+    def setup(self) -> None:
         self._restarts: dict[str, asyncio.Task[Any]] = {}
         self._old: dict[str, int | None] = {}
 
@@ -671,13 +662,11 @@ class OomParams(FaultParams):
 
 @catalogued("OOM kill: the worker runs under a small memory cgroup limit and the kernel's OOM killer kills it",
             needs_root=True)
-class OomKill(_WorkerFault):
+class OomKill(_WorkerFault[OomParams]):
     name = "process.oom_kill"
-    Params = OomParams
     params: OomParams
 
-    def __init__(self, params: Any, target: Any) -> None:
-        super().__init__(params, target)
+    def setup(self) -> None:
         self._groups: dict[str, MemoryGroup] = {}
         self._balloons: dict[str, ManagedProcess] = {}
         self._trees: dict[str, list[psutil.Process]] = {}

@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from pydantic import Field
 
 from fleetward.chaos.fault import CATALOGUE, FaultContext, FaultSpec, Target, register
-from fleetward.chaos.faults._base import eventually, quietly
+from fleetward.chaos.faults._base import BaseFault, P, eventually, quietly
 from fleetward.fleet.config import Frozen
 
 
@@ -32,12 +32,8 @@ class WrongParams(Frozen):
     after: int = Field(5, ge=0, description="corrupt every token from this output index on")
 
 
-class _Switch:
-    name: ClassVar[str]
-    family: ClassVar[Any] = "process"
-
-    def __init__(self, params: Any, target: Target) -> None:
-        self.params, self.target, self.targets = params, target, []
+class _Switch(BaseFault[P]):
+    family = "process"
 
     def on(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -74,7 +70,7 @@ class _Switch:
                 "params": self.params.model_dump()}
 
 
-class SimHang(_Switch):
+class SimHang(_Switch[HangParams]):
     name = "process.double_hang"
 
     def on(self) -> dict[str, Any]:
@@ -87,7 +83,7 @@ class SimHang(_Switch):
         return bool(state["hung"])
 
 
-class SimWrongTokens(_Switch):
+class SimWrongTokens(_Switch[WrongParams]):
     name = "process.double_wrong_tokens"
 
     def on(self) -> dict[str, Any]:
