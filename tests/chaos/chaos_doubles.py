@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import Field
 
-from fleetward.chaos.fault import CATALOGUE, FaultContext, FaultSpec, Target, register
+from fleetward.chaos.fault import CATALOGUE, FaultContext, FaultSpec, register
 from fleetward.chaos.faults._base import BaseFault, P, eventually, quietly
 from fleetward.fleet.config import Frozen
 
