@@ -40,6 +40,7 @@ from fleetward.autoscale.actuate import ActuationError, Actuator, NewWorker
 from fleetward.autoscale.capacity import SLOS, CapacityModel, CapacityPoint, PoolCapacity, Sla
 from fleetward.autoscale.observe import Observer, PoolView, fraction_within
 from fleetward.autoscale.planner import DynamoStyle, Observation, Planner, Policy, Reactive, StaticPeak
+from fleetward.fleet.backends import backend_class
 from fleetward.fleet.bus import EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import Access, AutoscaleConfig, SimConfig
@@ -125,7 +126,8 @@ def capacity_for(config: AutoscaleConfig, *, backend: str, sim: SimConfig | None
     It is an aggregated worker's: prefill and decode pools without a capacity file of their own derive theirs
     from it (:func:`pool_capacity`). When every pool has its own file, none is needed: the first pool's
     model is returned. Every pool's capacity is checked here, so a bad one is refused at start-up."""
-    default_startup = 5.0 if backend == "sim" else 60.0
+    worker = backend_class(backend)
+    default_startup = worker.default_startup_s
     own = [_pool_file(config, pool) for pool in config.pools]
     if config.capacity is not None:
         model = CapacityModel.load(Path(config.capacity))
@@ -135,7 +137,7 @@ def capacity_for(config: AutoscaleConfig, *, backend: str, sim: SimConfig | None
         model = CapacityModel((CapacityPoint(r, 0.0, 0.0), CapacityPoint(r * 1.001, 1e9, 1e9)), default_startup)
     elif all(path is not None for path in own):
         model = CapacityModel.load(Path(next(path for path in own if path is not None)))
-    elif backend == "sim":
+    elif worker.simulated:
         from fleetward.autoscale.simulate import profile_capacity
         from fleetward.autoscale.traces import TraceRequest
 

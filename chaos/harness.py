@@ -30,7 +30,7 @@ import httpx
 from fleetward.chaos.context import FleetContext, HarnessSupervisor
 from fleetward.chaos.net import Link, ProxyRegistry
 from fleetward.fleet import handle as fleet_handle
-from fleetward.fleet.backends import Backend, SimBackend, WorkerHandle
+from fleetward.fleet.backends import Backend, SimBackend, TinyModel, WorkerHandle
 from fleetward.fleet.bus import MqttBus
 from fleetward.fleet.config import AttachConfig, RouterConfig, SupervisorConfig
 from fleetward.fleet.etcd import EtcdStore
@@ -478,6 +478,9 @@ class _HarnessBackend:
 
     def reference(self) -> dict[str, Any] | None:
         return self.inner.reference()
+
+    def tiny_model(self) -> TinyModel | None:
+        return self.inner.tiny_model()
 
     def check(self) -> None:
         self.inner.check()

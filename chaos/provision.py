@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 from fleetward.chaos.attached import AttachedFleet
 from fleetward.chaos.experiment import Experiment, declared_ids
 from fleetward.chaos.harness import FleetContext, TestFleet
-from fleetward.fleet.backends import Backend, SimBackend, VllmBackend
+from fleetward.fleet.backends import Backend, SimBackend
 from fleetward.fleet.config import SimConfig
 from fleetward.fleet.errors import ConfigError
 from fleetward.fleet.etcd import EtcdStore
@@ -70,10 +70,10 @@ def worker_backend(exp: Experiment, *, base: Path | None, run_dir: Path, say: Sa
         beside = base / spec.model if base is not None else None
         model_path = beside if beside is not None and beside.exists() else Path(spec.model)
     backend = spec.worker_backend(model_path=model_path, run_dir=run_dir)
-    if isinstance(backend, VllmBackend) and model_path is None:
+    if (tiny := backend.tiny_model()) is not None:
         from fleetward.sim.tinymodel import ensure_tiny_model
 
-        ensure_tiny_model(backend.model_path, tokenizer=backend.config.tokenizer, say=say)
+        ensure_tiny_model(tiny.path, tokenizer=tiny.tokenizer, say=say)
     return backend
 
 
@@ -187,7 +187,7 @@ async def attached_fleet(exp: Experiment, *, run_dir: Path, cluster: str | None,
         if kinds:
             raise ConfigError(f"the attached fleet's workers are {'/'.join(kinds)} workers; the experiment declares "
                               f"{exp.fleet.backend} workers", field="fleet.backend")
-        if exp.fleet.backend == "sim":
+        if "model_reference" in backend.capabilities:  # the reference is the workers' model: read and confirm it
             fleet.backend = SimBackend(await attached_sim_config(fleet, declared, exp.fleet.sim, say=say))
         refused = await fleet.refuses_admin_token(declared) if exp.method else None
         if refused is not None:

@@ -33,7 +33,7 @@ import psutil
 from pydantic import SecretStr
 
 from fleetward.fleet import handle as fleet_handle
-from fleetward.fleet.backends import Backend, VllmBackend, make_backend
+from fleetward.fleet.backends import Backend, make_backend
 from fleetward.fleet.bus import MqttBus
 from fleetward.fleet.config import (
     AccessConfig,
@@ -170,11 +170,10 @@ class LocalFleet(AgentWorkers, FleetClient):
 
     def _ensure_model(self) -> None:
         """The vllm backend's default model, the tiny local one, is written on first use."""
-        if isinstance(self.backend, VllmBackend) and not self.config.vllm.model:
+        if (tiny := self.backend.tiny_model()) is not None:
             from fleetward.sim.tinymodel import ensure_tiny_model
 
-            ensure_tiny_model(self.backend.model_path, tokenizer=self.backend.config.tokenizer,
-                              say=lambda text: self._progress("model", text))
+            ensure_tiny_model(tiny.path, tokenizer=tiny.tokenizer, say=lambda text: self._progress("model", text))
         self.backend.check()
 
     @property

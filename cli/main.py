@@ -34,6 +34,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from fleetward.cli.common import admin_token, err, local_access, local_endpoint, operator_token, out, state_file
+from fleetward.fleet.backends import BACKENDS
 from fleetward.fleet.config import (
     FleetConfig,
     RouterConfig,
@@ -87,7 +88,7 @@ def _add_fleet_flags(p: argparse.ArgumentParser, command: str = "up") -> None:
         ("workers", ("--workers",), {"type": int, "help": "number of workers to start; default 3"}),
         ("prefill_workers", ("--prefill-workers",), {"type": int, "help": "of those, how many prefill (the rest "
                                                      "decode; docs/pd.md); default 0: all aggregated"}),
-        ("backend", ("--backend",), {"choices": ["sim", "vllm"], "help": "simulated workers (default) or real vLLM"}),
+        ("backend", ("--backend",), {"choices": list(BACKENDS), "help": "simulated workers (default) or real vLLM"}),
         ("model", ("--model",), {"help": "vllm backend: model folder (default: the tiny local model, made on "
                                  "demand)"}),
         ("host", ("--host",), {"help": host.get(command, host["agent"])}),

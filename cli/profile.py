@@ -18,6 +18,7 @@ from rich.console import Console
 
 from fleetward.autoscale.capacity import CapacityModel, CapacityPoint, Sla
 from fleetward.autoscale.profile import profile_worker, rising_rates
+from fleetward.fleet.backends import BACKENDS
 from fleetward.fleet.config import FleetConfig, load_fleet_config
 from fleetward.fleet.errors import ConfigError
 
@@ -27,7 +28,7 @@ __all__ = ["add_parser", "run"]
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("profile", help="measure one worker's capacity against the SLA (the autoscaler's model)")
     p.add_argument("--config", type=Path, help="fleet YAML file: its backend, sim: and vllm: sections")
-    p.add_argument("--backend", choices=["sim", "vllm"], help="the worker to start (default: the file's, else sim)")
+    p.add_argument("--backend", choices=list(BACKENDS), help="the worker to start (default: the file's, else sim)")
     p.add_argument("--model", help="vllm: model folder (default: the tiny local model)")
     p.add_argument("--url", help="profile this running server instead of starting one")
     p.add_argument("--served-model", dest="served_model", help="with --url: the model name (default: its first)")
@@ -91,7 +92,7 @@ async def _profile(args: argparse.Namespace, err: Console) -> CapacityModel:
         points = await measure(url, args.served_model or await _served_model(url))
         return CapacityModel.from_points(points, args.startup if args.startup is not None else 60.0)
 
-    from fleetward.fleet.backends import VllmBackend, make_backend
+    from fleetward.fleet.backends import make_backend
     from fleetward.fleet.procs import free_port
     from fleetward.fleet.worker import WorkerSpec
 
@@ -99,10 +100,10 @@ async def _profile(args: argparse.Namespace, err: Console) -> CapacityModel:
                  if v is not None}
     config = load_fleet_config(args.config, overrides) if args.config or overrides else FleetConfig()
     backend = make_backend(config.backend, sim=config.sim, vllm=config.vllm, run_dir=config.run_dir)
-    if isinstance(backend, VllmBackend) and not config.vllm.model:
+    if (tiny := backend.tiny_model()) is not None:
         from fleetward.sim.tinymodel import ensure_tiny_model
 
-        ensure_tiny_model(backend.model_path, tokenizer=backend.config.tokenizer, say=lambda t: err.print(f"  {t}"))
+        ensure_tiny_model(tiny.path, tokenizer=tiny.tokenizer, say=lambda t: err.print(f"  {t}"))
     backend.check()
     spec = WorkerSpec(id="profile-w0", host="127.0.0.1", port=free_port(), model=backend.model_name)
     log_dir = config.run_dir / "profile"

@@ -9,9 +9,16 @@ kind of worker it deals with asks the backend, never compares its name:
 - :meth:`~Backend.reference`: how fault-free output is known without a run (the simulated worker's model
   is a pure function of the prefix), or ``None`` when it must be recorded from a fault-free run;
 - :meth:`~Backend.warm_up`: what a fresh worker needs before it serves at full speed (vLLM on a CPU
-  compiles kernels on first use of a shape).
+  compiles kernels on first use of a shape);
+- :meth:`~Backend.tiny_model`: the tiny local model its workers serve when the config names none, which the
+  caller writes before the first launch (``fleetward model tiny``; the fleet layer does not import the sim);
+- of a kind of backend (a class in :data:`BACKENDS`), for the autoscaler: ``default_startup_s``, a worker's
+  start-up time when no capacity model says, and ``simulated``, whether its workers are the simulated worker
+  the fleet simulator models (a capacity model then needs no measurement).
 
-Two real backends, registered in :data:`BACKENDS` under their names:
+Two real backends, registered in :data:`BACKENDS` under their names. :data:`BACKENDS` is the one list of
+names: the fleet file's and an experiment's ``backend`` (:data:`BackendName`), the ``--backend`` choices of
+the commands and the autoscaler read it. To add a backend, write its class and add it there.
 
 - ``sim``: the simulated worker (``python -m fleetward.sim.server``), one process;
 - ``vllm``: real vLLM (``python -m vllm.entrypoints.openai.api_server``), a tree of three processes:
@@ -31,28 +38,40 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple, Protocol
 
 import httpx
 import psutil
 
-from fleetward.fleet.config import SimConfig, VllmConfig
 from fleetward.fleet.errors import ConfigError
 from fleetward.fleet.procs import ManagedProcess, WorkerProcess
 from fleetward.fleet.vocab import BUILTIN, load_vocabulary
 from fleetward.fleet.worker import WorkerSpec
 
+if TYPE_CHECKING:  # the config reads BACKENDS for its backend names, so it is imported here only when used
+    from fleetward.fleet.config import SimConfig, VllmConfig
+
 __all__ = [
     "BACKENDS",
     "Backend",
+    "BackendName",
     "SimBackend",
+    "TinyModel",
     "VllmBackend",
     "WorkerHandle",
     "backend_capabilities",
+    "backend_class",
     "make_backend",
     "wait_serving",
     "worker_ready",
 ]
+
+
+class TinyModel(NamedTuple):
+    """Where the tiny local model a backend serves goes, and its vocabulary (``fleetward model tiny``)."""
+
+    path: Path
+    tokenizer: str
 
 
 @dataclass
@@ -132,6 +151,11 @@ class Backend(Protocol):
 
     def reference(self) -> dict[str, Any] | None: ...
 
+    def tiny_model(self) -> TinyModel | None:
+        """The tiny local model its workers serve because the config names no model, for the caller to write
+        before the first launch; None when they serve a named model, or a model of their own (the sim)."""
+        ...
+
     def check(self) -> None:
         """Raise :class:`~fleetward.fleet.errors.ConfigError` when workers cannot be launched as configured
         (e.g. the model folder holds no model)."""
@@ -182,6 +206,8 @@ class _ProcessBackend:
     capabilities: ClassVar[frozenset[str]] = frozenset()
     owns_processes: ClassVar[bool] = True
     can_restart: ClassVar[bool] = True
+    default_startup_s: ClassVar[float] = 60.0  # a worker's start-up, for the autoscaler when nothing measured it
+    simulated: ClassVar[bool] = False  # the simulated worker: the fleet simulator models its capacity
     start_timeout = 60.0
     nice = 0
 
@@ -196,6 +222,9 @@ class _ProcessBackend:
         return "fault_switches" in self.capabilities
 
     def reference(self) -> dict[str, Any] | None:
+        return None
+
+    def tiny_model(self) -> TinyModel | None:
         return None
 
     def check(self) -> None:
@@ -228,9 +257,13 @@ class SimBackend(_ProcessBackend):
 
     name = "sim"
     capabilities = frozenset({"fault_switches", "model_reference"})
+    default_startup_s = 5.0
+    simulated = True
     start_timeout = 30.0
 
     def __init__(self, config: SimConfig | None = None) -> None:
+        from fleetward.fleet.config import SimConfig
+
         self.config = config or SimConfig()
 
     @classmethod
@@ -279,7 +312,10 @@ class VllmBackend(_ProcessBackend):
 
     def __init__(self, config: VllmConfig | None = None, model_path: Path | None = None, *,
                  run_dir: Path = Path(".fleetward")) -> None:
+        from fleetward.fleet.config import VllmConfig
+
         self.config = config or VllmConfig()
+        self._named_model = model_path is not None or bool(self.config.model)
         # Absolute: workers run in their own folders, where a relative path is taken for a hub model id.
         self.model_path = Path(model_path or self.config.model
                                or self.default_model_path(run_dir, self.config.tokenizer)).resolve()
@@ -310,6 +346,11 @@ class VllmBackend(_ProcessBackend):
     @property
     def tokenizer(self) -> str:
         return str(self.model_path)
+
+    def tiny_model(self) -> TinyModel | None:
+        """The tiny local model at :meth:`default_model_path` when neither ``model_path`` nor ``vllm.model``
+        names one."""
+        return None if self._named_model else TinyModel(self.model_path, self.config.tokenizer)
 
     def check(self) -> None:
         """Raise :class:`ConfigError` unless the model folder holds a model."""
@@ -366,19 +407,32 @@ class VllmBackend(_ProcessBackend):
             await asyncio.gather(*(one([50 + i] * (10 + 50 * i), 64) for i in range(8)))
 
 
-BACKENDS: dict[str, type[SimBackend] | type[VllmBackend]] = {"sim": SimBackend, "vllm": VllmBackend}
+# The backends by name: the one list of them (configs, experiments, the commands' --backend and the autoscaler
+# read it).
+BACKENDS: dict[str, type[SimBackend] | type[VllmBackend]] = {cls.name: cls for cls in (SimBackend, VllmBackend)}
+
+if TYPE_CHECKING:
+    BackendName = str
+else:
+    # A backend's name as a config field's type: pydantic refuses any other, listing the names (and the config
+    # reference lists them), as for a literal written out.
+    BackendName = Literal[tuple(BACKENDS)]
+
+
+def backend_class(kind: str) -> type[SimBackend] | type[VllmBackend]:
+    """The backend named ``kind``; :class:`ConfigError` (field ``backend``) naming the known ones otherwise."""
+    try:
+        return BACKENDS[kind]
+    except KeyError:
+        raise ConfigError(f"unknown backend {kind!r} ({' or '.join(BACKENDS)})", field="backend") from None
 
 
 def backend_capabilities(kind: str) -> frozenset[str]:
     """What workers of the backend named ``kind`` can do (see :class:`Backend`)."""
-    try:
-        return BACKENDS[kind].capabilities
-    except KeyError:
-        raise ConfigError(f"unknown backend {kind!r} ({' or '.join(BACKENDS)})", field="backend") from None
+    return backend_class(kind).capabilities
 
 
 def make_backend(kind: str, *, sim: SimConfig | None = None, vllm: VllmConfig | None = None,
                  model_path: Path | None = None, run_dir: Path = Path(".fleetward")) -> Backend:
     """The backend named ``kind``, from its config section (``sim`` or ``vllm``)."""
-    backend_capabilities(kind)  # a ConfigError naming the known ones
-    return BACKENDS[kind].from_config(sim=sim, vllm=vllm, model_path=model_path, run_dir=run_dir)
+    return backend_class(kind).from_config(sim=sim, vllm=vllm, model_path=model_path, run_dir=run_dir)

@@ -21,6 +21,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from fleetward.fleet.backends import BackendName
 from fleetward.fleet.errors import ConfigError
 
 __all__ = [
@@ -470,7 +471,7 @@ class FleetConfig(Frozen):
     workers: int = Field(3, ge=0, le=512, description="workers this node starts")
     prefill_workers: int = Field(0, ge=0, le=511, description="of those, how many form the prefill pool, the rest "
                                  "the decode pool (docs/pd.md); 0: every worker aggregated")
-    backend: Literal["sim", "vllm"] = Field("sim", description="simulated workers, or real vLLM")
+    backend: BackendName = Field("sim", description="simulated workers, or real vLLM")
     host: str = Field("127.0.0.1", description="the address the router, the controller and the workers bind to "
                       "(not the embedded etcd and broker: etcd_host, mqtt_host)")
     run_dir: Path = Field(Path(".fleetward"), description="where logs, data and the running fleet's state go")

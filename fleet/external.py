@@ -96,6 +96,9 @@ class ExternalBackend:
     def reference(self) -> dict[str, Any] | None:
         return None
 
+    def tiny_model(self) -> None:
+        return None  # it serves what its owner started it with
+
     def check(self) -> None:
         return None
 
