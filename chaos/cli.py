@@ -244,7 +244,7 @@ _NEEDS = {"gpus": "needs fleet.gpus_per_worker > 0", "standby": "needs fleet.con
 
 
 def _faults(args: argparse.Namespace) -> int:
-    from fleetward.chaos.experiment import backends_for, fault_catalogue, target_kinds
+    from fleetward.chaos.catalogue import backends_for, fault_catalogue, target_kinds
     from fleetward.chaos.fault import FAMILIES
     from fleetward.fleet.backends import BACKENDS
 
@@ -282,7 +282,7 @@ def _faults(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from fleetward.chaos.experiment import load_experiment
+    from fleetward.chaos.validation import load_experiment
 
     bad = 0
     for f in args.files:

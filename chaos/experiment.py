@@ -1,13 +1,10 @@
 """Experiment files: Chaos-Toolkit-shaped YAML plus a fleet, a workload, a timed fault schedule and checkers.
 
-An experiment is validated in two passes, both reported with file, line and field
-(``experiment.yaml:14: method[0].target.ids: node-w7 is not in the declared fleet ...``):
-
-1. the shape, by the pydantic models below (``extra="forbid"``: a misspelt key is an error);
-2. the meaning: fault names against the catalogue (the error lists it), each fault's ``params`` against its
-   :class:`~fleetward.chaos.fault.FaultSpec` params model, targets against the declared fleet, the
-   safety limit (``safety.max_fault_share`` of a component kind faulted at once), ``after:`` references,
-   checker names and parameters, prompt + output lengths against the model's context, trace files.
+This module is the file's shape: the pydantic models below (``extra="forbid"``: a misspelt key is an error),
+with the rules of one field beside it. What makes a whole experiment runnable (fault names and parameters,
+targets against the declared fleet, the safety limit, ...) is checked by :mod:`fleetward.chaos.validation`,
+which also reads the files (:func:`~fleetward.chaos.validation.load_experiment`); the fault catalogue as
+experiments see it is :mod:`fleetward.chaos.catalogue`.
 
 The format (a commented example is in ``docs/chaos.md``)::
 
@@ -23,33 +20,25 @@ The format (a commented example is in ``docs/chaos.md``)::
     reference:   auto | model | run | none
 
 The blast radius (:class:`BlastRadius`) is what the experiment may break: a fault whose target falls outside
-it is refused here, before anything runs, and again by the runner on the targets it resolves; the runner
+it is refused before anything runs, and again by the runner on the targets it resolves; the runner
 also aborts the method when more of the fleet's capacity is out of service than its ``max_capacity_share``.
 An experiment that declares none may break the whole fleet it declares (:data:`DEFAULT_RADIUS`), which is
 the fleet the runner brought up for it; a fleet the runner did not start needs a declared one.
-
-One module (over 600 lines) because the file format and the rules of meaning that go with its fields
-are read together: a field and what makes its value wrong stay side by side.
+:func:`declared_ids` names the components of the fleet an experiment declares.
 """
 
 from __future__ import annotations
 
-import difflib
-import importlib
-import logging
 import os
-import pkgutil
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from fleetward.chaos.fault import CATALOGUE, FaultSpec, Target
+from fleetward.chaos.fault import Target
 from fleetward.chaos.targets import match_ids
-from fleetward.fleet.backends import BACKENDS, Backend, backend_capabilities, make_backend
+from fleetward.fleet.backends import Backend, BackendName, make_backend
 from fleetward.fleet.config import (
     ID_PATTERN,
     Frozen,
@@ -57,11 +46,7 @@ from fleetward.fleet.config import (
     SimConfig,
     SupervisorConfig,
     VllmConfig,
-    parse_yaml,
-    read_text,
-    validation_error,
 )
-from fleetward.fleet.errors import ConfigError
 
 __all__ = [
     "DEFAULT_RADIUS",
@@ -79,23 +64,13 @@ __all__ = [
     "Rollback",
     "Safety",
     "WorkloadSpec",
-    "counts_toward_share",
     "declared_ids",
-    "default_target",
-    "fault_catalogue",
-    "load_experiment",
     "radius_candidates",
     "radius_field",
     "resolve_trace",
-    "target_kinds",
-    "validate_experiment",
 ]
 
-log = logging.getLogger(__name__)
-
-Loc = tuple[str | int, ...]
 TargetKind = Literal["worker", "router", "etcd", "broker", "link", "supervisor", "gpu", "kv", "fleet"]
-_TARGET_KINDS = frozenset(get_args(Target.model_fields["kind"].annotation))
 
 # -- the shape ----------------------------------------------------------------------------------------------
 
@@ -193,7 +168,7 @@ class ProxySpec(Frozen):
 class FleetSpec(Frozen):
     """The fleet the experiment brings up (or expects, with ``--attach``)."""
 
-    backend: Literal["sim", "vllm"] = "sim"
+    backend: BackendName = "sim"
     workers: int = Field(3, ge=1, le=64)
     prefill_workers: int = Field(0, ge=0, le=63, description="of the workers, how many form the prefill pool (the "
                                  "rest decode); the kv fault family acts on their KV transfers")
@@ -490,80 +465,7 @@ class Experiment(Frozen):
         return self.model_dump(mode="json", by_alias=True)
 
 
-# -- the catalogue ------------------------------------------------------------------------------------------
-
-_CATALOGUE_PROBLEMS: dict[str, str] = {}
-_LOADED = False
-
-
-def fault_catalogue() -> tuple[dict[str, FaultSpec], dict[str, str]]:
-    """The fault catalogue with every fault module imported, and the modules that failed to import.
-
-    Faults register themselves when their module is imported: every family from the modules of
-    :mod:`fleetward.chaos.faults`, and your own from the modules named in ``FLEETWARD_FAULT_MODULES``
-    (comma-separated import names).
-    A module that fails to import is reported (``chaos faults`` shows it) rather than hiding the others.
-    """
-    global _LOADED
-    if not _LOADED:
-        _LOADED = True
-        try:
-            pkg = importlib.import_module("fleetward.chaos.faults")
-        except ModuleNotFoundError as exc:
-            if exc.name not in ("fleetward.chaos.faults",):
-                _CATALOGUE_PROBLEMS["fleetward.chaos.faults"] = f"{type(exc).__name__}: {exc}"
-        except Exception as exc:  # a broken fault module must not hide the rest of the catalogue
-            _CATALOGUE_PROBLEMS["fleetward.chaos.faults"] = f"{type(exc).__name__}: {exc}"
-        else:
-            for info in pkgutil.iter_modules(getattr(pkg, "__path__", []), prefix=pkg.__name__ + "."):
-                try:
-                    importlib.import_module(info.name)
-                except Exception as exc:
-                    _CATALOGUE_PROBLEMS[info.name] = f"{type(exc).__name__}: {exc}"
-        for name in filter(None, (m.strip() for m in os.environ.get("FLEETWARD_FAULT_MODULES", "").split(","))):
-            try:
-                importlib.import_module(name)
-            except Exception as exc:
-                _CATALOGUE_PROBLEMS[name] = f"{type(exc).__name__}: {exc}"
-        for name, problem in _CATALOGUE_PROBLEMS.items():
-            log.warning("fault module %s could not be imported: %s", name, problem)
-    return CATALOGUE, dict(_CATALOGUE_PROBLEMS)
-
-
-# Names before the catalogue took one convention (``<family>.<snake_case>``): an old file gets the new name.
-RENAMED: Mapping[str, str] = {
-    "kill-worker": "process.kill_worker", "kill-engine": "process.kill_engine", "hang-worker": "process.hang",
-    "crash-loop": "process.crash_loop", "slow-start": "process.slow_start", "oom-kill": "process.oom_kill",
-    "net-latency": "network.latency", "net-bandwidth": "network.bandwidth", "net-slicer": "network.slicer",
-    "net-reset": "network.reset", "net-blackhole": "network.blackhole", "net-limit-data": "network.limit_data",
-    "net-slow-close": "network.slow_close", "net-partition": "network.partition", "net-down": "network.down",
-    "net-partition-kernel": "network.partition_kernel", "sse-cut": "network.sse_cut",
-    "sse-stall": "network.sse_stall", "sse-corrupt": "network.sse_corrupt", "sse-drop-done": "network.sse_drop_done",
-    "etcd-member-kill": "control.etcd_member_kill", "etcd-member-pause": "control.etcd_member_pause",
-    "etcd-member-restart": "control.etcd_member_restart", "etcd-leader-loss": "control.etcd_leader_loss",
-    "lease-expiry": "control.lease_expiry", "broker-restart": "control.broker_restart",
-    "router-restart": "control.router_restart", "supervisor-leader-kill": "control.supervisor_leader_kill",
-    "kv-drop": "kv.drop", "kv-delay": "kv.delay", "kv-corrupt": "kv.corrupt", "kv-truncate": "kv.truncate",
-    "kv-stall": "kv.stall", "kv-prefill-dies": "kv.prefill_dies",
-}
-
-
-def _unknown_fault(name: str, catalogue: Mapping[str, FaultSpec], problems: Mapping[str, str]) -> str:
-    if name in RENAMED and RENAMED[name] in catalogue:
-        return f"unknown fault {name!r}: it is called {RENAMED[name]} now (faults are named <family>.<name>)"
-    near = difflib.get_close_matches(name, list(catalogue), n=1)
-    hint = f" (did you mean {near[0]}?)" if near else ""
-    listed = ", ".join(sorted(catalogue)) or "(empty)"
-    broken = f"; could not load: {', '.join(sorted(problems))}" if problems else ""
-    return f"unknown fault {name!r}{hint}; the catalogue has: {listed}{broken}"
-
-
 # -- the fleet as declared ----------------------------------------------------------------------------------
-
-
-def backends_for(spec: FaultSpec) -> list[str]:
-    """The backends whose workers a fault works on."""
-    return [name for name, cls in BACKENDS.items() if spec.works_on(cls.capabilities)]
 
 
 def declared_ids(fleet: FleetSpec, kind: str) -> list[str] | None:
@@ -598,36 +500,6 @@ def declared_ids(fleet: FleetSpec, kind: str) -> list[str] | None:
     return None
 
 
-def target_kinds(spec: FaultSpec) -> tuple[str, ...]:
-    """The component kinds a fault may target (``extra["target_kinds"]``, or ``extra["target"]``)."""
-    kinds = spec.extra.get("target_kinds") or ((spec.extra["target"],) if spec.extra.get("target") else ())
-    return tuple(str(k) for k in kinds)
-
-
-def _target_size(target: Target, declared: list[str] | None, candidates: list[str] | None = None) -> int:
-    if target.ids:
-        return len(match_ids(target.ids, declared)[0]) if declared is not None else len(target.ids)
-    if target.pick == "all":
-        pool = candidates if candidates is not None else declared
-        return len(pool) if pool is not None else target.count
-    return target.count
-
-
-def default_target(spec: FaultSpec) -> Target | None:
-    """The target of a fault that names none: the whole fleet (load), the fleet's KV hook (kv); else None."""
-    kinds = set(target_kinds(spec))
-    if kinds and kinds <= {"fleet"}:
-        return Target(kind="fleet", pick="all")
-    if kinds == {"kv"}:
-        return Target(kind="kv", pick="all")
-    return None
-
-
-def counts_toward_share(spec: FaultSpec, target: Target) -> bool:
-    """Whether faulting ``target`` takes a component out of service (load faults and ``fleet`` do not)."""
-    return target.kind != "fleet" and bool(spec.extra.get("counts_toward_share", spec.family != "load"))
-
-
 # -- trace files --------------------------------------------------------------------------------------------
 
 
@@ -645,277 +517,3 @@ def resolve_trace(name: str, *, base: Path | None) -> Path | None:
         root = Path(__file__).resolve().parents[1]
         candidates += [root.parent / "shared" / "traces" / p, root / "shared" / "traces" / p]
     return next((c for c in candidates if c.is_file()), None)
-
-
-# -- validation ---------------------------------------------------------------------------------------------
-
-
-def _problem(loc: Loc, message: str, value: Any = None) -> InitErrorDetails:
-    return {"type": PydanticCustomError("fleetward", "{msg}", {"msg": message}), "loc": loc, "input": value}
-
-
-def _nested(exc: ValidationError, prefix: Loc) -> list[InitErrorDetails]:
-    out: list[InitErrorDetails] = []
-    for err in exc.errors():
-        loc = (*prefix, *err["loc"])
-        if err["type"] == "extra_forbidden":
-            out.append({"type": "extra_forbidden", "loc": loc, "input": err.get("input")})
-        else:
-            out.append(_problem(loc, err["msg"], err.get("input")))
-    return out
-
-
-@dataclass(frozen=True)
-class _Window:
-    index: int
-    kind: str
-    size: int
-    start: float
-    end: float
-
-
-def _near(name: str, known: Iterable[str]) -> str:
-    near = difflib.get_close_matches(name, list(known), n=1)
-    return f" (did you mean {near[0]}?)" if near else ""
-
-
-def _meaning(exp: Experiment, *, base: Path | None) -> list[InitErrorDetails]:
-    """Every problem of meaning in ``exp`` (empty when it is runnable)."""
-    from fleetward.chaos.checkers import CHECKERS
-    from fleetward.chaos.probes import PROBES
-    from fleetward.chaos.rollbacks import ROLLBACKS
-
-    catalogue, broken = fault_catalogue()
-    problems: list[InitErrorDetails] = []
-    names = exp.activity_names()
-    seen: dict[str, int] = {}
-    starts: dict[str, float] = {}
-    windows: list[_Window] = []
-    fleet = exp.fleet
-    for i, act in enumerate(exp.method):
-        here: Loc = ("method", i)
-        name = names[i]
-        if name in seen:
-            problems.append(_problem((*here, "name"), f"{name!r} is already the name of method[{seen[name]}]"))
-        seen[name] = i
-        spec = catalogue.get(act.fault)
-        if spec is None:
-            problems.append(_problem((*here, "fault"), _unknown_fault(act.fault, catalogue, broken), act.fault))
-            continue
-        try:
-            spec.params.model_validate(act.params)
-        except ValidationError as exc:
-            problems.extend(_nested(exc, (*here, "params")))
-        if not spec.works_on(backend_capabilities(fleet.backend)):
-            problems.append(_problem((*here, "fault"), f"{act.fault} does not work on {fleet.backend} workers "
-                                     f"(it needs {', '.join(spec.needs)}: {', '.join(backends_for(spec))} only)"))
-        problems.extend(_requirements(spec, fleet, here))
-        kinds = tuple(k for k in target_kinds(spec) if k in _TARGET_KINDS)
-        target = act.target or default_target(spec)
-        if target is None:
-            problems.append(_problem((*here, "target"), f"{act.fault} needs a target (e.g. "
-                                     "{kind: worker, pick: serving, count: 1})"))
-            continue
-        if kinds and target.kind not in kinds:
-            problems.append(_problem((*here, "target", "kind"), f"{act.fault} targets {' or '.join(kinds)}, "
-                                     f"not {target.kind}", target.kind))
-        declared = declared_ids(fleet, target.kind)
-        if target.count < 1:
-            problems.append(_problem((*here, "target", "count"), "count is at least 1", target.count))
-        if declared is not None:
-            _, outside = match_ids(target.ids, declared)
-            if outside:
-                problems.append(_problem((*here, "target", "ids"), f"{', '.join(outside)} "
-                                         f"{'is' if len(outside) == 1 else 'are'} not in the declared fleet "
-                                         f"({target.kind}s: {', '.join(declared) or 'none'})", list(target.ids)))
-            elif not target.ids and target.pick != "all" and target.count > len(declared):
-                problems.append(_problem((*here, "target", "count"), f"the declared fleet has only "
-                                         f"{len(declared)} {target.kind}(s), not {target.count}", target.count))
-        radius_problem, candidates = _radius(exp, act.fault, target, declared, here)
-        if radius_problem is not None:
-            problems.append(radius_problem)
-        # When the activity is in effect (statically: recovery takes no time).
-        if act.at is not None:
-            start = act.at
-            if start >= exp.workload.duration_s:
-                problems.append(_problem((*here, "at"), f"starts at {start:g} s, after the workload ends "
-                                         f"(workload.duration_s {exp.workload.duration_s:g})", start))
-        else:
-            assert act.after is not None
-            if act.after not in starts:
-                where = "a later activity" if act.after in names else "no activity"
-                problems.append(_problem((*here, "after"), f"{act.after!r} names {where}; `after` refers to an "
-                                         f"earlier activity ({', '.join(names[:i]) or 'none yet'})", act.after))
-                continue
-            start = starts[act.after] + act.delay
-        occurrences = act.occurrences(start, exp.workload.duration_s)
-        if act.every is not None:
-            if act.every < act.duration:
-                problems.append(_problem((*here, "every"), f"every {act.every:g} s is shorter than duration "
-                                         f"{act.duration:g} s: an occurrence would start while the one before "
-                                         "holds", act.every))
-            if act.until is not None and act.until <= start:
-                problems.append(_problem((*here, "until"), f"until {act.until:g} s is not after the first start "
-                                         f"({start:g} s): nothing would repeat", act.until))
-            if act.until is not None and act.until > exp.workload.duration_s:
-                problems.append(_problem((*here, "until"), f"until {act.until:g} s is after the workload ends "
-                                         f"(workload.duration_s {exp.workload.duration_s:g})", act.until))
-        starts[name] = occurrences[-1] + act.duration
-        if counts_toward_share(spec, target):
-            size = _target_size(target, declared, candidates)
-            windows.extend(_Window(i, target.kind, size, t, t + act.duration) for t in occurrences)
-    problems.extend(_safety(exp, windows))
-    problems.extend(_workload_meaning(exp, base=base))
-    for i, probe in enumerate(exp.hypothesis().probes if exp.steady_state_hypothesis else ()):
-        found = PROBES.get(probe.probe)
-        if found is None:
-            problems.append(_problem(("steady-state-hypothesis", "probes", i, "probe"),
-                                     f"unknown probe {probe.probe!r}{_near(probe.probe, PROBES)}; probes: "
-                                     f"{', '.join(PROBES)}", probe.probe))
-            continue
-        try:
-            found.args.model_validate(probe.args)
-        except ValidationError as exc:
-            problems.extend(_nested(exc, ("steady-state-hypothesis", "probes", i, "args")))
-    for i, rb in enumerate(exp.rollbacks):
-        if rb.action not in ROLLBACKS:
-            problems.append(_problem(("rollbacks", i, "action"), f"unknown rollback {rb.action!r}"
-                                     f"{_near(rb.action, ROLLBACKS)}; rollbacks: {', '.join(ROLLBACKS)}", rb.action))
-    for i, chk in enumerate(exp.checkers or ()):
-        checker = CHECKERS.get(chk.name)
-        if checker is None:
-            problems.append(_problem(("checkers", i, "name"), f"unknown checker {chk.name!r}"
-                                     f"{_near(chk.name, CHECKERS)}; checkers: {', '.join(CHECKERS)}", chk.name))
-            continue
-        try:
-            checker.params.model_validate(chk.params)
-        except ValidationError as exc:
-            problems.extend(_nested(exc, ("checkers", i, "params")))
-    return problems
-
-
-_REQUIREMENTS: Mapping[str, tuple[str, Any, str]] = {
-    # what a fault's spec.extra["requires"] may name: (fleet field, test, what to write in the file)
-    "gpus": ("gpus_per_worker", lambda v: v > 0, "fleet.gpus_per_worker: 1 (a fake GPU source for the node agent)"),
-    "standby": ("controllers", lambda v: v >= 2, "fleet.controllers: 2 (a leader and a standby)"),
-}
-
-
-def _requirements(spec: FaultSpec, fleet: FleetSpec, here: Loc) -> list[InitErrorDetails]:
-    out = []
-    for need in spec.extra.get("requires", ()):
-        field, holds, fix = _REQUIREMENTS[need]
-        if not holds(getattr(fleet, field)):
-            out.append(_problem((*here, "fault"), f"{spec.name} needs {fix}"))
-    return out
-
-
-def _radius(exp: Experiment, fault: str, target: Target, declared: list[str] | None,
-            here: Loc) -> tuple[InitErrorDetails | None, list[str] | None]:
-    """A target outside the blast radius, as a problem; and the declared ids a pick may choose from."""
-    radius = exp.radius()
-    if radius.selector(target.kind) is None:
-        return None, None
-    node = exp.fleet.node  # the runner's own fleet has one node agent: every declared worker is on it
-
-    def node_of(_i: str) -> str:
-        return node
-
-    if target.ids:
-        named = match_ids(target.ids, declared)[0] if declared is not None else list(target.ids)
-        outside = [i for i in named if not radius.admits(target.kind, i, node=node_of(i))]
-        if outside:
-            return _problem((*here, "target", "ids"), f"{fault} would hit {', '.join(outside)}, outside the blast "
-                            f"radius ({radius.describe()})", list(target.ids)), None
-        return None, None
-    if declared is None:
-        return None, None
-    candidates = radius_candidates(radius, target.kind, declared, node_of)
-    if not candidates:
-        return _problem((*here, "target"), f"{fault} picks a {target.kind}, and no {target.kind} of the declared "
-                        f"fleet ({', '.join(declared) or 'none'}) is inside the blast radius "
-                        f"({radius.describe()})"), candidates
-    if target.pick != "all" and target.count > len(candidates):
-        return _problem((*here, "target", "count"), f"{fault} picks {target.count} {target.kind}(s); only "
-                        f"{len(candidates)} ({', '.join(candidates)}) are inside the blast radius "
-                        f"({radius.describe()})", target.count), candidates
-    return None, candidates
-
-
-def _safety(exp: Experiment, windows: Iterable[_Window]) -> list[InitErrorDetails]:
-    by_kind: dict[str, list[_Window]] = {}
-    for w in windows:
-        by_kind.setdefault(w.kind, []).append(w)
-    problems: list[InitErrorDetails] = []
-    for kind, ws in by_kind.items():
-        declared = declared_ids(exp.fleet, kind)
-        if not declared:
-            continue
-        limit = exp.safety.limit(kind)
-        capacity = kind == "worker" and exp.radius().max_capacity_share < limit
-        if capacity:
-            limit = exp.radius().max_capacity_share
-        for w in sorted(ws, key=lambda w: (w.start, w.index)):
-            # Everything of this kind in effect when w starts (an instant fault still counts at its instant).
-            overlapping = [o for o in ws if o.start <= w.start and (o.end > w.start or o is w or
-                                                                     (o.start == w.start == o.end))]
-            size = sum(o.size for o in overlapping)
-            share = size / len(declared)
-            if share > limit + 1e-9:
-                others = [f"method[{o.index}]" for o in overlapping if o is not w]
-                withs = f" together with {', '.join(others)}" if others else ""
-                problems.append(_problem(("method", w.index, "target"),
-                                         f"would fault {size} of {len(declared)} {kind}(s) at once from "
-                                         f"t={w.start:g} s{withs}: share {share:.2f} is over "
-                                         + (f"the blast radius's max_capacity_share {limit:g}" if capacity else
-                                            f"the safety limit {limit:g} (safety.max_fault_share / "
-                                            f"safety.per_kind.{kind})")))
-                break
-    return problems
-
-
-def _workload_meaning(exp: Experiment, *, base: Path | None) -> list[InitErrorDetails]:
-    w = exp.workload
-    problems: list[InitErrorDetails] = []
-    limit = exp.fleet.max_model_len
-    if w.arrival.kind == "trace":
-        assert w.arrival.file is not None
-        if resolve_trace(w.arrival.file, base=base) is None:
-            problems.append(_problem(("workload", "arrival", "file"), f"trace file {w.arrival.file!r} not found "
-                                     "(beside the experiment, in the current folder, under $FLEETWARD_TRACES, "
-                                     "in fleetward's chaos/traces or ../shared/traces)", w.arrival.file))
-        longest = w.arrival.max_input_tokens + w.arrival.max_output_tokens
-        if longest > limit:
-            problems.append(_problem(("workload", "arrival", "max_output_tokens"), f"max_input_tokens + "
-                                     f"max_output_tokens = {longest} exceeds the model's context ({limit})"))
-    elif w.isl.upper + w.osl.upper > limit:
-        problems.append(_problem(("workload", "osl"), f"the longest prompt ({w.isl.upper}) plus the longest output "
-                                 f"({w.osl.upper}) exceeds the model's context ({limit} tokens)"))
-    return problems
-
-
-def validate_experiment(data: Any, *, file: str = "<experiment>", lines: Mapping[Loc, int] | None = None,
-                        base: Path | None = None) -> Experiment:
-    """Validate parsed experiment data (shape, then meaning); :class:`ConfigError` names file, line, field."""
-    lines = lines or {}
-    if isinstance(data, Experiment):
-        exp = data
-    else:
-        if not isinstance(data, dict):
-            raise ConfigError("the top level must be a mapping of keys to values", file=file, line=1)
-        try:
-            exp = Experiment.model_validate(data)
-        except ValidationError as exc:
-            raise validation_error(exc, file=file, lines=lines) from None
-    problems = _meaning(exp, base=base)
-    if problems:
-        meaning = ValidationError.from_exception_data("Experiment", problems)
-        raise validation_error(meaning, file=file, lines=lines) from None
-    return exp
-
-
-def load_experiment(path: str | Path) -> Experiment:
-    """Read and validate an experiment file."""
-    file = str(path)
-    data, lines = parse_yaml(read_text(path), file=file)
-    return validate_experiment(data, file=file, lines=lines, base=Path(path).resolve().parent)

@@ -16,13 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetward.chaos.experiment import (
-    Experiment,
-    declared_ids,
-    default_target,
-    fault_catalogue,
-    radius_candidates,
-)
+from fleetward.chaos.catalogue import default_target, fault_catalogue
+from fleetward.chaos.experiment import Experiment, declared_ids, radius_candidates
 from fleetward.chaos.fault import Target
 from fleetward.chaos.targets import match_ids
 

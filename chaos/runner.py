@@ -53,16 +53,8 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel
 
-from fleetward.chaos.experiment import (
-    Activity,
-    Experiment,
-    Probe,
-    counts_toward_share,
-    default_target,
-    fault_catalogue,
-    load_experiment,
-    validate_experiment,
-)
+from fleetward.chaos.catalogue import counts_toward_share, default_target, fault_catalogue
+from fleetward.chaos.experiment import Activity, Experiment, Probe
 from fleetward.chaos.fault import Fault, FaultSpec, Target
 from fleetward.chaos.harness import FleetContext, TestFleet
 from fleetward.chaos.history import History, read_history
@@ -74,6 +66,7 @@ from fleetward.chaos.reference import record_reference
 from fleetward.chaos.resources import ResourceSampler, existing, left_over, sample
 from fleetward.chaos.rollbacks import ROLLBACKS, RollbackContext
 from fleetward.chaos.targets import TargetError, resolve
+from fleetward.chaos.validation import load_experiment, validate_experiment
 from fleetward.chaos.workload import Workload
 from fleetward.fleet.errors import ConfigError, FleetwardError
 from fleetward.fleet.handle import Fleet

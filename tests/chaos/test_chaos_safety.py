@@ -23,12 +23,13 @@ import yaml
 from chaos_doubles import attachable
 from pydantic import Field
 
-from fleetward.chaos.experiment import DEFAULT_RADIUS, load_experiment, validate_experiment
+from fleetward.chaos.experiment import DEFAULT_RADIUS
 from fleetward.chaos.fault import CATALOGUE, FaultContext, FaultSpec, Target, register
 from fleetward.chaos.faults._base import eventually
 from fleetward.chaos.provision import on_node
 from fleetward.chaos.radius import capacity_breach, out_of_service
 from fleetward.chaos.runner import Runner, RunOptions
+from fleetward.chaos.validation import load_experiment, validate_experiment
 from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.bus import MqttBus
 from fleetward.fleet.config import Frozen, SimConfig

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from fleetward.chaos.experiment import Experiment, load_experiment, validate_experiment
+from fleetward.chaos.experiment import Experiment
+from fleetward.chaos.validation import load_experiment, validate_experiment
 from fleetward.fleet.errors import ConfigError
 
 LIBRARY = Path(__file__).resolve().parents[2] / "chaos" / "experiments"

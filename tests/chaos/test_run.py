@@ -13,9 +13,9 @@ import pytest
 import yaml
 from chaos_doubles import attachable
 
-from fleetward.chaos.experiment import validate_experiment
 from fleetward.chaos.fault import Target
 from fleetward.chaos.runner import Runner, RunOptions, SafetyAbort, check_run
+from fleetward.chaos.validation import validate_experiment
 from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.errors import ConfigError
 

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 from fleetward.chaos.checkers import CHECKERS, CheckContext, RunView
-from fleetward.chaos.experiment import validate_experiment
 from fleetward.chaos.history import Record
 from fleetward.chaos.reference import NoReference
+from fleetward.chaos.validation import validate_experiment
 from fleetward.fleet.errors import ConfigError
 
 LIBRARY = Path(__file__).resolve().parents[2] / "chaos" / "experiments"
@@ -29,7 +29,7 @@ KINDS = {"process.kill_worker", "process.hang", "control.router_restart", "contr
 
 
 def test_the_soak_files_schedule_every_fault_kind_and_repeat_kills_and_hangs() -> None:
-    from fleetward.chaos.experiment import load_experiment
+    from fleetward.chaos.validation import load_experiment
 
     for name in ("soak.yaml", "soak-short.yaml"):
         exp = load_experiment(LIBRARY / name)
@@ -93,7 +93,7 @@ def test_a_repeated_fault_occurs_every_period_until_its_end() -> None:
 def test_a_bad_repetition_is_refused_with_its_line_and_field(tmp_path: Path, act: dict[str, Any], message: str) -> None:
     import yaml
 
-    from fleetward.chaos.experiment import load_experiment
+    from fleetward.chaos.validation import load_experiment
 
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump(_exp(**act), sort_keys=False))

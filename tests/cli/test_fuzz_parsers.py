@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 
 import fleetward.chaos
 from fleetward.autoscale.traces import FORMATS, Trace, TraceError, load_trace
-from fleetward.chaos.experiment import load_experiment
+from fleetward.chaos.validation import load_experiment
 from fleetward.fleet.config import FleetConfig, load_fleet_config
 from fleetward.fleet.errors import ConfigError
 from fleetward.fleet.sse import sse_data, sse_lines

@@ -11,11 +11,11 @@ import pytest
 import yaml
 
 from fleetward.chaos import faults
-from fleetward.chaos.experiment import validate_experiment
 from fleetward.chaos.fault import CATALOGUE, Target
 from fleetward.chaos.faults.process import FreezerGroup
 from fleetward.chaos.harness import TestFleet
 from fleetward.chaos.runner import Runner, RunOptions
+from fleetward.chaos.validation import validate_experiment
 from fleetward.supervisor.signals import Severity, Signal
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
