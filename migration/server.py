@@ -19,6 +19,7 @@ from fleetward.fleet.config import Access, RouterConfig
 from fleetward.fleet.etcd import EtcdStore
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.procs import ensure_port
+from fleetward.migration.http import router_app
 from fleetward.migration.router import Router
 
 __all__ = ["serve_router"]
@@ -79,7 +80,7 @@ async def serve_router(config: RouterConfig, *, etcd: str, mqtt: str, cluster: s
         if watchdog is not None:
             watchdog.cancel()
 
-    app = router.app()
+    app = router_app(router)
     app.router.lifespan_context = lifespan
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=port, loop="none", http="httptools",
                                            log_level="warning", access_log=False, lifespan="on",
