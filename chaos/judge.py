@@ -13,15 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fleetward.chaos.checkers import (
-    CheckContext,
-    RunView,
-    Verdict,
-    combine,
-    run_checkers,
-)
+from fleetward.chaos.checkers import CheckContext, Verdict, combine, run_checkers
 from fleetward.chaos.history import Record, read_history
 from fleetward.chaos.reference import reference_of
+from fleetward.chaos.runview import RunView
 from fleetward.fleet.errors import ConfigError
 
 __all__ = ["RunResult", "check_run", "exit_code", "finish_journal", "judge"]

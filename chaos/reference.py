@@ -28,7 +28,7 @@ from fleetward.chaos.workload import Live, Planned, Workload
 from fleetward.sim.model import SimModel
 
 if TYPE_CHECKING:
-    from fleetward.chaos.checkers import RequestView
+    from fleetward.chaos.runview import RequestView
 
 __all__ = ["ModelReference", "NoReference", "RecordedReference", "Reference", "record_reference", "reference_key",
            "reference_of"]

@@ -16,8 +16,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fleetward.chaos.checkers import RunView, Verdict, token_times
+from fleetward.chaos.checkers import Verdict
 from fleetward.chaos.history import Record, read_history
+from fleetward.chaos.runview import RunView, token_times
 
 __all__ = ["save_plots", "write_report"]
 

@@ -24,7 +24,7 @@ from fleetward.autoscale.actuate import LocalActuator, NewWorker
 from fleetward.autoscale.capacity import CapacityModel, CapacityPoint
 from fleetward.autoscale.daemon import Autoscaler, PoolRecord
 from fleetward.autoscale.observe import Observer, fraction_within, histogram_quantile
-from fleetward.chaos.checkers import align
+from fleetward.chaos.alignment import align
 from fleetward.chaos.harness import TestFleet
 from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.bus import Event

@@ -9,9 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleetward.chaos.checkers import CheckContext, RunView, Verdict, align, combine, run_checkers
+from fleetward.chaos.alignment import align
+from fleetward.chaos.checkers import CheckContext, Verdict, combine, run_checkers
 from fleetward.chaos.history import Record
 from fleetward.chaos.reference import ModelReference, NoReference, RecordedReference, reference_key
+from fleetward.chaos.runview import RunView
 from fleetward.sim.model import SimModel
 
 SEED = 5

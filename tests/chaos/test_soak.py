@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 
-from fleetward.chaos.checkers import CHECKERS, CheckContext, RunView
+from fleetward.chaos.checkers import CHECKERS, CheckContext
 from fleetward.chaos.history import Record
 from fleetward.chaos.reference import NoReference
+from fleetward.chaos.runview import RunView
 from fleetward.chaos.validation import validate_experiment
 from fleetward.fleet.errors import ConfigError
 
