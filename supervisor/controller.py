@@ -42,6 +42,7 @@ from fleetward.fleet.errors import StoreError
 from fleetward.fleet.etcd import Compare, Delete, Put, StateStore
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.lease import LeaseKeeper
+from fleetward.fleet.loops import Loops
 from fleetward.fleet.registry import read_leader
 from fleetward.fleet.signing import ActionSigner
 from fleetward.fleet.telemetry import link_gauges
@@ -150,7 +151,9 @@ class Controller:
         self.golden = GoldenBook(quorum=config.golden_quorum)
         self.detectors: tuple[Detector, ...] = (self.progress, self.metrics_detector)
         self._events: asyncio.Queue[Event] = asyncio.Queue()
+        # The canaries under way, one per worker at most: owned by ``_loops`` (a failure logged, done ones dropped).
         self._canaries: dict[str, asyncio.Task[None]] = {}
+        self._loops = Loops(service="controller", clock=clock).start()
         self._last_canary: dict[str, float] = {}
         self._canary_done: dict[str, float] = {}
         self._signal_revision: dict[str, int] = {}  # signals/ key -> mod revision already submitted
@@ -532,7 +535,7 @@ class Controller:
         if running is not None and not running.done():
             return
         self._last_canary[worker] = self.clock.monotonic()
-        self._canaries[worker] = asyncio.create_task(self._canary(worker, urgent), name=f"canary-{worker}")
+        self._canaries[worker] = self._loops.spawn(f"canary-{worker}", self._canary(worker, urgent))
 
     async def _canary(self, worker: str, urgent: bool) -> None:
         previous = self._canary_done.get(worker)
