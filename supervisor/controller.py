@@ -22,7 +22,6 @@ new worker is asked for with :meth:`Controller.issue_start`. A standby answers 4
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import uuid
@@ -42,7 +41,7 @@ from fleetward.fleet.errors import StoreError
 from fleetward.fleet.etcd import Compare, Delete, Put, StateStore
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.lease import LeaseKeeper
-from fleetward.fleet.loops import Loops
+from fleetward.fleet.loops import LoopMetrics, Loops
 from fleetward.fleet.registry import read_leader
 from fleetward.fleet.signing import ActionSigner
 from fleetward.fleet.telemetry import link_gauges
@@ -153,7 +152,7 @@ class Controller:
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         # The canaries under way, one per worker at most: owned by ``_loops`` (a failure logged, done ones dropped).
         self._canaries: dict[str, asyncio.Task[None]] = {}
-        self._loops = Loops(service="controller", clock=clock).start()
+        self._loops = Loops(service="controller", metrics=LoopMetrics(self.metrics.registry), clock=clock).start()
         self._last_canary: dict[str, float] = {}
         self._canary_done: dict[str, float] = {}
         self._signal_revision: dict[str, int] = {}  # signals/ key -> mod revision already submitted
@@ -187,16 +186,14 @@ class Controller:
                 t.cancel()
             self._canaries.clear()
 
-        follower = asyncio.create_task(self._follow_events(), name="controller-events")
+        self._loops.run("events", self._follow_events)
         try:
             await lead_forever(self.store, self.keys.leader("supervisor"), name=f"controller {self.id}",
                                candidate=json.dumps({"id": self.id, "url": self.url}), ttl_s=self.config.lease_ttl_s,
                                lead=self._lead, leadership=self.leadership, on_leading=leading,
                                on_stepped_down=stepped_down, clock=self.clock)
         finally:
-            follower.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await follower
+            await self._loops.aclose()
             if self._http is not None:
                 await self._http.close()
 
