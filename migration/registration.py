@@ -46,15 +46,23 @@ class Registration:
         await self._register()
 
     async def _register(self) -> None:
-        self._lease = await LeaseKeeper(self.store, self.ttl_s, clock=self.clock).start()
+        lease = await LeaseKeeper(self.store, self.ttl_s, clock=self.clock).start()
         info = {"id": self.id, "url": self.url, "public_url": self.public_url, "started_at": self.started_at,
                 "pid": os.getpid(),
                 "checkpoint_lease": self.checkpointer.lease.id if self.checkpointer.lease is not None else None}
-        await self.store.put(self.keys.router(self.id), orjson.dumps(info), lease=self._lease.id)
+        try:
+            await self.store.put(self.keys.router(self.id), orjson.dumps(info), lease=lease.id)
+        except BaseException:
+            await lease.aclose()  # no record under it: not kept alive for nothing
+            raise
+        self._lease = lease
 
     async def run(self) -> None:
-        """Register again whenever the registration or the checkpoint lease expired (module docstring)."""
+        """Register again whenever the registration or the checkpoint lease expired (module docstring). Run
+        again after it raised (its owner restarts it), it first registers if the last try failed."""
         while True:
+            if self._lease is None:
+                await self._register()
             assert self._lease is not None
             lease, cp = self._lease, self.checkpointer.lease
             waits = [asyncio.ensure_future(lease.lost.wait())]
@@ -70,6 +78,7 @@ class Registration:
                 await self.checkpointer.renew()
             log.warning("router %s: registration lease %s; registering again", self.id,
                         "expired" if lease.lost.is_set() else "kept, checkpoint lease renewed")
+            self._lease = None
             await lease.aclose(revoke=not lease.lost.is_set())
             await self._register()
 

@@ -24,7 +24,7 @@ import contextlib
 import gc
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,7 @@ from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import RouterConfig
 from fleetward.fleet.etcd import StateStore
 from fleetward.fleet.keys import Keys
+from fleetward.fleet.loops import LoopMetrics, Loops
 from fleetward.fleet.registry import FleetView
 from fleetward.fleet.telemetry import link_gauges
 from fleetward.fleet.worker import HealthState
@@ -118,9 +119,12 @@ class Router:
         self.registration = Registration(store, keys, self.id, url=self.url, public_url=self.public_url,
                                          ttl_s=config.lease_ttl_s, checkpointer=self.checkpointer, clock=clock)
         self.active: dict[str, Active] = {}
-        self.texts = TextSources(config.tokenizers)
         self.metrics = RouterMetrics()
         link_gauges(self.metrics.registry, store=store, bus=bus)
+        # Every background task of the router: its loops (restarted when they crash, counted in
+        # fleetward_loop_restarts_total) and the tokenizer loads (one-off). Requests own their own tasks.
+        self.loops = Loops(service="router", metrics=LoopMetrics(self.metrics.registry), clock=clock)
+        self.texts = TextSources(config.tokenizers, loops=self.loops)
         self.prefill = Prefill(config, view=self.view, upstream=self.upstream, metrics=self.metrics, clock=clock)
         self.placement = Placement(config, view=self.view, progress=self.progress, policy=self.policy,
                                    relayed=lambda: self.passthrough.load())
@@ -129,7 +133,6 @@ class Router:
         self.metrics.checkpoint_lag.set_function(lambda: self.checkpointer.lag_s)
         self.checkpointer.on_flush = self.metrics.checkpoint_flush.observe
         self.checkpointer.on_slice = self.metrics.checkpoint_slice.observe
-        self._tasks: list[asyncio.Task[Any]] = []
         self._accepting = False
         self.orphans: set[str] = set()
         self._seen_flushes = self._seen_txns = self._seen_bytes = 0
@@ -146,19 +149,24 @@ class Router:
         await self.upstream.start()
         if self.config.checkpoints:
             await self.checkpointer.start()
-        self._tasks.append(asyncio.create_task(self.view.run(), name="router-fleet-view"))
+        self.loops.start()
+        self._run("fleet-view", self.view.run)
         await self.view.loaded.wait()
         await self._find_orphans()
         if self.config.checkpoints:
-            self._tasks.append(asyncio.create_task(self.checkpointer.run(), name="router-checkpoints"))
-        self._tasks.append(asyncio.create_task(self._monitor(), name="router-monitor"))
+            self._run("checkpoints", self.checkpointer.run)
+        self._run("monitor", self._monitor)
         await self.registration.start()
-        self._tasks.append(asyncio.create_task(self.registration.run(), name="router-registration"))
+        self._run("registration", self.registration.run)
         # Everything loaded so far (modules, the fleet) lives as long as the process: keep it out of the
         # cyclic collector, whose full passes over it otherwise stall the loop for many milliseconds
         # under load (the p99 of inter-token latency).
         gc.freeze()
         self._accepting = True
+
+    def _run(self, name: str, loop: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        self.loops.metrics.restarts.labels(self.loops.service, name)  # exported at 0 from the start
+        self.loops.run(name, loop)
 
     async def _find_orphans(self) -> None:
         """The checkpoints of dead routers: resumable here until their lease expires."""
@@ -184,12 +192,7 @@ class Router:
                 t.cancel()
         with contextlib.suppress(Exception):
             await self.checkpointer.flush()
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        self._tasks.clear()
+        await self.loops.aclose()
         # Keep the checkpoints of unfinished streams resumable on a replica: their lease runs out on its own.
         await self.checkpointer.aclose(revoke=not self.checkpointer.live)
         await self.registration.aclose()

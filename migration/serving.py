@@ -298,5 +298,6 @@ class Serving:
             watch.cancel()
             active.tasks.discard(work)
             self.router.release(j.id)
+            await asyncio.wait({watch})  # reaped (a cancellation of this handler still propagates)
         self.metrics.requests.labels(j.kind.value, "ok").inc()
         return JSONResponse(wire.final_response(j), headers={"X-Request-Id": j.id})

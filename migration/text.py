@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetward.fleet.errors import FleetwardError
+from fleetward.fleet.loops import Loops
 from fleetward.fleet.vocab import Vocabulary, load_vocabulary
 
 __all__ = ["TextSources"]
@@ -30,15 +31,20 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Source:
     source: str | None
-    task: asyncio.Task[Vocabulary | None] | None = None
+    task: asyncio.Task[None] | None = None
     vocab: Vocabulary | None = None
     why: str = ""
 
 
 class TextSources:
-    def __init__(self, overrides: Mapping[str, str] | None = None) -> None:
+    """The vocabulary of each model. Loads run as one-off tasks of ``loops`` (the router's; by default loops of
+    its own, closed by :meth:`aclose`)."""
+
+    def __init__(self, overrides: Mapping[str, str] | None = None, *, loops: Loops | None = None) -> None:
         self.overrides = dict(overrides or {})
         self._models: dict[str, _Source] = {}
+        self._own_loops = loops is None
+        self._loops = loops if loops is not None else Loops(service="router-text").start()
 
     def want(self, model: str, advertised: str | None) -> None:
         """A worker of ``model`` appeared, advertising ``advertised``: start loading unless known already."""
@@ -54,9 +60,9 @@ class TextSources:
             log.warning("model %s: %s; the workers' own text is passed on (a migrated stream's text may differ "
                         "after the migration)", model, entry.why)
             return
-        entry.task = asyncio.get_running_loop().create_task(self._load(model, entry), name=f"tokenizer-{model}")
+        entry.task = self._loops.spawn(f"tokenizer-{model}", self._load(model, entry))
 
-    async def _load(self, model: str, entry: _Source) -> Vocabulary | None:
+    async def _load(self, model: str, entry: _Source) -> None:
         assert entry.source is not None
         try:
             entry.vocab = await asyncio.to_thread(load_vocabulary, entry.source)
@@ -64,9 +70,8 @@ class TextSources:
             entry.why = str(exc)
             log.warning("model %s: %s; the workers' own text is passed on (a migrated stream's text may differ "
                         "after the migration)", model, entry.why)
-            return None
+            return
         log.info("model %s: the router turns token ids into text with %r", model, entry.vocab)
-        return entry.vocab
 
     async def get(self, model: str) -> Vocabulary | None:
         """The model's vocabulary (waiting for a load under way), or None: pass the workers' text on."""
@@ -90,6 +95,9 @@ class TextSources:
         return {"detokenizer": "worker", "why": entry.why if entry is not None else "no worker seen yet"}
 
     async def aclose(self) -> None:
+        """Stop the loads under way (reaped here when the loops are this object's own, else by their owner)."""
         for entry in self._models.values():
             if entry.task is not None and not entry.task.done():
                 entry.task.cancel()
+        if self._own_loops:
+            await self._loops.aclose()
