@@ -90,7 +90,7 @@ def catalogue() -> list[MetricRow]:
     from fleetward.fleet.telemetry import link_gauges
     from fleetward.migration.metrics import RouterMetrics
     from fleetward.sim.engine import EngineStats
-    from fleetward.sim.server import _Metrics as WorkerMetrics
+    from fleetward.sim.metrics import EngineMetrics as WorkerMetrics
     from fleetward.supervisor.agent import _Metrics as AgentMetrics
     from fleetward.supervisor.controller import _Metrics as ControllerMetrics
 

@@ -32,31 +32,22 @@ import secrets
 import struct
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from fleetward.fleet.clock import Clock
+from fleetward.fleet.config import SimConfig
 from fleetward.fleet.errors import WorkerError
-from fleetward.sim.engine import RequestCut, SamplingSpec, SimRequest
-from fleetward.sim.server import (
-    _ApiError,
-    _Cut,
-    _enc,
-    _engine_dead,
-    _error,
-    _error_response,
-    _EventStream,
-    _json_response,
-    _refused,
-    _schema_error,
-)
-from fleetward.sim.tokenizer import decode, render_chat
-
-if TYPE_CHECKING:
-    from fleetward.sim.server import SimWorker
+from fleetward.sim.engine import RequestCut, SamplingSpec, SimEngine, SimRequest
+from fleetward.sim.protocol import ApiError, engine_dead, field_error, read_json, refused, schema_error
+from fleetward.sim.responses import Cut, EventStream, enc, error_response, json_response
+from fleetward.sim.servedmodel import ServedModel
+from fleetward.sim.serving import await_or_abort
+from fleetward.sim.tokenizer import render_chat
 
 __all__ = ["mount"]
 
@@ -132,34 +123,31 @@ class _Respond(_Lax):
 
 
 class _Endpoints:
-    """The routes (module docstring), over one :class:`SimWorker`."""
+    """The routes (module docstring), over one worker's model, engine and config."""
 
-    def __init__(self, worker: SimWorker) -> None:
-        self.w = worker
+    def __init__(self, served: ServedModel, engine: SimEngine, config: SimConfig, clock: Clock) -> None:
+        self.served = served
+        self.engine = engine
+        self.config = config
+        self.clock = clock
         self.stored: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = OrderedDict()
 
     # -- shared -------------------------------------------------------------------------------------
 
     def _error(self, exc: Exception) -> Response:
         if isinstance(exc, ValidationError):
-            return _error_response(_schema_error(exc.errors(include_url=False)))
-        assert isinstance(exc, _ApiError)
-        return _error_response(exc)
+            return error_response(schema_error(exc.errors(include_url=False)))
+        assert isinstance(exc, ApiError)
+        return error_response(exc)
 
     async def _body(self, request: Request, schema: type[_Body]) -> _Body:
-        return schema.model_validate(await self.w._read_json(request))
-
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.w.model_name:
-            raise _ApiError(f"The model `{model}` does not exist. Valid aliases: {self.w.model_name}.",
-                            status=404, err_type="NotFoundError", param="model")
+        return schema.model_validate(await read_json(request))
 
     def _ids(self, text: str, *, special: bool = True) -> list[int]:
-        return self.w._encode(text, special=special)
+        return self.served.encode(text, special=special)
 
     def _text(self, ids: list[int]) -> str:
-        vocab = self.w.vocab
-        return decode(ids) if vocab is None else vocab.decode(ids)
+        return self.served.decode(ids)
 
     def _prompts(self, value: Any) -> list[list[int]]:
         if isinstance(value, str):
@@ -169,14 +157,14 @@ class _Endpoints:
         else:
             prompts = [self._ids(v) if isinstance(v, str) else list(v) for v in value]
         if not prompts or any(not p for p in prompts):
-            raise _ApiError("You must pass at least one prompt")
+            raise ApiError("You must pass at least one prompt")
         for p in prompts:
-            if len(p) > self.w.config.max_model_len:
-                raise _ApiError(f"This model's maximum context length is {self.w.config.max_model_len} tokens. "
-                                f"However, your request has {len(p)} input tokens. Please reduce the length of "
-                                "the input messages.", param="input")
-            if min(p) < 0 or max(p) >= self.w.vocab_size:
-                raise _ApiError(f"Token id {max(p)} is out of vocabulary", param="input")
+            if len(p) > self.config.max_model_len:
+                raise ApiError(f"This model's maximum context length is {self.config.max_model_len} tokens. "
+                               f"However, your request has {len(p)} input tokens. Please reduce the length of "
+                               "the input messages.", param="input")
+            if min(p) < 0 or max(p) >= self.served.vocab_size:
+                raise ApiError(f"Token id {max(p)} is out of vocabulary", param="input")
         return prompts
 
     async def _step(self, request: Request, prompt_ids: list[int]) -> None:
@@ -197,10 +185,10 @@ class _Endpoints:
                 "prompt_tokens_details": None, "completion_tokens_details": None}
 
     def _json(self, body: dict[str, Any], status: int = 200) -> Response:
-        return _json_response(body, status)
+        return json_response(body, status)
 
     def _cut(self, exc: RequestCut) -> Response:
-        return _Cut(exc, lambda: None)
+        return Cut(exc, lambda: None)
 
     def guarded(self, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         """``handler`` with what it raises answered as vLLM answers it: a cut connection, or the error body."""
@@ -217,13 +205,13 @@ class _Endpoints:
     # -- the API server's own -----------------------------------------------------------------------
 
     async def version(self, request: Request) -> Response:
-        return self._json({"version": self.w.config.engine_version})
+        return self._json({"version": self.config.engine_version})
 
     async def tokenize(self, request: Request) -> Response:
-        raw = await self.w._read_json(request)
+        raw = await read_json(request)
         chat = isinstance(raw, dict) and "messages" in raw
         body = (_TokenizeChat if chat else _TokenizeText).model_validate(raw)
-        self._check_model(body.model)
+        self.served.check(body.model)
         if isinstance(body, _TokenizeChat):
             ids = self._ids(render_chat(body.messages, add_generation_prompt=body.add_generation_prompt),
                             special=body.add_special_tokens)
@@ -231,14 +219,14 @@ class _Endpoints:
             assert isinstance(body, _TokenizeText)
             ids = self._ids(body.prompt, special=body.add_special_tokens)
         strs = [self._text([t]) for t in ids] if body.return_token_strs else None
-        return self._json({"count": len(ids), "max_model_len": self.w.config.max_model_len, "tokens": ids,
+        return self._json({"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids,
                            "token_strs": strs})
 
     async def detokenize(self, request: Request) -> Response:
         body = await self._body(request, _Detokenize)
-        self._check_model(body.model)
-        if body.tokens and (min(body.tokens) < 0 or max(body.tokens) >= self.w.vocab_size):
-            raise _ApiError(f"Token id {max(body.tokens)} is out of vocabulary", param="tokens")
+        self.served.check(body.model)
+        if body.tokens and (min(body.tokens) < 0 or max(body.tokens) >= self.served.vocab_size):
+            raise ApiError(f"Token id {max(body.tokens)} is out of vocabulary", param="tokens")
         return self._json({"prompt": self._text(body.tokens)})
 
     # -- pooling ------------------------------------------------------------------------------------
@@ -250,38 +238,37 @@ class _Endpoints:
 
     async def embeddings(self, request: Request) -> Response:
         body = await self._body(request, _Embed)
-        self._check_model(body.model)
+        self.served.check(body.model)
         if body.dimensions is not None:
-            raise _ApiError("Model does not support matryoshka representation, changing output "
-                            "dimensions will lead to poor results.", param="dimensions")
+            raise ApiError("Model does not support matryoshka representation, changing output "
+                           "dimensions will lead to poor results.", param="dimensions")
         prompts = self._prompts(body.input)
         vectors = await self._pooled(request, prompts)
-        enc = _enc
         items = []
         for i, v in enumerate(vectors):
             value = (enc(base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode())
                      if body.encoding_format == "base64" else _float32_json(v))
             items.append(f'{{"index":{i},"object":"embedding","embedding":{value}}}')
-        text = enc({"id": f"embd-{secrets.token_hex(8)}", "object": "list", "created": int(self.w.clock.wall()),
-                    "model": self.w.model_name, "data": _PLACEHOLDER, "usage": self._usage(sum(map(len, prompts)))})
+        text = enc({"id": f"embd-{secrets.token_hex(8)}", "object": "list", "created": int(self.clock.wall()),
+                    "model": self.served.name, "data": _PLACEHOLDER, "usage": self._usage(sum(map(len, prompts)))})
         return Response(text.replace(enc(_PLACEHOLDER), "[" + ",".join(items) + "]", 1).encode(),
                         media_type="application/json")
 
     async def pooling(self, request: Request) -> Response:
         body = await self._body(request, _Embed)
-        self._check_model(body.model)
+        self.served.check(body.model)
         prompts = self._prompts(body.input)
         vectors = await self._pooled(request, prompts)
         data = [{"index": i, "object": "pooling", "data": v} for i, v in enumerate(vectors)]
         return self._json({"id": f"pooling-{secrets.token_hex(8)}", "object": "list",
-                           "created": int(self.w.clock.wall()), "model": self.w.model_name, "data": data,
+                           "created": int(self.clock.wall()), "model": self.served.name, "data": data,
                            "usage": self._usage(sum(map(len, prompts)))})
 
     async def _scores(self, request: Request, query: list[str], docs: list[str]) -> tuple[list[float], int]:
         if not query or not docs:
-            raise _ApiError("You must pass at least one prompt")
+            raise ApiError("You must pass at least one prompt")
         if len(query) not in (1, len(docs)):
-            raise _ApiError("text_1 must be one text or as many as text_2", param="text_1")
+            raise ApiError("text_1 must be one text or as many as text_2", param="text_1")
         texts = list(dict.fromkeys([*query, *docs]))
         prompts = self._prompts(texts)
         vectors = dict(zip(texts, await self._pooled(request, prompts), strict=True))
@@ -290,25 +277,25 @@ class _Endpoints:
 
     async def score(self, request: Request) -> Response:
         body = await self._body(request, _Score)
-        self._check_model(body.model)
+        self.served.check(body.model)
         one = [body.text_1] if isinstance(body.text_1, str) else body.text_1
         two = [body.text_2] if isinstance(body.text_2, str) else body.text_2
         scores, used = await self._scores(request, one, two)
         return self._json({"id": f"score-{secrets.token_hex(8)}", "object": "list",
-                           "created": int(self.w.clock.wall()), "model": self.w.model_name,
+                           "created": int(self.clock.wall()), "model": self.served.name,
                            "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
                            "usage": self._usage(used)})
 
     async def rerank(self, request: Request) -> Response:
         body = await self._body(request, _Rerank)
-        self._check_model(body.model)
+        self.served.check(body.model)
         scores, used = await self._scores(request, [body.query], body.documents)
         ranked = sorted(range(len(scores)), key=lambda i: -scores[i])
         if body.top_n > 0:
             ranked = ranked[:body.top_n]
         results = [{"index": i, "document": {"text": body.documents[i], "multi_modal": None},
                     "relevance_score": scores[i]} for i in ranked]
-        return self._json({"id": f"score-{secrets.token_hex(8)}", "model": self.w.model_name,
+        return self._json({"id": f"score-{secrets.token_hex(8)}", "model": self.served.name,
                            "usage": {"prompt_tokens": used, "total_tokens": used}, "results": results})
 
     # -- audio --------------------------------------------------------------------------------------
@@ -317,14 +304,14 @@ class _Endpoints:
         try:
             form = await request.form()
         except Exception as exc:
-            raise _ApiError(f"the body is not a multipart form: {exc}") from None
+            raise ApiError(f"the body is not a multipart form: {exc}") from None
         upload = form.get("file")
         if upload is None or isinstance(upload, str):
-            raise _schema_error([_error("missing", ("file",), "Field required", None)])
+            raise schema_error([field_error("missing", ("file",), "Field required", None)])
         model = form.get("model")
-        self._check_model(model if isinstance(model, str) and model else None)
+        self.served.check(model if isinstance(model, str) and model else None)
         if str(form.get("stream", "false")).lower() == "true":
-            raise _ApiError("the simulated worker does not stream transcriptions", param="stream")
+            raise ApiError("the simulated worker does not stream transcriptions", param="stream")
         audio = await upload.read()
         digest = hashlib.sha256(audio).hexdigest()[:16]
         req = await self._generate(request, self._ids(f"transcribe {digest}:"), 16)
@@ -339,21 +326,21 @@ class _Endpoints:
 
     def _submit(self, prompt_ids: list[int], spec: SamplingSpec, rid: str) -> SimRequest:
         """A request of the engine, or the EngineCore error it draws (``error_rate``) as a 500."""
-        if self.w.engine.draw_error():
-            raise _engine_dead()
-        return self.w.engine.submit(prompt_ids, spec, rid)
+        if self.engine.draw_error():
+            raise engine_dead()
+        return self.engine.submit(prompt_ids, spec, rid)
 
     async def _finish(self, request: Request, req: SimRequest) -> SimRequest:
         """``req`` run to its end and released; its faults raise (the EngineCore error as a 500, a cut as
         :class:`RequestCut`)."""
         try:
-            outcome = await self.w._await_or_abort(request, req)
+            outcome = await await_or_abort(request, self.engine, req)
         finally:
-            self.w.engine.release(req)
+            self.engine.release(req)
         if isinstance(outcome, RequestCut):
             raise outcome
         if outcome is not None or req.finish_reason == "abort":
-            raise _engine_dead()
+            raise engine_dead()
         return req
 
     # -- the Responses API --------------------------------------------------------------------------
@@ -376,7 +363,7 @@ class _Endpoints:
                   output: list[dict[str, Any]], usage: dict[str, Any] | None, incomplete: bool) -> dict[str, Any]:
         return {"id": rid, "created_at": created,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-                "instructions": body.instructions, "metadata": None, "model": self.w.model_name,
+                "instructions": body.instructions, "metadata": None, "model": self.served.name,
                 "object": "response", "output": output, "parallel_tool_calls": True,
                 "temperature": 1.0 if body.temperature is None else float(body.temperature),
                 "tool_choice": body.tool_choice if body.tools else "none", "tools": body.tools,
@@ -407,7 +394,7 @@ class _Endpoints:
 
     async def responses(self, request: Request) -> Response:
         body = await self._body(request, _Respond)
-        self._check_model(body.model)
+        self.served.check(body.model)
         before: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             stored = self.stored.get(body.previous_response_id)
@@ -416,23 +403,23 @@ class _Endpoints:
             before = stored[0]
         messages = self._messages(body, before)
         prompt_ids = self._ids(render_chat(messages, add_generation_prompt=True), special=False)
-        max_len = self.w.config.max_model_len
+        max_len = self.config.max_model_len
         budget = max_len - len(prompt_ids)
         if budget < 1:
-            raise _ApiError(f"This model's maximum context length is {max_len} tokens. However, your "
-                            f"request has {len(prompt_ids)} input tokens.", param="input")
+            raise ApiError(f"This model's maximum context length is {max_len} tokens. However, your "
+                           f"request has {len(prompt_ids)} input tokens.", param="input")
         max_tokens = budget if body.max_output_tokens is None else body.max_output_tokens
         if max_tokens < 1:
-            raise _refused(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens",
-                           value=max_tokens)
+            raise refused(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens",
+                          value=max_tokens)
         max_tokens = min(max_tokens, budget)
         rid, mid = f"resp_{secrets.token_hex(8)}", f"msg_{secrets.token_hex(8)}"
-        created = int(self.w.clock.wall())
+        created = int(self.clock.wall())
         req = self._submit(prompt_ids, SamplingSpec(max_tokens=max_tokens, ignore_eos=body.ignore_eos), rid)
         make = functools.partial(self._response, body, rid, created, max_tokens)
         if body.stream:
-            return _EventStream(self._response_events(req, make, mid, len(prompt_ids)),
-                                functools.partial(self.w.engine.release, req))
+            return EventStream(self._response_events(req, make, mid, len(prompt_ids)),
+                               functools.partial(self.engine.release, req))
         answer = self._finished(await self._finish(request, req), make, mid, len(prompt_ids))
         self._store(body, rid, messages, answer)
         return self._json(answer)
@@ -444,16 +431,16 @@ class _Endpoints:
                     usage=self._response_usage(prompt, len(req.output_ids)), incomplete=incomplete)
 
     def _store(self, body: _Respond, rid: str, messages: list[dict[str, Any]], answer: dict[str, Any]) -> None:
-        if not (self.w.config.responses_store and body.store):
+        if not (self.config.responses_store and body.store):
             return
         text = answer["output"][0]["content"][0]["text"]
         self.stored[rid] = ([*messages, {"role": "assistant", "content": text}], answer)
         while len(self.stored) > _STORED_RESPONSES:
             self.stored.popitem(last=False)
 
-    def _not_found(self, rid: str) -> _ApiError:
-        return _ApiError(f"Response with id '{rid}' not found.", status=404,
-                         err_type="invalid_request_error", param="response_id")
+    def _not_found(self, rid: str) -> ApiError:
+        return ApiError(f"Response with id '{rid}' not found.", status=404,
+                        err_type="invalid_request_error", param="response_id")
 
     async def stored_response(self, request: Request) -> Response:
         rid = request.path_params["response_id"]
@@ -465,7 +452,6 @@ class _Endpoints:
     async def _response_events(self, req: SimRequest, make: Callable[..., dict[str, Any]], mid: str,
                                prompt: int) -> AsyncGenerator[bytes, None]:
         seq = 0
-        enc = _enc
 
         def event(kind: str, fields: dict[str, Any], tail: dict[str, Any] | None = None) -> bytes:
             nonlocal seq
@@ -518,10 +504,10 @@ def _float32_json(values: list[float]) -> str:
                           for x in values) + "]"
 
 
-def mount(worker: SimWorker) -> None:
-    """Add the routes (module docstring) to ``worker.app``."""
-    e = _Endpoints(worker)
-    r = worker.app.router
+def mount(router: APIRouter, served: ServedModel, engine: SimEngine, config: SimConfig, clock: Clock) -> None:
+    """Add the routes (module docstring) to ``router``."""
+    e = _Endpoints(served, engine, config, clock)
+    r = router
     for path, handler, method in (
             ("/version", e.version, "GET"), ("/tokenize", e.tokenize, "POST"), ("/detokenize", e.detokenize, "POST"),
             ("/v1/embeddings", e.embeddings, "POST"), ("/pooling", e.pooling, "POST"), ("/score", e.score, "POST"),

@@ -1,0 +1,212 @@
+"""From a request's fields to what the engine runs: the prompt's token ids and a :class:`~.engine.SamplingSpec`.
+
+Stages 3 to 5 of vLLM's refusals (the list is in :mod:`.protocol`): the served model and the prompt against
+the context, the sampling parameters, then what the engine checks against the model; before them, what
+vLLM serves and the sim does not. :func:`parse_request` runs every stage in vLLM's order.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fleetward.sim.engine import SamplingSpec
+from fleetward.sim.protocol import ApiError, refused, validated
+from fleetward.sim.servedmodel import ServedModel
+from fleetward.sim.tokenizer import render_chat
+
+__all__ = ["ParsedRequest", "parse_request"]
+
+_COMPLETION_DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest default (also for an explicit null)
+_MAX_CHARS_PER_TOKEN = 5  # the tiny model's longest vocabulary entry ("<unk>"); vLLM bounds text prompts by it
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """A completion or chat request the worker accepted: what the engine runs and how the answer is shaped."""
+
+    prompt_ids: list[int]
+    spec: SamplingSpec
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    return_token_ids: bool
+    role: str = "assistant"
+
+
+def parse_request(body: object, *, chat: bool, served: ServedModel) -> ParsedRequest:
+    """Validate like vLLM, stage by stage (the list is in :mod:`.protocol`)."""
+    v = validated(body, chat=chat)
+    _refuse_unsupported(v)
+
+    served.check(v["model"])
+    role = "assistant"
+    prompt: str | list[int]
+    if chat:
+        mt_param = "max_completion_tokens" if v["max_completion_tokens"] is not None else "max_tokens"
+        max_tokens = v[mt_param]
+        if not v["add_generation_prompt"] and v["messages"]:
+            role = v["messages"][-1]["role"]
+        prompt = render_chat(v["messages"], add_generation_prompt=v["add_generation_prompt"])
+    else:
+        mt_param = "max_tokens"
+        max_tokens = v["max_tokens"]
+        if max_tokens is None:
+            max_tokens = _COMPLETION_DEFAULT_MAX_TOKENS
+        prompt = _completion_prompt(v["prompt"])
+        if v["suffix"] is not None:  # the tiny model has no fill-in-the-middle rendering
+            raise ApiError("suffix is only supported for models with FIM completion rendering"
+                           if isinstance(prompt, str) else
+                           "suffix requires text prompt input for FIM completion rendering", param="suffix")
+    max_len = served.max_model_len
+    if max_tokens is not None and max_tokens > max_len:
+        raise refused(f"{mt_param}={max_tokens} cannot be greater than max_model_len={max_len}. Please "
+                      "request fewer output tokens.", param=mt_param, value=max_tokens)
+    prompt_ids = _prompt_tokens(prompt, max_len, functools.partial(served.encode, special=v["add_special_tokens"]))
+    budget = max_len - len(prompt_ids)
+    max_tokens = budget if max_tokens is None else min(max_tokens, budget)
+    bias_ids = _token_keys(v["logit_bias"] or {})
+    _check_sampling(v, max_tokens)
+    _check_engine(v, bias_ids, prompt_ids, served.vocab_size)
+
+    stop = v["stop"]
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    options = v["stream_options"]
+    include_usage = options is not None and bool(options.include_usage)
+    continuous_usage = include_usage and bool(options.continuous_usage_stats)
+    spec = SamplingSpec(max_tokens=max_tokens, ignore_eos=v["ignore_eos"], stop=stops,
+                        stop_token_ids=frozenset(v["stop_token_ids"] or ()),
+                        include_stop_str_in_output=v["include_stop_str_in_output"], min_tokens=v["min_tokens"],
+                        skip_special_tokens=v["skip_special_tokens"],
+                        spaces_between_special_tokens=v["spaces_between_special_tokens"])
+    return ParsedRequest(prompt_ids, spec, bool(v["stream"]), include_usage, continuous_usage,
+                         bool(v["return_token_ids"]), role)
+
+
+def _completion_prompt(prompt: str | list[Any]) -> str | list[int]:
+    """The one prompt of a completion request: text or token ids (vLLM's schema has checked the types)."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        return prompt
+    if not prompt:  # vLLM would answer with no choices at all; the sim serves one prompt per request
+        raise refused("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
+    if len(prompt) > 1:
+        raise ApiError(f"the simulated worker takes one prompt per request, got {len(prompt)}; send "
+                       "them as separate requests", param="prompt")
+    only: str | list[int] = prompt[0]
+    return only
+
+
+def _refuse_unsupported(v: dict[str, Any]) -> None:
+    """What vLLM serves and the sim does not: its model is greedy and deterministic, one sample per request."""
+    n = v["n"]
+    if n is not None and n > 1:
+        raise ApiError(f"n={n} is not supported by the simulated worker: its model is greedy and "
+                       "deterministic, so every choice would be the same; send n=1", param="n")
+    for key in ("echo", "use_beam_search"):
+        if v.get(key):
+            raise ApiError(f"{key} is not supported by the simulated worker", param=key)
+    for key in ("logprobs", "prompt_logprobs", "top_logprobs"):
+        value = v.get(key)
+        if value is not None and value is not False and not (key == "top_logprobs" and value == 0):
+            raise ApiError(f"{key} is not supported by the simulated worker", param=key)
+
+
+def _prompt_tokens(prompt: str | list[int], max_len: int, encoder: Callable[[str], list[int]]) -> list[int]:
+    """Stage 3: the prompt's token ids, refused as vLLM refuses a prompt over the context. vLLM tokenizes text
+    only up to one token past the context (and not at all past a bound on characters), so for text it can
+    only say "at least"."""
+    if isinstance(prompt, list):
+        ids, count = prompt, len(prompt)
+    else:
+        if len(prompt) > max_len * _MAX_CHARS_PER_TOKEN:
+            raise refused(f"This model's maximum context length is {max_len} tokens. However, your prompt "
+                          f"contains {len(prompt)} characters (more than {max_len * _MAX_CHARS_PER_TOKEN} "
+                          f"characters, which is the upper bound for {max_len} input tokens). Please reduce "
+                          "the length of the input prompt.", param="input_text", value=len(prompt))
+        ids = encoder(prompt)
+        count = min(len(ids), max_len + 1)
+    if count > max_len:
+        at_least = "at least " if count == max_len + 1 else ""
+        raise refused(f"This model's maximum context length is {max_len} tokens. However, your prompt contains "
+                      f"{at_least}{count} input tokens, which exceeds this limit even without any output tokens. "
+                      "Please reduce the length of the input prompt.", param="input_tokens", value=count)
+    return ids
+
+
+def _token_keys(bias: dict[str, float]) -> list[int]:
+    """``logit_bias``'s token ids, refused as vLLM refuses keys that are not ids."""
+    ids, bad = [], []
+    for key in bias:
+        try:
+            ids.append(int(key))
+        except ValueError:
+            bad.append(key)
+    if bad:
+        raise refused(f"logit_bias contains key(s) that cannot be converted to integer token IDs: {bad!r}",
+                      param="logit_bias", value=bad)
+    return list(dict.fromkeys(ids))
+
+
+def _check_sampling(v: dict[str, Any], max_tokens: int) -> None:
+    """Stage 4: vLLM's checks of the sampling parameters, in its order, with the defaults it fills in."""
+    n = 1 if v["n"] is None else v["n"]
+    if n < 1:
+        raise refused(f"n must be at least 1, got {n}.")
+    for key in ("presence_penalty", "frequency_penalty"):
+        penalty = 0.0 if v[key] is None else v[key]
+        if not -2.0 <= penalty <= 2.0:
+            raise refused(f"{key} must be in [-2, 2], got {penalty}.")
+    repetition = 1.0 if v["repetition_penalty"] is None else v["repetition_penalty"]
+    if not math.isfinite(repetition):
+        raise refused(f"repetition_penalty must be a finite number, got {repetition}.")
+    if repetition <= 0.0:
+        raise refused(f"repetition_penalty must be greater than zero, got {repetition}.")
+    t = 1.0 if v["temperature"] is None else v["temperature"]
+    for wrong, why in ((not math.isfinite(t), "be a finite number"), (t < 0.0, "be non-negative"),
+                       (t > 2.0, "be in [0, 2]")):
+        if wrong:
+            raise refused(f"temperature must {why}, got {t}.", param="temperature", value=t)
+    top_p = 1.0 if v["top_p"] is None else v["top_p"]
+    if not 0.0 < top_p <= 1.0:
+        raise refused(f"top_p must be in (0, 1], got {top_p}.", param="top_p", value=top_p)
+    top_k = 0 if v["top_k"] is None else v["top_k"]
+    if top_k < -1:
+        raise refused(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
+    min_p = 0.0 if v["min_p"] is None else v["min_p"]
+    if not 0.0 <= min_p <= 1.0:
+        raise refused(f"min_p must be in [0, 1], got {min_p}.")
+    if max_tokens < 1:
+        raise refused(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens", value=max_tokens)
+    min_tokens = v["min_tokens"]
+    if min_tokens < 0:
+        raise refused(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
+    if min_tokens > max_tokens:
+        raise refused(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
+    stop = v["stop"]
+    if stop == "" or (isinstance(stop, list) and "" in stop):
+        raise refused("stop cannot contain an empty string.")
+    bad_words = list(dict.fromkeys(v["bad_words"] or []))
+    if "" in bad_words:
+        raise refused(f"bad_words cannot contain an empty string. Got bad_words={bad_words}")
+
+
+def _check_engine(v: dict[str, Any], bias_ids: list[int], prompt_ids: list[int], vocab_size: int) -> None:
+    """Stage 5: what vLLM's engine checks against the model, in its order: token ids the request names, then
+    the prompt."""
+    for key, ids in (("logit_bias", bias_ids), ("stop_token_ids", list(dict.fromkeys(v["stop_token_ids"] or [])))):
+        if bad := [i for i in ids if not 0 <= i < vocab_size]:
+            raise refused(f"token_id(s) {bad} in {key} contain out-of-vocab token ids. Vocabulary size: "
+                          f"{vocab_size}", param=key, value=bad)
+    allowed = v["allowed_token_ids"]
+    if allowed is not None and not allowed:
+        raise refused("allowed_token_ids is not None and empty!", param="allowed_token_ids", value=allowed)
+    if allowed and (bad := [i for i in allowed if not 0 <= i < vocab_size]):
+        raise refused("allowed_token_ids contains out-of-vocab token id!", param="allowed_token_ids", value=bad)
+    if not prompt_ids:
+        raise refused("The decoder prompt cannot be empty")
+    if max(prompt_ids) >= vocab_size:  # negative ids do not pass the schema
+        raise refused(f"Token id {max(prompt_ids)} is out of vocabulary")
+

@@ -1,0 +1,69 @@
+"""The model a simulated worker serves, as its HTTP API names and tokenizes it (vLLM's serving_models.py).
+
+One :class:`ServedModel` per worker, shared by the completions and chat serving and vLLM's other endpoints:
+the served name (and the 404 for any other), the context length, the vocabulary that turns text into token
+ids and back, the ``system_fingerprint`` and the card ``GET /v1/models`` lists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from pathlib import Path
+from typing import Any
+
+from fleetward.fleet.config import SimConfig
+from fleetward.fleet.vocab import BUILTIN, Vocabulary
+from fleetward.sim.protocol import ApiError
+from fleetward.sim.tokenizer import VOCAB_SIZE, decode, encode
+
+__all__ = ["ServedModel"]
+
+
+class ServedModel:
+    """The served model's name, context, vocabulary and fingerprint.
+
+    ``vocab`` is the engine's (None: the built-in byte vocabulary of :mod:`.tokenizer`), so text is
+    tokenized here exactly as the engine detokenizes it.
+    """
+
+    def __init__(self, config: SimConfig, vocab: Vocabulary | None) -> None:
+        self.name = config.model_name
+        self.max_model_len = config.max_model_len
+        self.vocab = vocab
+        self.vocab_size = VOCAB_SIZE if vocab is None else vocab.size
+        digest = hashlib.sha256(f"{self.name}:{config.seed}:{config.eos_probability}".encode())
+        self.system_fingerprint = f"fleetward-sim-{digest.hexdigest()[:8]}"
+        self._tokenizer = config.tokenizer
+
+    def encode(self, text: str, *, special: bool) -> list[int]:
+        """Text → ids with the vocabulary served (chat text is the rendered template, roles included)."""
+        return encode(text) if self.vocab is None else self.vocab.encode(text, add_special_tokens=special)
+
+    def decode(self, ids: list[int]) -> str:
+        return decode(ids) if self.vocab is None else self.vocab.decode(ids)
+
+    def check(self, model: str | None) -> None:
+        """Refuse a request naming another model (vLLM's 404); no model at all means this one."""
+        if model is not None and model != self.name:
+            raise ApiError(f"The model `{model}` does not exist. Valid aliases: {self.name}.",
+                           status=404, err_type="NotFoundError", param="model")
+
+    def card(self, now: int) -> dict[str, Any]:
+        """This model's entry in ``GET /v1/models``, as vLLM writes it (``max_model_len`` included)."""
+        return {"id": self.name, "object": "model", "created": now, "owned_by": "vllm",
+                "root": self._root, "parent": None, "max_model_len": self.max_model_len,
+                "permission": [{"id": f"modelperm-{secrets.token_hex(8)}", "object": "model_permission",
+                                "created": now, "allow_create_engine": False, "allow_sampling": True,
+                                "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                                "allow_fine_tuning": False, "organization": "*", "group": None,
+                                "is_blocking": False}]}
+
+    @property
+    def _root(self) -> str:
+        """``root`` in /v1/models: where the tokenizer lives when it is a folder or file (routers load it)."""
+        tok = self._tokenizer
+        if tok in BUILTIN:
+            return self.name
+        path = Path(tok).expanduser().resolve()
+        return str(path.parent if path.name == "tokenizer.json" else path)

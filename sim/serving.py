@@ -1,0 +1,164 @@
+"""The serving of ``POST /v1/completions`` and ``POST /v1/chat/completions`` over the simulated engine.
+
+Both stream and non-stream, byte for byte in vLLM's shapes (key order included; see ``tests/data/vllm-0.32``).
+``prompt`` is text, a list of token ids, or a one-element list of either. Honoured: ``max_tokens`` (chat:
+``max_completion_tokens`` too; clamped to the context left, as vLLM does), ``ignore_eos``, ``stop`` (str or
+list), ``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids``,
+``stream_options.include_usage`` and ``continuous_usage_stats``, ``min_tokens``, ``add_generation_prompt``
+(chat), the ``X-Request-Id`` header, ``kv_transfer_params`` (prefill/decode: :mod:`.kvtransfer`). Accepted
+and ignored, because the simulated model is greedy and deterministic: ``temperature``, ``top_p``, ``top_k``,
+``min_p``, ``seed``, the penalties, ``logit_bias``, ``bad_words``, ``allowed_token_ids``, ``priority``,
+``user`` (and any other key vLLM would accept), though checked as vLLM checks them. Refused with a 400 naming
+the parameter, although vLLM serves them: ``n`` other than 1 (every choice would be identical), several
+prompts in one request (or none), ``echo``, ``logprobs``/``prompt_logprobs``/``top_logprobs``, beam search.
+
+Every request vLLM 0.32 refuses for the tiny model is refused at the same stage, with vLLM's status, type,
+``param`` and message (the stages and the vLLM files they come from are listed in :mod:`.protocol`): wrong
+types as its lax schema sees them (``"5"`` is a valid ``max_tokens``), a malformed chat message (any role is
+fine, and so is a message without content), a prompt over the context, sampling parameters out of range,
+token ids outside the vocabulary, ``suffix``. One difference: for a malformed chat message vLLM lists the
+complaint of every message type it knows; the sim gives the first, which carries the ``param``.
+
+While ``error_rate`` hits, new requests get the 500 a dead EngineCore gives. A client that disconnects
+(stream or not) aborts its request in the engine, freeing its batch slot and KV blocks. The request's
+parsing is :mod:`.protocol` and :mod:`.sampling`, its stream :mod:`.sse`, its responses :mod:`.responses`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import secrets
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from fleetward.fleet.clock import Clock
+from fleetward.fleet.errors import WorkerError
+from fleetward.fleet.kv import KV_ERROR_TYPE, KvOffer, KvTransferError
+from fleetward.sim.engine import RequestCut, SimEngine, SimRequest
+from fleetward.sim.kvtransfer import KvTransfer
+from fleetward.sim.protocol import ApiError, engine_dead, read_json
+from fleetward.sim.responses import Cut, EventStream, Released, error_response
+from fleetward.sim.sampling import ParsedRequest, parse_request
+from fleetward.sim.servedmodel import ServedModel
+from fleetward.sim.sse import ChatChunks, CompletionChunks, events
+
+__all__ = ["CompletionServing", "await_or_abort"]
+
+
+class CompletionServing:
+    """The two generation endpoints (module docstring) over one engine: :meth:`completions` and :meth:`chat`."""
+
+    def __init__(self, served: ServedModel, engine: SimEngine, kv: KvTransfer, clock: Clock) -> None:
+        self._served = served
+        self._engine = engine
+        self._kv = kv
+        self._clock = clock
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: Request, *, chat: bool) -> Response:
+        try:
+            body = await read_json(request)
+            parsed = parse_request(body, chat=chat, served=self._served)
+            assert isinstance(body, dict)
+            if self._engine.draw_error():
+                raise engine_dead()
+        except ApiError as exc:
+            return error_response(exc)
+        rid = _request_id(request, body, "chatcmpl-" if chat else "cmpl-")
+        created = int(self._clock.wall())
+        kv_params = body.get("kv_transfer_params")
+        kv: tuple[int, int] | None = None
+        if isinstance(kv_params, dict) and (offer := KvOffer.of(kv_params)) is not None:
+            try:
+                kv = await self._kv.load(kv_params, offer, parsed.prompt_ids)
+            except KvTransferError as exc:
+                return error_response(ApiError(str(exc), status=502, err_type=KV_ERROR_TYPE, param=exc.kind))
+        req = self._engine.submit(parsed.prompt_ids, parsed.spec, rid, kv=kv)
+        release = functools.partial(self._engine.release, req)
+        if parsed.stream:
+            shape = ChatChunks if chat else CompletionChunks
+            chunks = shape(parsed, rid, created, self._served.name, self._served.system_fingerprint)
+            return EventStream(events(req, chunks), release)
+        try:
+            outcome = await await_or_abort(request, self._engine, req)
+        except BaseException:
+            release()
+            raise
+        if isinstance(outcome, RequestCut):
+            return Cut(outcome, release)
+        if outcome is not None:
+            err = engine_dead() if outcome.status >= 500 else ApiError(outcome.message)
+        elif req.finish_reason == "abort":
+            err = ApiError("Client disconnected")
+        else:
+            build = self._chat_body if chat else self._completion_body
+            answer = build(req, parsed, rid, created)
+            if isinstance(kv_params, dict) and kv_params.get("do_remote_decode"):
+                offer = self._kv.offer(str(request.base_url).rstrip("/"), parsed.prompt_ids)
+                answer["kv_transfer_params"] = None if offer is None else offer.params()
+            return Released(answer, 200, release)
+        return Released(err.body(), err.status, release)
+
+    # -- non-stream bodies --------------------------------------------------------------------------
+
+    def _completion_body(self, req: SimRequest, p: ParsedRequest, rid: str, created: int) -> dict[str, Any]:
+        rt = p.return_token_ids
+        choice = {"index": 0, "text": req.output_text, "logprobs": None, "finish_reason": req.finish_reason,
+                  "stop_reason": req.stop_reason, "token_ids": list(req.output_ids) if rt else None,
+                  "prompt_logprobs": None, "prompt_token_ids": p.prompt_ids if rt else None,
+                  "routed_experts": None}
+        return {"id": rid, "object": "text_completion", "created": created, "model": self._served.name,
+                "choices": [choice], "service_tier": None, "system_fingerprint": self._served.system_fingerprint,
+                "usage": _usage(req), "kv_transfer_params": None, "ec_transfer_params": None,
+                "metrics": None}
+
+    def _chat_body(self, req: SimRequest, p: ParsedRequest, rid: str, created: int) -> dict[str, Any]:
+        rt = p.return_token_ids
+        message = {"role": p.role, "content": req.output_text, "refusal": None, "annotations": None,
+                   "audio": None, "function_call": None, "reasoning": None}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": req.finish_reason,
+                  "stop_reason": req.stop_reason, "token_ids": list(req.output_ids) if rt else None,
+                  "routed_experts": None}
+        return {"id": rid, "object": "chat.completion", "created": created, "model": self._served.name,
+                "choices": [choice], "service_tier": None, "system_fingerprint": self._served.system_fingerprint,
+                "usage": _usage(req), "prompt_logprobs": None,
+                "prompt_token_ids": p.prompt_ids if rt else None, "prompt_text": None,
+                "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+
+
+async def await_or_abort(request: Request, engine: SimEngine, req: SimRequest) -> WorkerError | RequestCut | None:
+    """Wait for ``req`` to finish; abort it in the engine if the client disconnects first."""
+
+    async def watch_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        engine.abort(req)
+
+    async with asyncio.TaskGroup() as tg:
+        watcher = tg.create_task(watch_disconnect())
+        try:
+            await req.wait_finished()
+        except (WorkerError, RequestCut) as exc:
+            return exc
+        finally:
+            watcher.cancel()
+    return None
+
+
+def _request_id(request: Request, body: dict[str, Any], prefix: str) -> str:
+    rid = request.headers.get("x-request-id") or body.get("request_id")
+    return f"{prefix}{rid if isinstance(rid, str) and rid else secrets.token_hex(8)}"
+
+
+def _usage(req: SimRequest) -> dict[str, Any]:
+    p, c = len(req.prompt_ids), len(req.output_ids)
+    return {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c,
+            "prompt_tokens_details": None, "completion_tokens_details": None}
