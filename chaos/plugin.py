@@ -73,7 +73,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "root: needs root (skipped with a reason otherwise)")
 
 
-_FIXTURES = ("fleetward_etcd", "fleetward_mqtt", "fleetward_etcd_server", "fleetward_mqtt_server", "fleetward_fleet", "fleetward_proxy", "fleetward_gpu",
+_FIXTURES = ("fleetward_etcd", "fleetward_mqtt", "fleetward_etcd_server", "fleetward_mqtt_server",
+             "fleetward_fleet", "fleetward_proxy", "fleetward_gpu",
              "fleetward_experiment")
 _ASYNC_MARKERS = ("asyncio", "anyio")  # pytest-asyncio (its auto mode adds the marker at collection), anyio
 
