@@ -101,7 +101,7 @@ def catalogue() -> list[MetricRow]:
     workers.register(WorkerMetrics(EngineStats(), "sim-tiny"))
     rows = [*_wrapped("router", RouterMetrics()), *_wrapped("controller", ControllerMetrics()),
             *_wrapped("autoscaler", AutoscalerMetrics()), *_wrapped("agent", AgentMetrics()), *shared,
-            *_wrapped("router, agent", LoopMetrics()),
+            *_wrapped("router, controller, agent", LoopMetrics()),
             *_collected("worker", workers)]
     return sorted(rows, key=lambda r: (r.name.startswith("vllm:"), r.name))
 
