@@ -318,7 +318,7 @@ def canonical(raw: bytes) -> Any:
     for block in filter(None, text.split(b"\n\n")):
         fields = dict(line.split(b": ", 1) for line in block.split(b"\n"))
         kind, data = fields.get(b"event", b""), fields[b"data"]
-        obj = data.decode() if data == b"[DONE]" else json.loads(data)
+        obj: Any = data.decode() if data == b"[DONE]" else json.loads(data)
         if isinstance(obj, dict):
             obj.pop("sequence_number", None)  # numbered in order; checked where it matters
         if events and kind == events[-1][0] == b"response.output_text.delta":

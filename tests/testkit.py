@@ -189,7 +189,7 @@ def vllm_error(r: httpx.Response) -> dict[str, Any]:
     """The ``error`` of a vLLM-shaped error body, after checking the shape (keys in vLLM's order, code = status)."""
     body = r.json()
     assert list(body) == ["error"], body
-    error = body["error"]
+    error: dict[str, Any] = body["error"]
     assert list(error) == ["message", "type", "param", "code"]
     assert error["code"] == r.status_code
     return error

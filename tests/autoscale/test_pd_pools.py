@@ -159,8 +159,9 @@ def test_a_pool_without_lengths_this_interval_keeps_the_last_it_saw() -> None:
 def test_each_pool_steps_up_only_for_its_own_slo_missed() -> None:
     # Busy workers (above half their capacity), the SLA missed two intervals running: one more worker, but only
     # for the pool whose SLO it is.
-    for role, missed, other in (("prefill", {"ttft_p99": 5.0}, {"itl_p99": 1.0}),
-                                ("decode", {"itl_p99": 1.0}, {"ttft_p99": 5.0})):
+    cases: tuple[tuple[Role, dict[str, float], dict[str, float]], ...] = (
+        ("prefill", {"ttft_p99": 5.0}, {"itl_p99": 1.0}), ("decode", {"itl_p99": 1.0}, {"ttft_p99": 5.0}))
+    for role, missed, other in cases:
         p = planner(role)
         first = p.decide(obs(0, role, 10.0, 2000, 200, healthy=1)).desired
         for k in (1, 2, 3):

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
-from fleetward.chaos.fault import CATALOGUE, FaultContext, FaultSpec, register
+from fleetward.chaos.fault import CATALOGUE, Fault, FaultContext, FaultSpec, Target, register
 from fleetward.chaos.faults._base import BaseFault, P, eventually, quietly
 from fleetward.fleet.config import Frozen
 
@@ -46,22 +47,28 @@ class _Switch(BaseFault[P]):
 
     async def inject(self, ctx: FaultContext) -> None:
         self.targets = ctx.resolve(self.target)
+        assert ctx.fleet is not None
         for w in self.targets:
             await ctx.fleet.fault(w, **self.on())
 
     async def verify(self, ctx: FaultContext) -> bool:
+        assert ctx.fleet is not None
         return all([self.took(await ctx.fleet.state(w)) for w in self.targets])
 
     async def recover(self, ctx: FaultContext) -> None:
         # The supervisor may be restarting the worker meanwhile (it saw the hang): then there is nothing to
         # switch off, and the new process starts without the switch.
         await asyncio.sleep(getattr(self.params, "recover_delay_s", 0.0))
+        assert ctx.fleet is not None
         for w in self.targets:
             await quietly(f"switch {self.name} off on {w}", ctx.fleet.fault(w, **self.off()))
 
     async def verify_recovered(self, ctx: FaultContext) -> bool:
+        fleet = ctx.fleet
+        assert fleet is not None
+
         async def off() -> bool:
-            return not any([self.took(await ctx.fleet.state(w)) for w in self.targets])
+            return not any([self.took(await fleet.state(w)) for w in self.targets])
 
         return await eventually(off, 30.0, 0.1)
 
@@ -96,11 +103,14 @@ class SimWrongTokens(_Switch[WrongParams]):
         return state["faults"]["wrong_tokens_after"] is not None
 
 
+# A fault class takes its own parameters' model; the catalogue validates them before it calls the factory.
+Factory = Callable[[BaseModel, Target], Fault]
+
 for _spec in (
     FaultSpec("process.double_hang", "process", "test double: the simulated engine stops (hang switch)", HangParams,
-              SimHang, needs=("fault_switches",), extra={"target": "worker"}),
+              cast(Factory, SimHang), needs=("fault_switches",), extra={"target": "worker"}),
     FaultSpec("process.double_wrong_tokens", "process", "test double: the simulated engine emits wrong tokens",
-              WrongParams, SimWrongTokens, needs=("fault_switches",), extra={"target": "worker"}),
+              WrongParams, cast(Factory, SimWrongTokens), needs=("fault_switches",), extra={"target": "worker"}),
 ):
     if _spec.name not in CATALOGUE:
         register(_spec)

@@ -150,7 +150,7 @@ async def test_an_unknown_link_is_refused(ctx: FleetContext) -> None:
 
 # -- the table of toxic faults (no fleet needed) ----------------------------------------------------------------
 
-TOXIC_PARAMS = {
+TOXIC_PARAMS: dict[str, dict[str, Any]] = {
     "network.latency": {"latency_ms": 7, "jitter_ms": 3, "direction": "both", "toxicity": 0.5},
     "network.bandwidth": {"rate_bps": 99, "direction": "upstream", "toxicity": 0.25},
     "network.slicer": {"average_size": 5, "size_variation": 2, "delay_ms": 0.5, "direction": "both"},
@@ -178,7 +178,9 @@ async def test_a_toxic_fault_builds_its_toxic_from_its_parameters_by_name(name: 
 
 async def test_a_reset_fault_keeps_its_toxic_on_both_directions_whatever_the_parameter_says() -> None:
     spec = CATALOGUE["network.reset"]
-    [toxic] = spec.factory(spec.params(direction="upstream"), Target(kind="link", ids=("x",))).toxics()
+    fault = spec.factory(spec.params(direction="upstream"), Target(kind="link", ids=("x",)))
+    assert isinstance(fault, LinkFault)
+    [toxic] = fault.toxics()
     assert toxic.direction == "both"
 
 

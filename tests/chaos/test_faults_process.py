@@ -10,7 +10,7 @@ import pytest_asyncio
 from testkit import fleet_serves, fleet_sim
 
 from fleetward.chaos.fault import CATALOGUE, Target
-from fleetward.chaos.faults import FaultUnavailable, cycle
+from fleetward.chaos.faults import BaseFault, FaultUnavailable, cycle
 from fleetward.chaos.faults._base import running_tree
 from fleetward.chaos.faults.process import FreezerGroup, MemoryGroup
 from fleetward.chaos.harness import FleetContext, TestFleet
@@ -83,6 +83,7 @@ async def test_a_worker_frozen_by_the_cgroup_freezer_is_named_hung_by_its_agent_
     victim = "node-w2"
     spec = CATALOGUE["process.hang"]
     fault = spec.factory(spec.params(mode="cgroup_freeze"), Target(kind="worker", ids=(victim,)))
+    assert isinstance(fault, BaseFault)
     key = fleet.keys.signal(victim, "engine-frozen")
     try:
         await fault.inject(ctx)

@@ -172,7 +172,7 @@ async def test_slicer_delivers_small_pieces(proxy: Proxy) -> None:
     reader, writer = await asyncio.open_connection(proxy.host, proxy.port)
     writer.write(b"abcdefghijklmnopqrstuvwxyz0123456789")
     await writer.drain()
-    pieces = []
+    pieces: list[bytes] = []
     while sum(map(len, pieces)) < 36:
         pieces.append(await reader.read(65536))
     writer.close()
@@ -242,7 +242,7 @@ async def test_a_partition_holds_data_and_loses_none(proxy: Proxy, echo: Echo, d
     reader, writer = await asyncio.open_connection(proxy.host, proxy.port)
     writer.write(b"warm")
     await reader.readexactly(4)
-    toxic = proxy.add(Partition(direction=direction))  # type: ignore[arg-type]
+    toxic = proxy.add(Partition(direction=direction))
     writer.write(b"held")
     await writer.drain()
     await wait_until(lambda: toxic.hits >= 1, message="the partition held a piece")
@@ -345,7 +345,8 @@ async def test_sse_cut_delivers_exactly_n_events_then_eof(http_proxy: Proxy) -> 
 
 
 async def test_sse_corrupt_changes_one_token_id(http_proxy: Proxy) -> None:
-    toxic = http_proxy.add(SseCorrupt(after_events=3))
+    toxic = SseCorrupt(after_events=3)
+    http_proxy.add(toxic)
     _, tokens, err = await stream(http_proxy.url, [10, 11], 12)
     expected = MODEL.continuation([10, 11], 12)
     assert err is None

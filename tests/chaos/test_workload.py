@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -87,7 +88,7 @@ async def test_sse_lines_end_only_at_cr_lf_or_crlf() -> None:
     # chunks is one line end; an unterminated last line is dropped.
     body = 'id: r:1\r\ndata: {"text": "a\u0085b\u2028c\u001cd"}\r\n\r\ndata: [DONE]\n\ndata: {"cut'.encode()
     for size in (1, 2, 3, 7, len(body)):
-        async def chunks(size: int = size):  # type: ignore[no-untyped-def]
+        async def chunks(size: int = size) -> AsyncIterator[bytes]:
             for i in range(0, len(body), size):
                 yield body[i:i + size]
 

@@ -31,13 +31,13 @@ async def main(job: dict) -> list[dict]:
                             text.append(choice.delta.content or "")
                             finish = choice.finish_reason or finish
                 else:
-                    stream = await client.completions.create(
+                    completions = await client.completions.create(
                         model=job["model"], prompt=request["prompt"], max_tokens=job["max_tokens"], temperature=0,
                         stream=True, extra_body=extra)
-                    async for chunk in stream:
-                        for choice in chunk.choices:
-                            text.append(choice.text)
-                            finish = choice.finish_reason or finish
+                    async for piece in completions:
+                        for part in piece.choices:
+                            text.append(part.text)
+                            finish = part.finish_reason or finish
             except Exception as exc:  # the test counts it; it must not happen
                 return {"text": "".join(text), "finish_reason": finish, "error": f"{type(exc).__name__}: {exc}"}
         return {"text": "".join(text), "finish_reason": finish, "error": None}

@@ -61,7 +61,7 @@ async def test_published_events_arrive_on_their_kind_topic(bus: MqttBus, broker_
             t.cancel()
 
     assert [str(m.topic) for m in raw] == [topic_for(cluster, "worker.down"), topic_for(cluster, "worker.up")]
-    assert json.loads(bytes(raw[1].payload)) == {  # type: ignore[arg-type]
+    assert json.loads(bytes(raw[1].payload)) == {
         "v": 1, "id": up.id, "ts": up.ts, "cluster": cluster, "kind": "worker.up", "worker": "w1",
         "url": "http://127.0.0.1:9"}  # None values are left out
     assert only_up == [up]

@@ -100,13 +100,14 @@ async def test_compare_and_swap_applies_one_branch_only(store: EtcdStore, keys: 
     assert created.succeeded
     again = await store.txn([absent], [Put(k, b"2")], [Put(keys.scale_of("lost"), b"x")])
     assert not again.succeeded
-    assert (await store.get(k)).value == b"1"
-    assert (await store.get(keys.scale_of("lost"))).value == b"x"  # the failure branch ran instead
+    assert (kv := await store.get(k)) is not None and kv.value == b"1"
+    # the failure branch ran instead
+    assert (kv := await store.get(keys.scale_of("lost"))) is not None and kv.value == b"x"
 
     swapped = await store.txn([Compare(k, "value", "==", b"1")], [Put(k, b"3")])
     stale = await store.txn([Compare(k, "mod", "==", created.revision)], [Put(k, b"4")])
     assert swapped.succeeded and not stale.succeeded
-    assert (await store.get(k)).value == b"3"
+    assert (kv := await store.get(k)) is not None and kv.value == b"3"
 
     assert (await store.txn([Compare(k, "version", "==", 2)], [Delete(k)])).succeeded
     assert await store.get(k) is None
@@ -157,7 +158,7 @@ async def test_a_call_in_flight_when_the_store_moves_to_the_next_endpoint_is_ret
             await connected.wait()
         assert not put.done()
         # What the first failed call of several does (EtcdStore._call): give up on this client.
-        await store._rotate(store._client)  # type: ignore[arg-type]
+        await store._rotate(store._client)
         async with asyncio.timeout(10):
             await put
         assert (await store.get(keys.worker("x"))).value == b"1"  # type: ignore[union-attr]
@@ -317,7 +318,7 @@ async def test_one_of_two_candidates_leads_and_the_standby_takes_over_on_revoke(
         assert not await a.is_leader()
         fenced = await store.txn([a.fence], [Put(keys.scale_of("p"), b"by the old leader")])
         assert not fenced.succeeded
-        assert (await store.get(keys.scale_of("p"))).value == b"by a"
+        assert (kv := await store.get(keys.scale_of("p"))) is not None and kv.value == b"by a"
 
 
 async def test_the_standby_takes_over_when_the_leader_process_is_killed(
@@ -351,6 +352,7 @@ async def test_resign_hands_leadership_to_the_next_candidate(store: EtcdStore, k
         assert await b.leader() == "b"
         with pytest.raises(StoreError, match="not campaigning"):
             _ = a.fence
+
 
 async def test_lead_forever_keeps_the_leadership_gauge_counter_and_event(store: EtcdStore, keys: Keys) -> None:
     registry = CollectorRegistry()

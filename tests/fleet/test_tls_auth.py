@@ -396,7 +396,7 @@ def fleetward(*args: str) -> subprocess.CompletedProcess[str]:
 
 def listening_ips(port: int) -> set[str]:
     return {c.laddr.ip for c in psutil.net_connections(kind="tcp")
-            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port}
 
 
 @on_module_loop

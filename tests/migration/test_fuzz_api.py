@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -125,13 +125,14 @@ def fuzz_links(schema: Any, base_url: str, headers: dict[str, str], *, examples:
     given_out: set[str] = set()
     followed = 0
 
-    class Links(machine):  # type: ignore[misc, valid-type]
+    class Links(machine):
         def get_call_kwargs(self, case: Case) -> dict[str, Any]:
             return {"base_url": base_url, "headers": headers, "timeout": _TIMEOUT_S}
 
         def validate_response(self, response: Any, case: Case, additional_checks: Any = None, **kw: Any) -> None:
             nonlocal followed
-            resumed = str((case.headers or {}).get("Last-Event-ID", "")).rpartition(":")[0]
+            headers: Mapping[str, Any] = case.headers or {}
+            resumed = str(headers.get("Last-Event-ID", "")).rpartition(":")[0]
             worker = str((case.path_parameters or {}).get("worker", ""))
             followed += bool({resumed, worker} & given_out)
             if response.status_code == 200:

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 import fleetward.chaos.faults  # noqa: F401 - fills the catalogue
 from fleetward.chaos.fault import CATALOGUE, Target
+from fleetward.chaos.faults import BaseFault
 from fleetward.chaos.harness import TestFleet
 from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.backends import SimBackend
@@ -313,6 +314,7 @@ def test_each_kv_fault_of_the_catalogue_acts_on_the_wire_until_recovered(pd: PdF
         ctx = pd.fleet.fault_context()
         spec = CATALOGUE[name]
         fault = spec.factory(spec.params(**params), Target(kind="kv", ids=[pd.prefill[0]]))
+        assert isinstance(fault, BaseFault)
         await fault.inject(ctx)
         try:
             assert await fault.verify(ctx)

@@ -166,7 +166,8 @@ async def test_new_requests_avoid_a_worker_whose_streams_just_moved_away_for_sil
         async def idle() -> bool:  # the hung worker holds nothing now: it looks the least loaded
             async with httpx.AsyncClient(timeout=5) as c:
                 view = (await c.get(r.url + "/fleetward/v1/progress")).json()
-            return view["workers"].get(worker, {}).get("in_flight", 0) == 0
+            in_flight: int = view["workers"].get(worker, {}).get("in_flight", 0)
+            return in_flight == 0
 
         await wait_until(idle, timeout=10, message="the hung worker's stream released")
         # Prompts whose affinity is the hung worker: without shunning, all of them would go there.
@@ -339,7 +340,8 @@ async def test_client_disconnect_cancels_the_generation_on_the_worker(healthy: T
         worker = max(running, key=running.__getitem__)
 
     async def idle() -> bool:
-        return (await healthy.state(worker))["running"] == 0
+        running: int = (await healthy.state(worker))["running"]
+        return running == 0
 
     await wait_until(idle, timeout=15)
 
@@ -347,7 +349,7 @@ async def test_client_disconnect_cancels_the_generation_on_the_worker(healthy: T
 async def test_checkpoint_writes_follow_the_flush_interval_not_the_token_rate(healthy: TestFleet) -> None:
     url = router(healthy).url
 
-    async def txns() -> float:
+    async def txns() -> dict[str, float]:
         async with httpx.AsyncClient() as client:
             text = (await client.get(url + "/metrics")).text
         values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
@@ -480,7 +482,8 @@ async def test_a_non_streamed_request_is_cancelled_when_its_client_goes(healthy:
         await request
 
     async def idle() -> bool:
-        return (await healthy.state(worker))["running"] == 0
+        running: int = (await healthy.state(worker))["running"]
+        return running == 0
 
     await wait_until(idle, timeout=15, message="the worker stopped generating for nobody")
 

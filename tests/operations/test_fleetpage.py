@@ -52,7 +52,8 @@ def test_the_timeline_keeps_the_newest_events_and_counts_the_faults_in_effect() 
 
 
 def test_every_event_kind_reads_as_a_sentence_not_a_dump() -> None:
-    samples = {"worker.up": {"url": "http://w"}, "worker.down": {"reason": "killed", "exit_code": -9},
+    samples: dict[str, dict[str, Any]] = {
+               "worker.up": {"url": "http://w"}, "worker.down": {"reason": "killed", "exit_code": -9},
                "health.changed": {"previous": "ready", "state": "unhealthy", "detector": "process", "reason": "x"},
                "hang.detected": {"detector": "stream-progress", "reason": "no token"},
                "migration": {"request": "r", "from_worker": "a", "worker": "b", "tokens": 3, "reason": "y"},

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionMessageParam
 from testkit import (
     AUTH,
     TOKEN,
@@ -195,7 +196,8 @@ async def test_min_tokens_masks_eos_and_a_resumed_request_continues_exactly() ->
     model = SimModel(7, 0.2)
     prompt = encode("eos")
     min_tokens = len(model.continuation(prompt, 60)) + 3  # past where EOS would come
-    expected, state = [], model.state(prompt)
+    expected: list[int] = []
+    state = model.state(prompt)
     while len(expected) < 60 and (not expected or expected[-1] != EOS_ID):
         t = model.token_for(state, ignore_eos=len(expected) < min_tokens)
         expected.append(t)
@@ -521,15 +523,15 @@ async def test_the_openai_client_streams_completions_and_chat() -> None:
                 finish = chunk.choices[0].finish_reason or finish
             assert (text, finish) == (decode(SIM.continuation(encode("Hello"), 6)), "length")
 
-            messages = [{"role": "user", "content": "hi"}]
+            messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
             content, usage = "", None
-            chat = await client.chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
+            chat = await client.chat.completions.create(model=MODEL, messages=messages,
                                                         max_tokens=5, stream=True,
                                                         stream_options={"include_usage": True})
-            async for chunk in chat:
-                if chunk.choices:
-                    content += chunk.choices[0].delta.content or ""
-                usage = chunk.usage or usage
+            async for delta in chat:
+                if delta.choices:
+                    content += delta.choices[0].delta.content or ""
+                usage = delta.usage or usage
             prompt = encode(render_chat(messages))
             assert content == decode(SIM.continuation(prompt, 5))
             assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), 5)

@@ -87,7 +87,9 @@ async def test_a_worker_exit_is_reported_at_once_and_a_clean_stop_revokes_the_le
         # may come twice: as the exit starts (seen in /proc), then with its exit code.
         assert seen[-1] == f"delete workers/{victim}" and 2 <= len(seen) <= 3, seen
         assert set(seen[:-1]) == {f"put signals/{victim}/process"}, seen
-        signal = Signal.from_json((await store.get(keys.signal(victim, "process"))).value)
+        kv = await store.get(keys.signal(victim, "process"))
+        assert kv is not None
+        signal = Signal.from_json(kv.value)
         assert (signal.severity, signal.reason) == (Severity.FATAL, "process exited with code -9")
         await wait_until(lambda: any(e.kind == "worker.down" and e.worker == victim for e in events), timeout=10)
         # One exit, counted once: whether it was seen beginning, completing, or both.
@@ -215,14 +217,16 @@ async def test_signals_for_one_worker_and_detector_reach_etcd_in_the_order_they_
                 self.second.set()
             return await store.put(key, value, **kw)
 
-    agent = NodeAgent(store=FirstPutLate(), bus=bus, keys=keys,  # type: ignore[arg-type]
+    agent = NodeAgent(store=FirstPutLate(), bus=bus, keys=keys,
                       backend=SimBackend(SimConfig()), node="n1", log_dir=tmp_path)
     try:
         first = asyncio.create_task(agent.signal("n1-w0", "process", Severity.FATAL, "exit began"))
         await asyncio.sleep(0)
         await agent.signal("n1-w0", "process", Severity.FATAL, "process exited with code -9")
         await first
-        signal = Signal.from_json((await store.get(keys.signal("n1-w0", "process"))).value)
+        kv = await store.get(keys.signal("n1-w0", "process"))
+        assert kv is not None
+        signal = Signal.from_json(kv.value)
         assert signal.reason == "process exited with code -9"
     finally:
         await agent.aclose()
@@ -314,7 +318,9 @@ async def test_a_starting_worker_says_in_status_what_it_is_at(
             return "".join(w["phase"] for w in workers)
 
         assert await wait_until(phase, timeout=30, message="the phase is said") == "loading the weights"
-        health = HealthRecord.from_json((await store.get(keys.health_of("slow"))).value)
+        kv = await store.get(keys.health_of("slow"))
+        assert kv is not None
+        health = HealthRecord.from_json(kv.value)
         assert (health.state, health.reason, health.detector) == (HealthState.STARTING, "launched", "agent")
         fifo.write_text("go")
         await starting

@@ -117,7 +117,7 @@ async def test_adopted_servers_are_routed_and_a_killed_ones_stream_stays_exact_t
     await wait_until(lambda: (p := server.process) is not None and p.pid != old.pid, timeout=30,
                      message="the restart command started the server again")
     await fleet.wait_healthy(timeout=60)
-    assert fleet.processes(victim)[0].pid == server.process.pid  # type: ignore[union-attr]
+    assert fleet.processes(victim)[0].pid == server.process.pid
 
 
 async def test_a_frozen_adopted_server_is_detected_through_its_process(
@@ -191,7 +191,7 @@ async def test_without_a_restart_command_a_failed_server_is_drained_left_running
         process.kill()
         await asyncio.to_thread(server.start)
         await fleet.wait_healthy(timeout=60)
-        assert fleet.processes(victim)[0].pid == server.process.pid  # type: ignore[union-attr]
+        assert fleet.processes(victim)[0].pid == server.process.pid
     finally:
         await fleet.aclose()
 

@@ -252,8 +252,8 @@ async def test_an_action_the_leader_did_not_sign_is_refused_and_a_replay_is_not_
     assert agent is not None
     refused = agent.metrics.refused._value.get()
     now = healthy.agent.clock.wall()
-    base = {"worker": worker, "node": healthy.node, "kind": "restart", "delay_s": 0.0, "reason": "forged",
-            "status": "pending", "issued_by": "nobody", "issued_at": now}
+    base: dict[str, Any] = {"worker": worker, "node": healthy.node, "kind": "restart", "delay_s": 0.0,
+                            "reason": "forged", "status": "pending", "issued_by": "nobody", "issued_at": now}
     forged = {**base, "id": f"{worker}.restart.forged"}
     wrong_key = ActionSigner("not-the-admin-token").sign({**base, "id": f"{worker}.restart.wrongkey"})
     stale = ActionSigner(healthy.admin_token).sign({**base, "id": f"{worker}.restart.stale", "issued_at": now - 3600})

@@ -32,6 +32,7 @@ async def test_a_silent_hang_stops_the_engine_while_health_stays_200_and_sigcont
     api_server = vllm_fleet.handle(worker).process.pid
     spec = CATALOGUE["process.hang"]
     fault = spec.factory(spec.params(mode="silent", recover_timeout_s=120), Target(kind="worker", ids=(worker,)))
+    assert isinstance(fault, faults.BaseFault)
     try:
         await fault.inject(ctx)
         assert await fault.verify(ctx), fault.describe()
@@ -54,6 +55,7 @@ async def test_an_engine_frozen_by_the_cgroup_freezer_keeps_health_200_and_its_a
     spec = CATALOGUE["process.hang"]
     fault = spec.factory(spec.params(mode="cgroup_freeze", recover_timeout_s=240),
                          Target(kind="worker", ids=(worker,)))
+    assert isinstance(fault, faults.BaseFault)
 
     async def named_hung() -> Signal | None:
         kv = await vllm_fleet.store.get(key)
@@ -78,6 +80,7 @@ async def test_killing_the_engine_core_is_seen_and_the_worker_serves_again(vllm_
     url = vllm_fleet.bind_url(worker)
     spec = CATALOGUE["process.kill_engine"]
     fault = spec.factory(spec.params(recover_timeout_s=240), Target(kind="worker", ids=(worker,)))
+    assert isinstance(fault, faults.BaseFault)
     try:
         await fault.inject(ctx)
         assert await fault.verify(ctx), fault.describe()

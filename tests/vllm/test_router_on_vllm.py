@@ -42,7 +42,9 @@ async def test_killing_the_vllm_worker_mid_stream_leaves_the_stream_exact(vllm_f
     victim = LeastLoadedAffinity().choose(vllm_fleet.worker_ids, {}, prefix_key(prompt))
     throttle = CpuGroup("vllm-kill-test")
     throttle.limit(0.15)
-    throttle.add_tree(vllm_fleet.handle(victim).process.pid)
+    pid = vllm_fleet.handle(victim).process.pid
+    assert pid is not None
+    throttle.add_tree(pid)
     killed: list[str] = []
 
     async def kill_mid_stream(client: httpx.AsyncClient) -> None:

@@ -71,6 +71,7 @@ async def test_each_engine_failure_is_detected_and_streams_stay_exact(vllm_fleet
     expected = await reference(vllm_fleet, prompt, 1500)
     victim = LeastLoadedAffinity().choose(vllm_fleet.worker_ids, {}, prefix_key(prompt))
     before = vllm_fleet.handle(victim).process.pid
+    assert before is not None
     throttle = CpuGroup(f"vllm-{detector}")
     throttle.limit(0.15)  # long enough a stream that the fault lands in its middle (see test_router_on_vllm)
     throttle.add_tree(before)

@@ -107,7 +107,9 @@ async def test_a_worker_sigkilled_mid_stream_leaves_every_chat_text_exact(vllm_f
     groups = {w: CpuGroup(f"vllm-text-{w}") for w in vllm_fleet.worker_ids}
     for w, g in groups.items():
         g.limit(0.2)
-        g.add_tree(vllm_fleet.handle(w).process.pid)
+        pid = vllm_fleet.handle(w).process.pid
+        assert pid is not None
+        g.add_tree(pid)
     killed: list[str] = []
 
     async def kill_mid_stream(client: httpx.AsyncClient) -> None:
