@@ -332,8 +332,12 @@ class Router:
                     raise item
         finally:
             producer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await producer
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # the caller's own cancellation, not the producer's: never swallowed
 
     async def _produce(self, j: Journal, emit: Callable[[Out | None], None]) -> None:
         """The attempt loop behind :meth:`generate`: ``emit(None)`` once opened, then every :class:`Out`."""
