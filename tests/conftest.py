@@ -162,9 +162,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 # -- running on several processes (pytest-xdist, ``./dev test`` asks for it) ----------------------------------
 
-# Modules that take minutes, longest first: they start first, so none of them is left for the end. The vLLM
-# modules share one group (one process, one set of vLLM servers on the cores): two vLLM sessions on 2 cores
-# would starve each other's engines.
+# Modules that take minutes, longest first: they start first, so none of them is left for the end.
 _FIRST = ("tests/vllm/", "tests/chaos/test_soak.py", "tests/cli/test_bench.py", "tests/chaos/test_library.py",
           "tests/operations/test_alert_lifecycle.py", "tests/autoscale/test_live.py",
           "tests/autoscale/test_replay_cli.py", "tests/operations/test_prometheus.py", "tests/clients/")
@@ -175,14 +173,21 @@ def _rank(item: pytest.Item) -> int:
     return next((i for i, part in enumerate(_FIRST) if f"/{part}" in path), len(_FIRST))
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each module is one xdist group (its module-scoped fixtures start once); the vLLM modules are one."""
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=_rank)  # stable: a module's tests keep their order
-    root = Path(str(config.rootpath))
-    for item in items:
-        path = Path(str(item.fspath))
-        group = "vllm" if "vllm" in path.relative_to(root).parts[:2] else path.relative_to(root).as_posix()
-        item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Each module runs on one process (its module-scoped fixtures start once), and the vLLM modules all on one:
+    two sets of vLLM servers on 2 cores would starve each other's engines."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "tests/vllm" if module.startswith("tests/vllm/") else module
+
+    return ModuleScheduling(config, log)
 
 
 # -- session infrastructure ------------------------------------------------------------------------------
