@@ -2,6 +2,8 @@
 
 - Simulated workers at a test's pace: :func:`fleet_sim` (a fleet behind a router: a few ms a token, so a
   fault lands mid-stream) and :func:`instant_sim` (the worker alone: as fast as it goes).
+- A fleet for a test module: :func:`routed_fleet` (workers on the session's etcd and broker, behind one
+  router); :data:`PATIENT_SUPERVISOR` restarts as often as a test kills.
 - A stream as a client reads it: :func:`stream_completion` returns the ids, the events and an in-band error;
   :func:`fleet_serves` is the steady state of the fault tests (the fleet takes its workers back and a
   stream through the router is the model's exact continuation).
@@ -18,6 +20,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,8 +29,9 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetward.chaos.harness import TestFleet
+from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock, ManualClock
-from fleetward.fleet.config import SimConfig
+from fleetward.fleet.config import RouterConfig, SimConfig, SupervisorConfig
 from fleetward.fleet.procs import free_port
 from fleetward.fleet.sse import sse_data, sse_lines
 from fleetward.sim.engine import Faults
@@ -52,6 +56,25 @@ def instant_sim(**overrides: Any) -> SimConfig:
     """A worker tested alone: half a millisecond a step, no per-sequence or prefill cost."""
     return SimConfig(**{"decode_step_ms": 0.5, "decode_ms_per_seq": 0.0, "prefill_ms_per_token": 0.0,
                         **overrides})
+
+
+# -- a fleet for a test module ----------------------------------------------------------------------------------
+
+# Restarts as often as a test kills, quickly: the tests are about what clients see, not the crash-loop budget.
+PATIENT_SUPERVISOR = SupervisorConfig(restart_budget=1000, backoff_initial_s=0.05, backoff_max_s=0.2)
+
+
+@contextlib.asynccontextmanager
+async def routed_fleet(etcd: str, mqtt: str, run_dir: Path, cluster: str, sim: SimConfig, *, workers: int = 3,
+                       router: str = "r0", routing: RouterConfig | None = None, **fleet: Any
+                       ) -> AsyncIterator[TestFleet]:
+    """``workers`` simulated workers on the session's etcd and broker, their agent and controller, and one
+    router (``router``, started): a router that gives up on a silent worker after half a second by default."""
+    routing = routing if routing is not None else RouterConfig(stall_floor_s=0.5)
+    async with TestFleet(etcd=etcd, mqtt=mqtt, cluster=cluster, run_dir=run_dir, workers=workers,
+                         backend=SimBackend(sim), routing=routing, **fleet) as f:
+        await f.start_router(router)
+        yield f
 
 
 # -- streams as a client reads them ---------------------------------------------------------------------------
@@ -92,12 +115,10 @@ async def stream_completion(url: str, prompt: list[int], max_tokens: int, *, mod
     return got
 
 
-async def fleet_serves(fleet: TestFleet, config: SimConfig, tag: str, *, tokens: int = 20,
-                       all_workers: bool = True) -> None:
-    """The steady state: the fleet takes all its workers back (unless not ``all_workers``) and a stream
-    through its router is the model's exact continuation."""
-    if all_workers:
-        await fleet.wait_workers_routable(len(fleet.worker_ids), timeout=60)
+async def fleet_serves(fleet: TestFleet, config: SimConfig, tag: str, *, tokens: int = 20) -> None:
+    """The steady state: the fleet takes all its workers back and a stream through its router is the model's
+    exact continuation."""
+    await fleet.wait_workers_routable(len(fleet.worker_ids), timeout=60)
     prompt = encode(f"serving after {tag}: ")
     got = await stream_completion(fleet.routers[0].url, prompt, tokens, model=config.model_name)
     assert got.tokens == sim_model(config).continuation(prompt, tokens)

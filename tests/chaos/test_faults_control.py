@@ -46,7 +46,7 @@ async def test_the_fleet_runs_on_three_members_and_every_component_gets_them_all
     assert fleet.proxies.get("r0->etcd").proxies[0].upstreams == [
         fleet._hostport(e) for e in fleet.etcd_endpoints]
     assert await etcd_leader(fleet.etcd_cluster) is not None
-    await fleet_serves(fleet, SIM, "baseline", tokens=16, all_workers=False)
+    await fleet_serves(fleet, SIM, "baseline", tokens=16)
 
 
 @pytest.mark.parametrize("name", ["control.etcd_member_kill", "control.etcd_member_pause",
@@ -54,13 +54,13 @@ async def test_the_fleet_runs_on_three_members_and_every_component_gets_them_all
 async def test_an_etcd_member_fault_and_the_fleet_keeps_serving(fleet: TestFleet, ctx: FleetContext,
                                                                name: str) -> None:
     await cycle(ctx, name, Target(kind="etcd", ids=("etcd-1",)))
-    await fleet_serves(fleet, SIM, name, tokens=16, all_workers=False)
+    await fleet_serves(fleet, SIM, name, tokens=16)
 
 
 async def test_losing_the_etcd_leader_elects_another(fleet: TestFleet, ctx: FleetContext) -> None:
     fault = await cycle(ctx, "control.etcd_leader_loss", Target(kind="etcd", pick="all"))
     assert fault.detail["new_leader"] != fault.targets[0]
-    await fleet_serves(fleet, SIM, "leader loss", tokens=16, all_workers=False)
+    await fleet_serves(fleet, SIM, "leader loss", tokens=16)
 
 
 async def test_partitioning_the_agent_from_etcd_expires_its_lease_and_it_registers_again(
@@ -68,7 +68,7 @@ async def test_partitioning_the_agent_from_etcd_expires_its_lease_and_it_registe
     fault = await cycle(ctx, "control.lease_expiry", Target(kind="link", ids=("agent->etcd",)))
     assert fault.detail["keys"] == [fleet.keys.worker(w) for w in fleet.worker_ids]
     await fleet.wait_workers_routable(2)
-    await fleet_serves(fleet, SIM, "agent lease", tokens=16, all_workers=False)
+    await fleet_serves(fleet, SIM, "agent lease", tokens=16)
 
 
 async def test_partitioning_a_router_from_etcd_expires_its_lease_and_it_registers_again(
@@ -78,14 +78,14 @@ async def test_partitioning_a_router_from_etcd_expires_its_lease_and_it_register
 
 async def test_a_broker_restart(fleet: TestFleet, ctx: FleetContext) -> None:
     await cycle(ctx, "control.broker_restart", Target(kind="broker", pick="all"))
-    await fleet_serves(fleet, SIM, "broker restart", tokens=16, all_workers=False)
+    await fleet_serves(fleet, SIM, "broker restart", tokens=16)
 
 
 async def test_a_router_restart_comes_back_on_the_same_address(fleet: TestFleet, ctx: FleetContext) -> None:
     url = fleet.routers[0].url
     await cycle(ctx, "control.router_restart", Target(kind="router", ids=("r0",)))
     assert fleet.routers[0].url == url
-    await fleet_serves(fleet, SIM, "router restart", tokens=16, all_workers=False)
+    await fleet_serves(fleet, SIM, "router restart", tokens=16)
 
 
 async def test_the_supervisor_leader_kill_needs_the_supervisor_service(ctx: FleetContext) -> None:

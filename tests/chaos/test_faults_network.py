@@ -8,15 +8,13 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-from testkit import fleet_sim, stream_completion
+from testkit import fleet_sim, routed_fleet, stream_completion
 
 from fleetward.chaos.fault import CATALOGUE, Target
 from fleetward.chaos.faults import FaultUnavailable, cycle, probe_link
 from fleetward.chaos.faults.network import LinkFault, LinkParams, _catalogue, _ToxicFault
 from fleetward.chaos.harness import FleetContext, TestFleet
 from fleetward.chaos.net import IptablesFilter, Latency, ProxyRegistry, SseCut
-from fleetward.fleet.backends import SimBackend
-from fleetward.fleet.config import RouterConfig
 from fleetward.migration.policy import LeastLoadedAffinity, prefix_key
 from fleetward.sim.model import SimModel
 from fleetward.sim.tokenizer import encode
@@ -30,11 +28,8 @@ MODEL = SimModel(seed=SIM.seed)
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def fleet(etcd_endpoint: str, broker_endpoint: str,
                 tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TestFleet]:
-    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="net-faults", workers=3,
-                         backend=SimBackend(SIM), run_dir=tmp_path_factory.mktemp("net-faults"), proxy_workers=True,
-                         proxy_clients=True,
-                         routing=RouterConfig(stall_floor_s=0.5)) as f:
-        await f.start_router("r0")
+    async with routed_fleet(etcd_endpoint, broker_endpoint, tmp_path_factory.mktemp("net-faults"), "net-faults",
+                            SIM, proxy_workers=True, proxy_clients=True) as f:
         yield f
 
 

@@ -7,15 +7,13 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from testkit import fleet_serves, fleet_sim
+from testkit import fleet_serves, fleet_sim, routed_fleet
 
 from fleetward.chaos.fault import CATALOGUE, Target
 from fleetward.chaos.faults import BaseFault, FaultUnavailable, cycle
 from fleetward.chaos.faults._base import running_tree
 from fleetward.chaos.faults.process import FreezerGroup, MemoryGroup
 from fleetward.chaos.harness import FleetContext, TestFleet
-from fleetward.fleet.backends import SimBackend
-from fleetward.fleet.config import RouterConfig
 from fleetward.sim.model import SimModel
 from fleetward.supervisor.signals import Severity, Signal
 
@@ -28,10 +26,8 @@ MODEL = SimModel(seed=SIM.seed)
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def fleet(etcd_endpoint: str, broker_endpoint: str,
                 tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TestFleet]:
-    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="proc-faults", workers=3,
-                         backend=SimBackend(SIM), run_dir=tmp_path_factory.mktemp("proc-faults"),
-                         routing=RouterConfig(stall_floor_s=0.5)) as f:
-        await f.start_router("r0")
+    async with routed_fleet(etcd_endpoint, broker_endpoint, tmp_path_factory.mktemp("proc-faults"), "proc-faults",
+                            SIM) as f:
         yield f
 
 

@@ -25,10 +25,10 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
+from testkit import PATIENT_SUPERVISOR, routed_fleet
 
 from fleetward.chaos.harness import TestFleet
-from fleetward.fleet.backends import SimBackend
-from fleetward.fleet.config import RouterConfig, SimConfig, SupervisorConfig
+from fleetward.fleet.config import RouterConfig, SimConfig
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
@@ -37,7 +37,6 @@ VENV = Path(sys.executable).parent.parent
 AIPERF = VENV / "clients" / "aiperf" / "bin" / "aiperf"  # its own venv (./dev test installs it)
 NODE_CLIENT = HERE / "node" / "node_modules" / "openai"  # npm ci in tests/clients/node (./dev test)
 SIM = SimConfig(tokenizer="bpe", decode_step_ms=15.0, decode_ms_per_seq=0.1, prefill_ms_per_token=0.01, seed=3)
-TEST_SUPERVISOR = SupervisorConfig(restart_budget=1000, backoff_initial_s=0.05, backoff_max_s=0.2)
 MAX_TOKENS = 40
 CLIENT_TIMEOUT_S = 240.0
 
@@ -45,11 +44,9 @@ CLIENT_TIMEOUT_S = 240.0
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def fleet(etcd_endpoint: str, broker_endpoint: str,
                 tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TestFleet]:
-    run_dir = tmp_path_factory.mktemp("clients-fleet")
-    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="client-tests", run_dir=run_dir,
-                         workers=3, backend=SimBackend(SIM), routing=RouterConfig(stall_floor_s=1.0),
-                         supervisor=TEST_SUPERVISOR) as f:
-        await f.start_router("clients-r0")
+    async with routed_fleet(etcd_endpoint, broker_endpoint, tmp_path_factory.mktemp("clients-fleet"), "client-tests",
+                            SIM, router="clients-r0", routing=RouterConfig(stall_floor_s=1.0),
+                            supervisor=PATIENT_SUPERVISOR) as f:
         yield f
 
 

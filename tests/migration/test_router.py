@@ -16,12 +16,12 @@ import orjson
 import psutil
 import pytest
 import pytest_asyncio
-from testkit import fleet_sim
+from testkit import PATIENT_SUPERVISOR, fleet_sim, routed_fleet
 
 from fleetward.chaos.harness import RouterProcess, TestFleet
 from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.backends import SimBackend
-from fleetward.fleet.config import RouterConfig, SupervisorConfig
+from fleetward.fleet.config import RouterConfig
 from fleetward.fleet.worker import HealthRecord, HealthState
 from fleetward.migration.checkpoint import read_checkpoint
 from fleetward.sim.model import SimModel
@@ -32,17 +32,14 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 SIM = fleet_sim(seed=7)
 MODEL = SimModel(seed=SIM.seed)
 # Tests kill and hang workers on purpose, many times: the supervisor restarts them at once, never quarantines.
-TEST_SUPERVISOR = SupervisorConfig(restart_budget=1000, backoff_initial_s=0.05, backoff_max_s=0.2)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def fleet(etcd_endpoint: str, broker_endpoint: str,
                 tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TestFleet]:
-    run_dir = tmp_path_factory.mktemp("router-fleet")
     routing = RouterConfig(stall_floor_s=0.5, checkpoint_interval_ms=50, checkpoint_ttl_s=10, detached_grace_s=10)
-    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="router-tests", run_dir=run_dir,
-                         workers=3, backend=SimBackend(SIM), routing=routing, supervisor=TEST_SUPERVISOR) as f:
-        await f.start_router("r0")
+    async with routed_fleet(etcd_endpoint, broker_endpoint, tmp_path_factory.mktemp("router-fleet"), "router-tests",
+                            SIM, routing=routing, supervisor=PATIENT_SUPERVISOR) as f:
         yield f
 
 

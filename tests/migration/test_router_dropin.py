@@ -19,16 +19,15 @@ import httpx
 import orjson
 import pytest
 import pytest_asyncio
+from testkit import PATIENT_SUPERVISOR, routed_fleet
 
 from fleetward.chaos.harness import TestFleet
 from fleetward.chaos.workload import sse_lines
-from fleetward.fleet.backends import SimBackend
-from fleetward.fleet.config import RouterConfig, SimConfig, SupervisorConfig
+from fleetward.fleet.config import SimConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 SIM = SimConfig(decode_step_ms=4.0, decode_ms_per_seq=0.05, prefill_ms_per_token=0.01, seed=11, responses_store=True)
-TEST_SUPERVISOR = SupervisorConfig(restart_budget=1000, backoff_initial_s=0.05, backoff_max_s=0.2)
 JSON = {"content-type": "application/json"}
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "resume_stream.py"
 
@@ -36,11 +35,8 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "resume_st
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def fleet(etcd_endpoint: str, broker_endpoint: str,
                 tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TestFleet]:
-    run_dir = tmp_path_factory.mktemp("dropin-fleet")
-    async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="dropin-tests", run_dir=run_dir,
-                         workers=2, backend=SimBackend(SIM), routing=RouterConfig(stall_floor_s=0.5),
-                         supervisor=TEST_SUPERVISOR) as f:
-        await f.start_router("dropin-r0")
+    async with routed_fleet(etcd_endpoint, broker_endpoint, tmp_path_factory.mktemp("dropin-fleet"), "dropin-tests",
+                            SIM, workers=2, router="dropin-r0", supervisor=PATIENT_SUPERVISOR) as f:
         yield f
 
 
