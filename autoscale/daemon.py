@@ -44,7 +44,7 @@ from fleetward.fleet.backends import backend_class
 from fleetward.fleet.bus import EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import Access, AutoscaleConfig, SimConfig
-from fleetward.fleet.election import Election, Leadership, LeadershipLost, lead_forever
+from fleetward.fleet.election import Election, LeaderElected, Leadership, LeadershipLost, lead_forever
 from fleetward.fleet.errors import ConfigError
 from fleetward.fleet.etcd import Put, StateStore
 from fleetward.fleet.keys import Keys
@@ -180,7 +180,7 @@ class _Metrics:
                                 "interpolated within a bucket.", ["pool", "slo"], registry=r)
 
 
-class Autoscaler:
+class Autoscaler(LeaderElected):
     def __init__(self, config: AutoscaleConfig, *, store: StateStore, bus: EventBus, keys: Keys,
                  capacity: CapacityModel, actuator: Actuator, autoscaler_id: str | None = None, url: str = "",
                  clock: Clock = SYSTEM_CLOCK, observer: Observer | None = None,
@@ -200,18 +200,6 @@ class Autoscaler:
         link_gauges(self.metrics.registry, store=store, bus=bus)
         self.steps = 0  # intervals planned while leading (tests wait on it)
         self.on_step: Callable[[dict[str, PoolRecord]], None] | None = None
-
-    # -- election ---------------------------------------------------------------------------------------
-
-    @property
-    def leading(self) -> asyncio.Event:
-        """Set while this autoscaler leads."""
-        return self.leadership.leading
-
-    @property
-    def election(self) -> Election | None:
-        """The election of the current (or last) term; its fence goes into every write made as leader."""
-        return self.leadership.election
 
     async def run(self) -> None:
         """Campaign, lead until leadership is lost, campaign again; until cancelled."""

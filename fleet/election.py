@@ -23,7 +23,7 @@ from fleetward.fleet.errors import FleetwardError, StoreError
 from fleetward.fleet.etcd import Compare, Delete, Put, StateStore, dumps
 from fleetward.fleet.lease import LeaseKeeper
 
-__all__ = ["Election", "Leadership", "LeadershipLost", "election_leader", "lead_forever"]
+__all__ = ["Election", "LeaderElected", "Leadership", "LeadershipLost", "election_leader", "lead_forever"]
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +142,22 @@ class Leadership:
         self.leading.clear()
         if self._is_leader is not None:
             self._is_leader.set(0)
+
+
+class LeaderElected:
+    """A service that campaigns with :func:`lead_forever` and keeps its :class:`Leadership` in ``leadership``."""
+
+    leadership: Leadership
+
+    @property
+    def leading(self) -> asyncio.Event:
+        """Set while this service leads."""
+        return self.leadership.leading
+
+    @property
+    def election(self) -> Election | None:
+        """The election of the current (or last) term; its fence goes into every write made as leader."""
+        return self.leadership.election
 
 
 async def lead_forever(store: StateStore, prefix: str, *, candidate: str, ttl_s: int, name: str,

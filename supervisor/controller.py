@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from fleetward.fleet.bus import EVENT_KINDS, FAULT_FAMILIES, EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import Access, SupervisorConfig
-from fleetward.fleet.election import Election, Leadership, LeadershipLost, lead_forever
+from fleetward.fleet.election import Election, LeaderElected, Leadership, LeadershipLost, lead_forever
 from fleetward.fleet.errors import StoreError
 from fleetward.fleet.etcd import Compare, Delete, Put, StateStore
 from fleetward.fleet.keys import Keys
@@ -123,7 +123,7 @@ class _Metrics:
             self.faults.labels(family).set(0)
 
 
-class Controller:
+class Controller(LeaderElected):
     def __init__(self, config: SupervisorConfig, *, store: StateStore, bus: EventBus, keys: Keys,
                  controller_id: str | None = None, url: str = "", admin_token: str = "",
                  clock: Clock = SYSTEM_CLOCK) -> None:
@@ -162,18 +162,6 @@ class Controller:
         # (two thirds of the controller's CPU at 1,000 workers, see docs/benchmarks.md); aiohttp keys by origin.
         self._http: aiohttp.ClientSession | None = None
         self.on_action: Callable[[Any], None] | None = None  # tests and benchmarks observe decisions
-
-    # -- election ---------------------------------------------------------------------------------------
-
-    @property
-    def leading(self) -> asyncio.Event:
-        """Set while this controller leads."""
-        return self.leadership.leading
-
-    @property
-    def election(self) -> Election | None:
-        """The election of the current (or last) term; its fence goes into every write made as leader."""
-        return self.leadership.election
 
     async def run(self) -> None:
         """Campaign, lead until leadership is lost, campaign again; until cancelled."""
