@@ -475,7 +475,8 @@ class FleetConfig(Frozen):
     host: str = Field("127.0.0.1", description="the address the router, the controller and the workers bind to "
                       "(not the embedded etcd and broker: etcd_host, mqtt_host)")
     run_dir: Path = Field(Path(".fleetward"), description="where logs, data and the running fleet's state go")
-    etcd: str | None = Field(None, description="attach to this etcd (host:port) instead of starting one")
+    etcd: str | None = Field(None, description="attach to this etcd (host:port; a cluster's members "
+                             "comma-separated: a:2379,b:2379,c:2379) instead of starting one")
     etcd_port: int = Field(0, ge=0, le=65535, description="port for the embedded etcd; 0 picks a free one")
     mqtt: str | None = Field(None, description="attach to this broker (host:port) instead of starting one")
     mqtt_port: int = Field(0, ge=0, le=65535, description="port for the embedded broker; 0 picks a free one")

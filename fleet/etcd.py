@@ -424,7 +424,9 @@ class EtcdStore:
 
     def __init__(self, endpoints: str | Sequence[str], *, timeout_s: float = 5.0, attempts: int = 10,
                  retry_budget_s: float = 15.0, clock: Clock = SYSTEM_CLOCK, access: Access | None = None) -> None:
-        self._endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        # "a:2379,b:2379" is a cluster's members, as etcdctl's --endpoints writes them.
+        listed = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+        self._endpoints = [e.strip() for e in listed if e.strip()]
         if not self._endpoints:
             raise ValueError("at least one etcd endpoint is needed")
         for ep in self._endpoints:
