@@ -23,9 +23,9 @@ class LeaseKeeper:
     """Grants a lease and keeps it alive until :meth:`aclose` revokes it.
 
     Use as ``async with LeaseKeeper(store, ttl) as lease:`` or ``lease = await LeaseKeeper(...).start()``.
-    A keepalive goes out every ``ttl / 3`` seconds; a failed one is logged and tried again at the next
-    tick. ``lost`` is set when etcd says the lease expired (e.g. after a partition longer than the TTL):
-    keys bound to it are gone, and the owner must register again under a new lease.
+    A keepalive goes out every ``ttl / 3`` seconds; one that fails, or gets no answer within that interval, is
+    logged and tried again 0.1 s later. ``lost`` is set when etcd says the lease expired (e.g. after a partition
+    longer than the TTL): keys bound to it are gone, and the owner must register again under a new lease.
     """
 
     def __init__(self, store: StateStore, ttl: int, *, clock: Clock = SYSTEM_CLOCK) -> None:
@@ -56,13 +56,20 @@ class LeaseKeeper:
     async def _run(self) -> None:
         interval = max(0.3, self.ttl / 3)
         last_ok = self._clock.monotonic()
+        delay = interval
         while True:
-            await self._clock.sleep(interval)
+            await self._clock.sleep(delay)
             try:
-                remaining = await self.store.keepalive(self.id)
-            except (UnavailableError, StoreError) as exc:
-                log.warning("lease %x keepalive failed: %s", self.id, exc)
+                # A keepalive the member cannot answer (its leader was cut off: etcd gives up on it only after its
+                # own request timeout, seconds past a short TTL) is given up after one interval and sent again at
+                # once; the next one reaches the leader the cluster has elected meanwhile.
+                async with asyncio.timeout(interval):
+                    remaining = await self.store.keepalive(self.id)
+            except (UnavailableError, StoreError, TimeoutError) as exc:
+                log.warning("lease %x keepalive failed: %s", self.id, exc or f"no answer within {interval:.1f}s")
+                delay = min(0.1, interval)
                 continue
+            delay = interval
             now = self._clock.monotonic()
             if now - last_ok > 2 * interval + 0.5:
                 log.warning("lease %x: %.2fs between successful keepalives (TTL %ds); is the event loop blocked?",

@@ -282,6 +282,45 @@ async def test_lease_keeper_keeps_keys_past_the_ttl(store: EtcdStore, keys: Keys
     assert await store.get(keys.router("r")) is None
 
 
+class _FirstKeepaliveUnanswered:
+    """The real store, except that its first keepalive never gets an answer: what a member whose leader was cut
+    off does (etcd answers only after its own request timeout, seconds past a short TTL)."""
+
+    def __init__(self, store: EtcdStore) -> None:
+        self.store = store
+        self.stuck = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.store, name)
+
+    async def keepalive(self, lease: int) -> int:
+        if not self.stuck:
+            self.stuck += 1
+            await asyncio.Event().wait()
+        return await self.store.keepalive(lease)
+
+
+async def test_a_keepalive_with_no_answer_is_sent_again_before_the_lease_runs_out(store: EtcdStore,
+                                                                               keys: Keys) -> None:
+    ttl = 2
+    slow = _FirstKeepaliveUnanswered(store)
+    async with LeaseKeeper(slow, ttl=ttl) as lease:  # type: ignore[arg-type]
+        rev = await store.put(keys.router("r"), b"up", lease=lease.id)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(ttl + 1.5), contextlib.aclosing(
+                    store.watch_prefix(keys.routers, start_revision=rev + 1)) as changes:
+                async for ev in changes:
+                    pytest.fail(f"the lease lapsed behind a keepalive that got no answer: {ev}")
+        assert slow.stuck == 1 and not lease.lost.is_set()
+
+
+def test_a_comma_separated_endpoint_is_a_cluster_s_members() -> None:
+    assert EtcdStore("10.0.0.1:2379, 10.0.0.2:2379,10.0.0.3:2379").endpoints == (
+        "10.0.0.1:2379", "10.0.0.2:2379", "10.0.0.3:2379")
+    with pytest.raises(ValueError, match="not host:port"):
+        EtcdStore("10.0.0.1:2379,10.0.0.2")
+
+
 async def test_lease_keeper_reports_a_lease_revoked_behind_its_back(store: EtcdStore, wait_until) -> None:
     async with LeaseKeeper(store, ttl=1) as lease:
         await store.revoke(lease.id)
