@@ -167,6 +167,9 @@ class UpstreamStream:
         self.finished = True
 
 
+IDLE_S = 4.0  # how long an idle pooled connection to a worker is kept
+
+
 class Upstream:
     """A pooled HTTP client to workers."""
 
@@ -176,7 +179,9 @@ class Upstream:
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=self._limit, keepalive_timeout=30, enable_cleanup_closed=True)
+        # An idle connection is closed here before the worker closes it (uvicorn's, and so vLLM's, idle timeout is
+        # 5 s): a worker's close that never arrived (a partition dropped its FIN) must not be found by a request.
+        connector = aiohttp.TCPConnector(limit=self._limit, keepalive_timeout=IDLE_S, enable_cleanup_closed=True)
         timeout = aiohttp.ClientTimeout(total=None, connect=self._connect_timeout, sock_read=None)
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
 
