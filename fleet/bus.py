@@ -72,7 +72,7 @@ EVENT_KINDS = (
 )
 
 # The fault families a ``fault.start`` event names (chaos's catalogue groups its faults by them).
-FAULT_FAMILIES = ("process", "gpu", "network", "kv", "control", "load")
+FAULT_FAMILIES = ("process", "gpu", "network", "kv", "control", "load", "partition")
 
 _RESERVED = frozenset({"v", "id", "ts", "cluster", "kind"})
 _BATCH = 64
@@ -130,7 +130,8 @@ class EventBus(Protocol):
 
 
 class MqttBus:
-    """:class:`EventBus` on an MQTT broker at ``host:port``.
+    """:class:`EventBus` on an MQTT broker at ``host:port``, or on the first that answers of several
+    (``a:1883,b:1883``: a bridged pair; a connection that breaks is made again to the next one).
 
     ``outbox_size`` bounds the events waiting for the broker; ``inbox_size`` the events each subscriber has
     received and not yet taken (a consumer that falls behind sheds the newest: ``dropped_in``);
@@ -141,13 +142,19 @@ class MqttBus:
     def __init__(self, endpoint: str, cluster: str, *, outbox_size: int = 10_000, inbox_size: int = 10_000,
                  clock: Clock = SYSTEM_CLOCK, client_id: str | None = None, connect_attempts: int = 5,
                  access: Access | None = None) -> None:
-        host, sep, port = endpoint.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"MQTT endpoint {endpoint!r} is not host:port")
+        # "a:1883,b:1883": brokers to fail over between (a bridged pair), tried in turn after a failure.
+        self._brokers: list[tuple[str, int]] = []
+        for one in (e.strip() for e in endpoint.split(",") if e.strip()):
+            host, sep, port = one.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"MQTT endpoint {one!r} is not host:port")
+            self._brokers.append((host, int(port)))
+        if not self._brokers:
+            raise ValueError("at least one MQTT endpoint is needed")
+        self._current = 0
         if outbox_size < 1 or inbox_size < 1 or connect_attempts < 1:
             raise ValueError("outbox_size, inbox_size and connect_attempts must be at least 1")
         self.endpoint = endpoint
-        self._host, self._port = host, int(port)
         self.cluster = cluster
         self._clock = clock
         self._client_id = client_id or f"fleetward-pub-{uuid.uuid4().hex[:10]}"
@@ -184,9 +191,14 @@ class MqttBus:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def _client(self, identifier: str, **kw: Any) -> aiomqtt.Client:
+    def _next(self, at: int) -> int:
+        """The broker after ``at`` (with several: a bridged pair); each connection loop keeps its own place."""
+        return (at + 1) % len(self._brokers)
+
+    def _client(self, identifier: str, at: int | None = None, **kw: Any) -> aiomqtt.Client:
         a = self._access
-        return aiomqtt.Client(self._host, self._port, identifier=identifier, tls_context=self._tls,
+        host, port = self._brokers[self._current if at is None else at]
+        return aiomqtt.Client(host, port, identifier=identifier, tls_context=self._tls,
                               username=a.username,
                               password=a.password.get_secret_value() if a.password is not None else None, **kw)
 
@@ -206,6 +218,10 @@ class MqttBus:
                             raise BusUnavailable(
                                 f"MQTT broker at {self.endpoint} refused {who} ({exc}): check mqtt_access.username "
                                 "and its password", endpoint=self.endpoint, attempts=1) from exc
+                        self._current = self._next(self._current)
+                        raise
+                    except aiomqtt.MqttError:
+                        self._current = self._next(self._current)
                         raise
         except RetryError as exc:
             cause = exc.last_attempt.exception()
@@ -251,10 +267,11 @@ class MqttBus:
 
     async def _pump(self) -> None:
         backoff = 0.1
+        at = self._current
         while True:
             try:
                 async with (
-                    _session(self._client(self._client_id, timeout=5, keepalive=10)) as client,
+                    _session(self._client(self._client_id, at, timeout=5, keepalive=10)) as client,
                     asyncio.TaskGroup() as tg,
                 ):
                     # _send publishes a batch at once on purpose: aiomqtt's "pending publish calls" warning
@@ -267,6 +284,7 @@ class MqttBus:
             except* (aiomqtt.MqttError, OSError) as group:
                 log.info("MQTT publisher disconnected from %s (%s); %d event(s) wait in the outbox",
                          self.endpoint, group.exceptions[0], len(self._outbox))
+                at = self._next(at)
             self._connected.clear()
             await self._clock.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
@@ -321,9 +339,10 @@ class MqttBus:
         topics = [topic_for(self.cluster, k) for k in kinds]
         seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         backoff = 0.1
+        at = self._current
         while True:
             try:
-                async with _session(self._client(identifier, clean_session=session is None, timeout=5,
+                async with _session(self._client(identifier, at, clean_session=session is None, timeout=5,
                                                  keepalive=10, queue_type=self._inbox_type(),
                                                  max_queued_incoming_messages=self._inbox_size)) as client:
                     for t in topics:
@@ -345,6 +364,7 @@ class MqttBus:
                         yield event
             except aiomqtt.MqttError as exc:
                 log.info("MQTT subscriber %s disconnected (%s); reconnecting", identifier, exc)
+                at = self._next(at)
             if subscribed is not None:
                 subscribed.clear()
             await self._clock.sleep(backoff)

@@ -179,3 +179,25 @@ async def test_publish_refuses_reserved_fields_and_wildcard_kinds(bus: MqttBus) 
         await bus.publish("worker.up", id="mine")
     with pytest.raises(ValueError, match="kind"):
         await bus.publish("worker/#")
+
+
+async def test_with_two_brokers_the_bus_fails_over_to_the_one_that_is_up(make_broker, cluster: str,
+                                                                            wait_until) -> None:
+    """``a:port,b:port`` (a bridged pair): when the broker in use stops, publisher and subscriber move to the
+    other, and the events waiting in the outbox arrive there."""
+    first, second = await make_broker(kind="mosquitto"), await make_broker(kind="mosquitto")
+    got: list[Event] = []
+    async with MqttBus(f"{first.endpoint},{second.endpoint}", cluster) as bus, asyncio.TaskGroup() as tg:
+        subscribed = asyncio.Event()
+        consumer = tg.create_task(_consume(bus, got, subscribed))
+        await subscribed.wait()
+        await bus.publish("fault.start", fault="one")
+        await wait_until(lambda: len(got) == 1, message="delivered through the first broker")
+        subscribed.clear()  # set again once the subscriber has subscribed on the second broker
+        await first.stop()
+        await subscribed.wait()  # an event published before that would pass it by: the brokers are not bridged
+        await bus.publish("fault.start", fault="two")
+        await wait_until(lambda: len(got) == 2, timeout=30, message="delivered through the second broker")
+        assert bus.connected and bus.pending == 0
+        consumer.cancel()
+    assert [e.data["fault"] for e in got] == ["one", "two"]
