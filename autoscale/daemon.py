@@ -70,6 +70,7 @@ class PoolRecord:
     reason: str = ""
     policy: str = ""
     leader: str = ""
+    term: int = 0  # the leader's election revision (its fence): a history shows whose term each write was
     ts: float = 0.0
     seq: int = 0
     asked: dict[str, str] = field(default_factory=dict)  # worker -> node: asked to start, not seen on its way yet
@@ -371,6 +372,7 @@ class Autoscaler(LeaderElected):
 
     async def _write(self, rec: PoolRecord) -> None:
         assert self.election is not None
+        rec.term = self.election.create_revision
         result = await self.store.txn([self.election.fence], [Put(self.keys.scale_of(rec.pool), rec.to_json())])
         if not result.succeeded:
             raise LeadershipLost("a fenced write failed: another autoscaler leads")

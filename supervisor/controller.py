@@ -394,6 +394,10 @@ class Controller(LeaderElected):
             raise LeadershipLost("a fenced write failed: another controller leads")
         return False  # only the other comparisons failed
 
+    def _term(self) -> int:
+        """The election revision this leader writes under (its fence): a history shows whose term each action was."""
+        return self.election.create_revision if self.election is not None else 0
+
     def _signed(self, action: dict[str, Any]) -> dict[str, Any]:
         """An agent action with the leader's signature (fleet/signing.py), when there is an admin token."""
         return self._signer.sign(action) if self._signer is not None else action
@@ -404,7 +408,8 @@ class Controller(LeaderElected):
         action_id = f"{worker}.start"
         key = self.keys.action(node, action_id)
         action = {"id": action_id, "worker": worker, "node": node, "kind": "start", "role": role, "delay_s": 0.0,
-                  "reason": reason, "status": "pending", "issued_by": self.id, "issued_at": self.clock.wall()}
+                  "reason": reason, "status": "pending", "issued_by": self.id, "term": self._term(),
+                  "issued_at": self.clock.wall()}
         created = await self._fenced([Compare(key, "create", "==", 0)], [Put(key, orjson.dumps(self._signed(action)))])
         if created:
             self.metrics.actions.labels("start").inc()
@@ -431,7 +436,8 @@ class Controller(LeaderElected):
                 case AgentAction():
                     body = {"id": action.action_id, "worker": action.worker, "node": action.node,
                             "kind": action.kind, "delay_s": action.delay_s, "reason": action.reason,
-                            "status": "pending", "issued_by": self.id, "issued_at": self.clock.wall()}
+                            "status": "pending", "issued_by": self.id, "term": self._term(),
+                            "issued_at": self.clock.wall()}
                     key = self.keys.action(action.node or "unknown", action.action_id)
                     created = await self._fenced([Compare(key, "create", "==", 0)],
                                                  [Put(key, orjson.dumps(self._signed(body)))])
