@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -125,7 +126,29 @@ def _install_stop(stop: asyncio.Event) -> None:
     install_stop_handlers(stop, say=lambda text: err.print(escape(text)))
 
 
-async def _run(args: argparse.Namespace) -> int:
+def _hosts_for(args: argparse.Namespace) -> Any:
+    """The hosts of an experiment with ``fleet.hosts`` > 1, made and entered (this process moves onto the clients'
+    network) before the event loop or any thread starts, so that every socket and child is made there; None
+    for any other run."""
+    from fleetward.chaos.hostnet import HostNetwork
+    from fleetward.chaos.runner import experiment_of
+
+    exp, _ = experiment_of(args.file)
+    if exp.fleet.hosts <= 1 or args.attach or args.dry_run:
+        return None
+    reason = HostNetwork.unavailable_reason()
+    if reason:
+        raise ConfigError(f"fleet.hosts: {exp.fleet.hosts}: {reason}", field="fleet.hosts")
+    if threading.active_count() > 1:
+        raise RuntimeError("the hosts must be made before any thread starts (a thread would stay on this network)")
+    net = HostNetwork(exp.fleet.hosts).create()
+    err.print(f"hosts: namespaces {net.prefix}h0..h{exp.fleet.hosts - 1} on {net.switch}, clients in "
+              f"{net.clients.ns} ({net.clients.address}); this run lives there")
+    net.enter("clients")
+    return net
+
+
+async def _run(args: argparse.Namespace, network: Any = None) -> int:
     from fleetward.chaos.runner import Runner, RunOptions, experiment_of
 
     if args.live_fleet and not args.attach:
@@ -137,7 +160,7 @@ async def _run(args: argparse.Namespace) -> int:
     display = _Display()
     opts = RunOptions(out=args.out, attach=args.attach, live_fleet=args.live_fleet, cluster=args.cluster,
                       run_dir=args.run_dir, etcd=args.etcd, mqtt=args.mqtt, base=base, progress=display.event,
-                      stop=stop, report=args.report)
+                      stop=stop, report=args.report, network=network)
     runner = Runner(exp, opts)
     if args.dry_run:
         return _dry_run(runner, args)
@@ -300,7 +323,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``fleetward chaos ...``: called by the fleetward CLI, which turns errors into messages and exit codes."""
     args = _parser().parse_args(argv)
     if args.command == "run":
-        return asyncio.run(_run(args))
+        network = _hosts_for(args)
+        try:
+            return asyncio.run(_run(args, network))
+        finally:
+            if network is not None:
+                network.destroy()
     if args.command == "check":
         return _check(args)
     if args.command == "faults":

@@ -41,6 +41,7 @@ from fleetward.chaos.targets import match_ids
 from fleetward.fleet.backends import Backend, BackendName, make_backend
 from fleetward.fleet.config import (
     ID_PATTERN,
+    AutoscaleConfig,
     Frozen,
     RouterConfig,
     SimConfig,
@@ -70,7 +71,7 @@ __all__ = [
     "resolve_trace",
 ]
 
-TargetKind = Literal["worker", "router", "etcd", "broker", "link", "supervisor", "gpu", "kv", "fleet"]
+TargetKind = Literal["worker", "router", "etcd", "broker", "link", "supervisor", "gpu", "kv", "fleet", "host"]
 
 # -- the shape ----------------------------------------------------------------------------------------------
 
@@ -185,6 +186,12 @@ class FleetSpec(Frozen):
                                  "(chaos.fakegpu.FakeGpuSource) and worker i owns GPUs [i*k, (i+1)*k) of it; the gpu "
                                  "fault family acts through it")
     lease_ttl_s: int = Field(10, ge=2, le=3600)
+    hosts: int = Field(1, ge=1, le=8, description="> 1: that many hosts, each a network namespace of its own on one "
+                       "bridge (root): an agent with `workers` simulated workers on each (ids h<i>-w<j>), a 3-member "
+                       "etcd over the first three, the broker on h0, the controllers and routers spread over them, "
+                       "the clients in a namespace of their own; the partition faults act between them")
+    autoscale: AutoscaleConfig = Field(AutoscaleConfig(), description="a fleet of several hosts: with enabled, the "
+                                       "autoscaler runs on the last host")
     proxies: ProxySpec = ProxySpec()
     model: str | None = Field(None, description="vllm: model folder (default: the tiny local model)")
     sim: SimConfig = SimConfig()
@@ -194,6 +201,13 @@ class FleetSpec(Frozen):
 
     @model_validator(mode="after")
     def _pools(self) -> FleetSpec:
+        if self.hosts > 1:
+            other = [f for f, v in (("backend", self.backend != "sim"), ("prefill_workers", self.prefill_workers),
+                                    ("gpus_per_worker", self.gpus_per_worker),
+                                    ("proxies", self.proxies != ProxySpec())) if v]
+            if other:
+                raise ValueError(f"a fleet of several hosts runs simulated aggregated workers, no fake GPUs and no "
+                                 f"proxies (the partitions are real): unset {', '.join(other)}")
         if self.prefill_workers and self.prefill_workers >= self.workers:
             raise ValueError(f"prefill_workers={self.prefill_workers} leaves no decode worker among "
                              f"workers={self.workers}")
@@ -471,6 +485,12 @@ class Experiment(Frozen):
 def declared_ids(fleet: FleetSpec, kind: str) -> list[str] | None:
     """Ids of the components of ``kind`` the experiment declares; ``None`` when they are not enumerable
     here (GPUs: the gpu family targets the workers that own them)."""
+    if kind == "host":
+        return [f"h{i}" for i in range(fleet.hosts)] if fleet.hosts > 1 else []
+    if fleet.hosts > 1 and kind == "worker":  # each host's agent names its workers
+        return [f"h{h}-w{i}" for h in range(fleet.hosts) for i in range(fleet.workers)]
+    if fleet.hosts > 1 and kind == "etcd":
+        return [f"etcd-{i}" for i in range(3 if fleet.hosts >= 3 else 1)]
     if kind == "worker":
         return [f"{fleet.node}-w{i}" for i in range(fleet.workers)]
     if kind == "router":

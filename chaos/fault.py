@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 FAMILIES = FAULT_FAMILIES
-Family = Literal["process", "gpu", "network", "kv", "control", "load"]
+Family = Literal["process", "gpu", "network", "kv", "control", "load", "partition"]
 
 
 class Target(BaseModel):
@@ -58,7 +58,7 @@ class Target(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: Literal["worker", "router", "etcd", "broker", "link", "supervisor", "gpu", "kv", "fleet"] = "worker"
+    kind: Literal["worker", "router", "etcd", "broker", "link", "supervisor", "gpu", "kv", "fleet", "host"] = "worker"
     ids: tuple[str, ...] = ()
     pick: Literal["random", "serving", "first", "all"] = "random"
     count: int = 1

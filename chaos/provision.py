@@ -34,6 +34,8 @@ from typing import Any, TypeVar
 from fleetward.chaos.attached import AttachedFleet
 from fleetward.chaos.experiment import Experiment, declared_ids
 from fleetward.chaos.harness import FleetContext, TestFleet
+from fleetward.chaos.hostnet import HostNetwork
+from fleetward.chaos.hosts import HostsFleet, HostsView
 from fleetward.fleet.backends import Backend, SimBackend
 from fleetward.fleet.config import SimConfig
 from fleetward.fleet.errors import ConfigError
@@ -44,12 +46,38 @@ from fleetward.fleet.registry import read_fleet
 from fleetward.fleet.state import read_admin_token, read_state, state_path
 from fleetward.sim.model import sim_model
 
-__all__ = ["Provisioned", "attached_fleet", "attached_sim_config", "given_fleet", "on_node", "own_fleet",
-           "worker_backend"]
+__all__ = [
+    "HostsContext",
+    "Provisioned",
+    "attached_fleet",
+    "attached_sim_config",
+    "given_fleet",
+    "hosts_fleet",
+    "on_node",
+    "own_fleet",
+    "worker_backend",
+]
 
 T = TypeVar("T")
 Say = Callable[[str], None]
 Guard = Callable[[Awaitable[T], str], Awaitable[T]]  # run unless the operator stops the run first
+
+
+class HostsContext:
+    """What faults reach on a fleet of several hosts: ``hosts`` (the :class:`HostsFleet`: its network, where each
+    service runs), and the same fleet as ``etcd-cluster`` and ``broker`` (its etcd members and broker, on their
+    hosts). Ids are the declared ones (:attr:`Provisioned.declared`)."""
+
+    def __init__(self, fleet: HostsFleet) -> None:
+        self._fleet = fleet
+
+    def universe(self, kind: str) -> list[str]:
+        return []
+
+    def service(self, name: str) -> Any:
+        if name in ("hosts", "etcd-cluster", "broker"):
+            return self._fleet
+        raise KeyError(f"no service {name!r} in this context")
 
 
 @dataclass
@@ -57,7 +85,7 @@ class Provisioned:
     fleet: Fleet
     declared: dict[str, list[str]]  # kind -> the ids the experiment may target
     supervised: bool | None  # None: not known (an attached fleet); the checkers infer it from the history
-    context: FleetContext | None = None  # the harness's fault context (the testbed started the fleet)
+    context: FleetContext | HostsContext | None = None  # the fault context of a fleet the testbed started
     started_routers: list[Any] = field(default_factory=list)
     experiment: Experiment | None = None  # the experiment as it applies to this fleet, when renamed for it
 
@@ -116,6 +144,31 @@ async def own_fleet(exp: Experiment, *, run_dir: Path, backend: Backend, etcd: s
                     "waiting for the workers")
         yield Provisioned(fleet, _declared(fleet), True,
                           fleet.fault_context(history=history, seed=exp.seed, services=dict(services)))
+
+
+@contextlib.asynccontextmanager
+async def hosts_fleet(exp: Experiment, *, net: HostNetwork, run_dir: Path, backend: Backend, say: Say,
+                      guard: Guard[Any], history: Any) -> AsyncIterator[Provisioned]:
+    """A fleet over ``net``'s hosts (:class:`HostsFleet`), acted on as an attached fleet through its etcd, broker
+    and admin token; its ``hosts`` record (which host runs what) opens the history."""
+    spec = exp.fleet
+    hosts = HostsFleet(net, cluster=spec.cluster or f"chaos-{uuid.uuid4().hex[:6]}", run_dir=run_dir / "fleet",
+                       backend=backend, workers_per_host=spec.workers, routers=spec.routers,
+                       controllers=spec.controllers, autoscale=spec.autoscale, routing=spec.routing,
+                       supervisor=spec.supervisor, lease_ttl_s=spec.lease_ttl_s, say=say)
+    declared = {kind: declared_ids(spec, kind) or [] for kind in ("worker", "router", "host", "etcd")}
+    async with contextlib.AsyncExitStack() as stack:
+        await guard(stack.enter_async_context(hosts), "starting the hosts")
+        fleet = HostsView(hosts.state(), hosts.admin_token, backend, log_dir=hosts.log_dir)
+        stack.push_async_callback(fleet.aclose)
+        await guard(fleet.wait_workers_routable(len(declared["worker"]), timeout=120), "waiting for the workers")
+        await fleet.start()
+        history.add("hosts", hosts={h.name: h.address for h in net.nodes}, placement=dict(hosts.placement))
+        say(f"{len(net.hosts)} hosts up: " + "; ".join(
+            f"{h}: {', '.join(s for s, where in hosts.placement.items() if where == h)}" for h in hosts.hosts))
+        declared.update(broker=["broker"], supervisor=[s for s in hosts.services if s.startswith("controller-")],
+                        fleet=["fleet"], kv=[])
+        yield Provisioned(fleet, declared, True, HostsContext(hosts))
 
 
 async def _refuse_a_live_cluster(etcd: str, cluster: str) -> None:

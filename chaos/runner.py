@@ -58,9 +58,18 @@ from fleetward.chaos.experiment import Activity, Experiment, Probe
 from fleetward.chaos.fault import Fault, FaultSpec, Target
 from fleetward.chaos.harness import FleetContext, TestFleet
 from fleetward.chaos.history import History, read_history
+from fleetward.chaos.hostnet import HostNetwork
 from fleetward.chaos.judge import RunResult, check_run, finish_journal, judge
 from fleetward.chaos.probes import PROBES, ProbeContext
-from fleetward.chaos.provision import Provisioned, attached_fleet, given_fleet, own_fleet, worker_backend
+from fleetward.chaos.provision import (
+    HostsContext,
+    Provisioned,
+    attached_fleet,
+    given_fleet,
+    hosts_fleet,
+    own_fleet,
+    worker_backend,
+)
 from fleetward.chaos.radius import capacity_breach, live_fleet_refusal, out_of_service
 from fleetward.chaos.reference import record_reference
 from fleetward.chaos.resources import ResourceSampler, existing, left_over, sample
@@ -68,6 +77,7 @@ from fleetward.chaos.rollbacks import ROLLBACKS, RollbackContext
 from fleetward.chaos.targets import TargetError, resolve
 from fleetward.chaos.validation import load_experiment, validate_experiment
 from fleetward.chaos.workload import Workload
+from fleetward.chaos.writes import record_writes
 from fleetward.fleet.errors import ConfigError, FleetwardError
 from fleetward.fleet.handle import Fleet
 from fleetward.fleet.registry import read_fleet
@@ -107,6 +117,9 @@ class RunOptions:
     # A running TestFleet to use as it is (neither started nor stopped here; missing routers are started for
     # the run and stopped after it): e.g. a test session's vLLM workers, which take a minute to start.
     fleet: TestFleet | None = None
+    # The hosts of a fleet of several hosts (``fleet.hosts``), made and entered before the event loop started:
+    # `fleetward chaos run` does it (:func:`fleetward.chaos.cli.main`).
+    network: HostNetwork | None = None
 
 
 def _iso(ts: float) -> str:
@@ -166,7 +179,7 @@ class Runner:
         self.activities: list[dict[str, Any]] = []
         self.supervised: bool | None = None
         self.method_started: float | None = None
-        self.fleet_ctx: FleetContext | None = None  # the harness's fault context (proxies, etcd cluster, ...)
+        self.fleet_ctx: FleetContext | HostsContext | None = None  # the fleet's fault context (proxies, etcd, ...)
         self._declared: dict[str, list[str]] = {}
 
     def _say(self, kind: str, text: str) -> None:
@@ -330,6 +343,14 @@ class Runner:
                 yield provisioned
             return
         backend = worker_backend(self.exp, base=self.opts.base, run_dir=self.opts.run_dir, say=say)
+        if self.exp.fleet.hosts > 1 and not self.opts.attach:
+            if self.opts.network is None:
+                raise ConfigError("a fleet of several hosts runs from `fleetward chaos run` (as root), which makes its "
+                                  "hosts before it starts", field="fleet.hosts")
+            async with hosts_fleet(self.exp, net=self.opts.network, run_dir=run_dir, backend=backend, say=say,
+                                   guard=self._unless_stopped, history=self.history) as provisioned:
+                yield provisioned
+            return
         if self.opts.attach:
             async with attached_fleet(self.exp, run_dir=self.opts.run_dir, cluster=self.opts.cluster,
                                       backend=backend, say=say) as provisioned:
@@ -372,7 +393,8 @@ class Runner:
 
     @contextlib.asynccontextmanager
     async def _recording(self) -> AsyncIterator[None]:
-        """Record every event of the cluster into the history while the block runs."""
+        """Record every event of the cluster, and what etcd commits of its decisions (:mod:`.writes`), into the
+        history while the block runs."""
         from fleetward.fleet.bus import MqttBus
 
         endpoint = self.fleet.mqtt_endpoint
@@ -384,7 +406,10 @@ class Runner:
                 data = {(f"event_{k}" if k in ("type", "t", "wall", "type_") else k): v for k, v in ev.data.items()}
                 self.history.add("event", kind=ev.kind, id=ev.id, ts=ev.ts, **data)
 
-        async with _background(record()):
+        store = self.fleet.store
+        start = (await store.get_prefix(self.fleet.keys.root + "leader/")).revision + 1
+        async with _background(record()), _background(record_writes(store, self.fleet.keys, self.history,
+                                                                    start_revision=start)):
             async with asyncio.timeout(15):
                 await subscribed.wait()
             yield

@@ -185,8 +185,15 @@ class LocalEtcd:
     cluster_token: str = "fleetward"
     tls: ServerTls | None = None
     process: ManagedProcess | None = None
+    # A command it runs under, e.g. ``ip netns exec NS`` (another host's network: the testbed's hosts); its
+    # ports are then that network's, taken as given.
+    launcher: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.launcher:
+            if not (self.client_port and self.peer_port):
+                raise ValueError("LocalEtcd with a launcher needs its client_port and peer_port")
+            return
         self.client_port = ensure_port(self.host, self.client_port, name="etcd")
         self.peer_port = ensure_port(self.host, self.peer_port, name="etcd peer") if self.peer_port else free_port()
 
@@ -207,6 +214,7 @@ class LocalEtcd:
         tls = [] if self.tls is None else ["--cert-file", str(self.tls.cert_file), "--key-file", str(self.tls.key_file),
                                            "--trusted-ca-file", str(self.tls.ca_file), "--client-cert-auth"]
         return [
+            *self.launcher,
             str(etcd_binary()),
             "--name", self.name,
             "--data-dir", str(self.data_dir),
@@ -272,6 +280,7 @@ class LocalBroker:
     tls: ServerTls | None = None
     password_file: Path | None = None  # Mosquitto's (write_mosquitto_passwords): anonymous clients are refused
     process: ManagedProcess | None = None
+    launcher: tuple[str, ...] = ()  # a command it runs under (as LocalEtcd's); its port is then taken as given
 
     def __post_init__(self) -> None:
         self.kind = self.kind or broker_kind()
@@ -280,7 +289,10 @@ class LocalBroker:
                               "fallback speaks neither", field="tls")
         if self.kind not in ("mosquitto", "amqtt"):
             raise ValueError(f"LocalBroker.kind: {self.kind!r} is neither 'mosquitto' nor 'amqtt'")
-        self.port = ensure_port(self.host, self.port, name=f"mqtt broker ({self.kind})")
+        if self.launcher and not self.port:
+            raise ValueError("LocalBroker with a launcher needs its port")
+        if not self.launcher:
+            self.port = ensure_port(self.host, self.port, name=f"mqtt broker ({self.kind})")
 
     @property
     def endpoint(self) -> str:
@@ -310,7 +322,7 @@ class LocalBroker:
                 "log_type error\nlog_type warning\nlog_type notice\n"
             )
             exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
-            return [exe, "-c", str(conf)]
+            return [*self.launcher, exe, "-c", str(conf)]
         if importlib.util.find_spec("amqtt") is None:
             raise ProcessError("no MQTT broker: install Mosquitto (`apt-get install mosquitto`) or the "
                                "embedded fallback (`pip install 'fleetward[embedded-broker]'`)", name="broker")
@@ -326,7 +338,7 @@ class LocalBroker:
             "    allow_anonymous: true\n"
         )
         # The module, not the `amqtt` script: the venv's bin/ need not be on PATH.
-        return [sys.executable, "-m", "amqtt.scripts.broker_script", "-c", str(conf)]
+        return [*self.launcher, sys.executable, "-m", "amqtt.scripts.broker_script", "-c", str(conf)]
 
     def start(self, log_dir: Path) -> ManagedProcess:
         """Spawn the broker (log in ``log_dir``); then ``await wait_ready()``."""

@@ -3,7 +3,8 @@
 
 Families and modules: ``process`` (:mod:`.process`), ``gpu`` (:mod:`.gpu`, through the fleet's GPU health
 source), ``network`` (:mod:`.network`, through :mod:`fleetward.chaos.net`), ``control`` (:mod:`.control`),
-``kv`` (:mod:`.kv`), ``load`` (:mod:`.load`, through the run's workload). Build a fault from the
+``kv`` (:mod:`.kv`), ``partition`` (:mod:`.partition`, between the hosts of a
+multi-host fleet), ``load`` (:mod:`.load`, through the run's workload). Build a fault from the
 catalogue::
 
     spec = CATALOGUE["process.kill_worker"]
@@ -20,7 +21,7 @@ or all of that in one call, which raises :class:`FaultCheckFailed` when a verifi
 
 from __future__ import annotations
 
-from fleetward.chaos.faults import control, gpu, kv, load, network, process
+from fleetward.chaos.faults import control, gpu, kv, load, network, partition, process
 from fleetward.chaos.faults._base import BaseFault, FaultCheckFailed, FaultParams, FaultUnavailable, cycle
 from fleetward.chaos.faults.network import probe_link
 
@@ -35,6 +36,7 @@ __all__ = [
     "kv",
     "load",
     "network",
+    "partition",
     "probe_link",
     "process",
 ]

@@ -1,0 +1,115 @@
+"""Hosts as network namespaces: real drops between them, and nothing left behind, also after a kill -9."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fleetward.chaos.hostnet import Drop, HostNetwork, leftover_namespaces
+
+pytestmark = pytest.mark.skipif(HostNetwork.unavailable_reason() is not None,
+                                reason=str(HostNetwork.unavailable_reason()))
+
+LISTEN = "import socket,time;s=socket.socket();s.bind(('0.0.0.0',5000));s.listen();time.sleep(600)"
+
+
+def _wait(cond: object, within: float = 20.0) -> None:
+    """Until ``cond()`` holds (a deadline, not a timing claim)."""
+    deadline = time.monotonic() + within
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "the condition did not come true in time"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def net() -> Iterator[HostNetwork]:
+    n = HostNetwork(3).create()
+    try:
+        yield n
+    finally:
+        n.destroy()
+
+
+def _links() -> str:
+    return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+
+
+def test_hosts_reach_each_other_and_the_run_s_own_network_is_untouched(net: HostNetwork) -> None:
+    assert set(leftover_namespaces(net.prefix)) == set(net.namespaces)
+    assert net.prefix not in _links() and "10.77.0." not in subprocess.run(
+        ["ip", "-o", "addr"], capture_output=True, text=True, check=True).stdout
+    for src in ("h0", "h1", "clients"):
+        assert net.connects(src, "h2", 9, refused_counts=True)  # nothing listens: a reset, the path flows
+    assert not net.connects("h0", "h2", 9)  # refused is not accepted
+
+
+def test_isolate_cut_one_way_and_heal(net: HostNetwork) -> None:
+    listener = subprocess.Popen(net.exec_argv("h1", [sys.executable, "-c", LISTEN]))
+    try:
+        _wait(lambda: net.connects("h0", "h1", 5000))
+        net.partition("cut", [Drop("h0", "h1"), Drop("h1", "h0")])
+        assert not net.connects("h0", "h1", 5000, timeout=0.3)
+        assert net.connects("clients", "h1", 5000)  # only that link
+        net.partition("svc", [Drop("clients", "h1", port=5000)])
+        assert not net.connects("clients", "h1", 5000, timeout=0.3)
+        assert net.connects("clients", "h1", 9, refused_counts=True)  # other ports flow
+        net.heal("cut")
+        assert net.connects("h0", "h1", 5000) and not net.connects("clients", "h1", 5000, timeout=0.3)
+        net.heal()
+        net.partition("one-way", [Drop("h2", "h0")])
+        assert not net.connects("h2", "h0", 9, timeout=0.3, refused_counts=True)
+        net.heal()
+        assert all(net.connects(s, "h1", 5000) for s in ("h0", "h2", "clients"))
+    finally:
+        listener.kill()
+        listener.wait()
+
+
+def test_destroy_kills_what_runs_inside_and_leaves_no_namespace() -> None:
+    net = HostNetwork(2).create()
+    inside = subprocess.Popen(net.exec_argv("h0", [sys.executable, "-c", LISTEN]))
+    net.destroy()
+    assert inside.wait(timeout=10) == -signal.SIGKILL
+    assert leftover_namespaces(net.prefix) == []
+    assert net.prefix not in _links()
+
+
+def test_a_kill_9_of_the_run_leaves_no_namespace_veth_or_process(tmp_path: Path) -> None:
+    """The run's process dies without cleaning up: its reaper removes the namespaces and kills what ran there."""
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(f"""
+        import subprocess, sys, time
+        from fleetward.chaos.hostnet import HostNetwork
+        net = HostNetwork(3).create()
+        for h in ("h0", "h1", "h2"):
+            subprocess.Popen(net.exec_argv(h, [sys.executable, "-c", {LISTEN!r}]), start_new_session=True)
+        print(net.prefix, flush=True)
+        time.sleep(600)
+    """))
+    run = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    assert run.stdout is not None
+    prefix = run.stdout.readline().strip()
+    assert prefix.startswith("fw")
+    net = HostNetwork(3, run_id=prefix[2:-1])
+    _wait(lambda: all(any(True for _ in _pids(ns)) for ns in (net.hosts[0].ns, net.hosts[2].ns)))
+    inside = [p for h in net.hosts for p in _pids(h.ns)]
+    os.kill(run.pid, signal.SIGKILL)
+    run.wait()
+    _wait(lambda: leftover_namespaces(prefix) == [])
+    _wait(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                          for p in inside))
+    assert prefix not in _links()
+
+
+def _pids(ns: str) -> list[int]:
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False).stdout
+    return [int(p) for p in out.split()]
