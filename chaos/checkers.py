@@ -700,3 +700,7 @@ def check_resources(view: RunView, ctx: CheckContext, params: ResourceParams) ->
                        metrics)
     return Verdict("resources", "pass", f"{growth}; {end_count} process(es) at the end ({warm_count} after the "
                    "warm-up); none outlived the run", (), metrics)
+
+
+# The distributed checkers (two leaders, actions twice, the minority acting) register in CHECKERS too.
+from fleetward.chaos import distributed as _distributed  # noqa: E402, F401
