@@ -145,6 +145,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_fleet_flags(up)
     up.add_argument("--autoscale", dest="autoscale_enabled", action="store_true", default=None,
                     help="start the autoscaler too (its settings: the fleet file's autoscale: section)")
+    up.add_argument("--hosts", type=int, default=1, help="(root) spread the fleet over N hosts, each a network "
+                    "namespace of this machine: a 3-member etcd, --workers simulated workers on each host, two "
+                    "controllers and two routers; the partition faults act between them (docs/chaos.md)")
     up.add_argument("--prometheus", dest="prometheus_enabled", action="store_true", default=None,
                     help="start a local Prometheus that scrapes the fleet and runs the alert rules")
 
@@ -664,6 +667,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.command == "up" and args.hosts > 1:
+            from fleetward.cli.hostsup import hosts_up
+
+            return hosts_up(_fleet_config(args), args.hosts)
         if args.command == "up":
             return asyncio.run(_cmd_up(args))
         if args.command == "status":

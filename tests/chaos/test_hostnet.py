@@ -19,6 +19,10 @@ from fleetward.chaos.hostnet import Drop, HostNetwork, leftover_namespaces
 pytestmark = pytest.mark.skipif(HostNetwork.unavailable_reason() is not None,
                                 reason=str(HostNetwork.unavailable_reason()))
 
+# A client in the clients' namespace: one streamed completion through router-0 (on h0).
+STREAM = ("import json, urllib.request; body = json.dumps({'model': 'sim-tiny', 'prompt': 'Hello', 'max_tokens': 4, "
+          "'stream': True}).encode(); req = urllib.request.Request('http://10.77.0.10:8000/v1/completions', body, "
+          "{'content-type': 'application/json'}); print(urllib.request.urlopen(req, timeout=20).read().decode())")
 LISTEN = "import socket,time;s=socket.socket();s.bind(('0.0.0.0',5000));s.listen();time.sleep(600)"
 
 
@@ -113,3 +117,33 @@ def test_a_kill_9_of_the_run_leaves_no_namespace_veth_or_process(tmp_path: Path)
 def _pids(ns: str) -> list[int]:
     out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False).stdout
     return [int(p) for p in out.split()]
+
+
+def test_fleetward_up_on_three_hosts_serves_then_a_kill_9_leaves_nothing(tmp_path: Path) -> None:
+    """`fleetward up --hosts 3` as a user runs it: a stream through its router from the clients' namespace; then
+    the command is killed with SIGKILL, and no namespace, veth or fleet process is left."""
+    before = set(leftover_namespaces())
+    up = subprocess.Popen([sys.executable, "-m", "fleetward.cli", "up", "--hosts", "3", "--workers", "1",
+                           "--run-dir", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, start_new_session=True)
+    try:
+        assert up.stdout is not None
+        lines = []
+        for line in up.stdout:
+            lines.append(line)
+            if "is up on 3 hosts" in line or "Traceback" in line:
+                break
+        assert "is up on 3 hosts" in "".join(lines), "".join(lines)
+        (ns,) = [n for n in set(leftover_namespaces()) - before if n.endswith("-c")]  # the clients' namespace
+        prefix = ns[:-1]
+        fleet = [p for n in leftover_namespaces(prefix) for p in _pids(n)]
+        assert len(fleet) >= 3 + 3 + 3 + 2 + 2  # etcd, agents, workers, controllers, routers (and the broker)
+        client = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", STREAM], capture_output=True,
+                                text=True, check=False, timeout=60)
+        assert "data: [DONE]" in client.stdout, client.stdout + client.stderr
+    finally:
+        os.kill(up.pid, signal.SIGKILL)
+        up.wait()
+    _wait(lambda: leftover_namespaces(prefix) == [])
+    _wait(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in fleet))
+    assert prefix not in _links()
