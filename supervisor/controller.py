@@ -93,7 +93,9 @@ class _Metrics:
                                    "Health transitions by new state and detector.", ["state", "detector"], registry=r)
         self.signals = Counter("fleetward_supervisor_signals", "Signals seen by detector and severity.",
                                ["detector", "severity"], registry=r)
-        self.canaries = Counter("fleetward_supervisor_canaries", "Canaries by result.", ["result"], registry=r)
+        self.canaries = Counter("fleetward_supervisor_canaries", "Canaries by result (ok, wrong, failed, unreachable: "
+                                "no TCP connection to the worker, which says nothing of the worker).", ["result"],
+                                registry=r)
         self.actions = Counter("fleetward_supervisor_actions", "Remediations issued to agents.", ["kind"],
                                registry=r)
         self.worker_restarts = Counter("fleetward_supervisor_worker_restarts", "Restarts issued, by worker: one "
@@ -161,6 +163,7 @@ class Controller(LeaderElected):
         # aiohttp, not httpx: with a connection per worker, httpx's pool scans every connection on each request
         # (two thirds of the controller's CPU at 1,000 workers, see docs/benchmarks.md); aiohttp keys by origin.
         self._http: aiohttp.ClientSession | None = None
+        self._fresh_http: aiohttp.ClientSession | None = None  # canaries: a connection of their own each
         self.on_action: Callable[[Any], None] | None = None  # tests and benchmarks observe decisions
 
     async def run(self) -> None:
@@ -182,8 +185,9 @@ class Controller(LeaderElected):
                                on_stepped_down=stepped_down, clock=self.clock)
         finally:
             await self._loops.aclose()
-            if self._http is not None:
-                await self._http.close()
+            for session in (self._http, self._fresh_http):
+                if session is not None:
+                    await session.close()
 
     async def _follow_events(self) -> None:
         """The cluster's events into the page's timeline, and the chaos faults in effect into their gauge."""
@@ -548,11 +552,11 @@ class Controller(LeaderElected):
         started = self.clock.monotonic()
         body = {"model": rec.model, "prompt": self.config.canary_prompt, "max_tokens": self.config.canary_max_tokens,
                 "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-        ok, reason, wrong = False, "", False
+        ok, reason, wrong, unreachable = False, "", False, False
         try:
             async with asyncio.timeout(deadline):
                 status, answer = await self.fetch("POST", f"{rec.url}/v1/completions", body=body,
-                                                   timeout=deadline + 1)
+                                                   timeout=deadline + 1, connect_timeout=deadline / 2, fresh=True)
             if status != 200:
                 reason = f"HTTP {status}: {answer[:200].decode(errors='replace')}"
             else:
@@ -565,14 +569,22 @@ class Controller(LeaderElected):
                 ok = not wrong
                 if ok:
                     self.metrics.canary_latency.observe(elapsed)
+        except aiohttp.ConnectionTimeoutError:  # first: it is a TimeoutError too
+            # A hung or frozen worker's kernel still completes the handshake (its listening socket's backlog); a
+            # dead one refuses. No handshake at all is the network between here and there: it says nothing of
+            # the worker, and the controller never acts on a worker it cannot reach (its lease decides).
+            reason = f"no TCP connection within {deadline / 2:.2f}s: the network between the controller and the worker"
+            unreachable = True
         except TimeoutError:
             reason = f"no answer within {deadline:.2f}s"
         except (*_HTTP_ERRORS, ValueError, KeyError, IndexError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
-        self.metrics.canaries.labels("ok" if ok else ("wrong" if wrong else "failed")).inc()
-        if not ok and self.machine is not None:  # the canary was sent into the failure
+        self.metrics.canaries.labels("ok" if ok else "wrong" if wrong else "unreachable" if unreachable
+                                     else "failed").inc()
+        if not ok and not unreachable and self.machine is not None:  # the canary was sent into the failure
             self._first_evidence(self.machine, worker, self.clock.wall() - (self.clock.monotonic() - started))
-        self.submit(CanaryDone(worker, ok, reason, wrong_tokens=wrong, silent=self.progress.silent(worker)))
+        self.submit(CanaryDone(worker, ok, reason, wrong_tokens=wrong, silent=self.progress.silent(worker),
+                               unreachable=unreachable))
 
     async def _confirm_wrong(self, worker: str, key: str, tokens: list[int], body: dict[str, Any],
                              deadline: float) -> str:
@@ -612,12 +624,20 @@ class Controller(LeaderElected):
             return f"wrong tokens twice: {tokens}, then {again}, where {key} gives {golden} (no peer to ask)"
         return ""
 
-    async def fetch(self, method: str, url: str, *, timeout: float, body: Any = None) -> tuple[int, bytes]:
-        """One HTTP request to a worker or router: its status and body."""
+    async def fetch(self, method: str, url: str, *, timeout: float, body: Any = None,
+                    connect_timeout: float | None = None, fresh: bool = False) -> tuple[int, bytes]:
+        """One HTTP request to a worker or router: its status and body. ``fresh``: on a connection of its own, made
+        for it (a canary: whether a connection can be made at all is part of the answer), within
+        ``connect_timeout`` (:class:`aiohttp.ConnectionTimeoutError`)."""
         if self._http is None:
             self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256, limit_per_host=8),
                                                json_serialize=lambda o: orjson.dumps(o).decode())
-        async with self._http.request(method, url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+        if fresh and self._fresh_http is None:  # never pooled: every request makes its connection
+            self._fresh_http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=256),
+                                                     json_serialize=lambda o: orjson.dumps(o).decode())
+        session = self._fresh_http if fresh and self._fresh_http is not None else self._http
+        timeouts = aiohttp.ClientTimeout(total=timeout, sock_connect=connect_timeout)
+        async with session.request(method, url, json=body, timeout=timeouts) as r:
             return r.status, await r.read()
 
     # -- the control API and the fleet page (supervisor/api.py) ---------------------------------------------

@@ -96,6 +96,7 @@ class CanaryDone:
     reason: str = ""
     wrong_tokens: bool = False
     silent: bool | None = None  # the routers' view right now: is the worker emitting nothing while busy?
+    unreachable: bool = False  # no TCP connection could be made: the network, not evidence about the worker
 
 
 @dataclass(frozen=True)
@@ -424,6 +425,8 @@ class HealthMachine:
                     return self._set(ws, S.READY, f"{ws.canary_streak} canaries passed", "canary")
                 return [RunCanary(ws.id, urgent=True)]
             return []
+        if e.unreachable:  # decide nothing on a worker that cannot be reached: ask again (its lease decides)
+            return [] if ws.state is S.READY else [RunCanary(ws.id, urgent=True)]
         if e.wrong_tokens and ws.state in (S.READY, S.SUSPECT, S.STARTING):
             return self._unhealthy(ws, e.reason, "canary")
         if ws.state is S.STARTING:

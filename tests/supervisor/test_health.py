@@ -90,6 +90,20 @@ def test_a_busy_worker_that_still_emits_tokens_is_not_declared_hung(machine: Hea
     assert states(out) == [S.READY]
 
 
+def test_a_worker_the_controller_cannot_reach_is_never_declared_dead_by_a_canary(machine: HealthMachine) -> None:
+    """No TCP handshake (a partition between the controller and the worker) says nothing of the worker: not even
+    with the routers' silence (they may be cut off too), and not from ready; its lease decides."""
+    ready(machine)
+    unreachable = CanaryDone("w", ok=False, reason="no TCP connection within 1.00s", silent=None, unreachable=True)
+    assert machine.observe(unreachable) == [], "a routine canary that could not connect changes nothing"
+    machine.observe(sig("stream-progress", Severity.SUSPECT))
+    out = machine.observe(CanaryDone("w", ok=False, reason="no TCP connection within 1.00s", silent=True,
+                                     unreachable=True))
+    assert states(out) == [] and of(out, RunCanary) and not of(out, AgentAction), "ask again, decide nothing"
+    out = machine.observe(CanaryDone("w", ok=False, reason="no answer within 1.00s", silent=True))
+    assert states(out) == [S.UNHEALTHY, S.RESTARTING], "a worker that accepts and does not answer is hung"
+
+
 def test_leaving_suspect_takes_several_good_canaries_and_no_active_suspicion(machine: HealthMachine) -> None:
     ready(machine)
     machine.observe(sig("metrics", Severity.SUSPECT))
