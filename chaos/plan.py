@@ -57,12 +57,18 @@ def plan(exp: Experiment, *, attach: str | None = None, etcd: str | None = None,
         fleet = (f"would attach to {attach} (not started by the run), as {f.workers} {f.backend} worker(s) "
                  f"{_ids(workers)} and {f.routers} router(s)")
     else:
-        fleet = (f"would start {f.workers} {f.backend} worker(s) {_ids(workers)}"
-                 + (f" ({f.prefill_workers} prefill)" if f.prefill_workers else "")
-                 + f", {f.routers} router(s), {f.controllers} supervisor controller(s), "
-                 + (f"on etcd {etcd}" if etcd else f"a private etcd ({f.etcd_members} member(s))")
-                 + (f" and MQTT broker {mqtt}" if mqtt else " and a private MQTT broker")
-                 + f", in cluster {f.cluster or 'chaos-<random>'}")
+        if f.hosts > 1:
+            fleet = (f"would make {f.hosts} hosts (network namespaces, root) and start {f.workers} {f.backend} "
+                     f"worker(s) on each {_ids(workers)}, a 3-member etcd across the first three, a broker on h0, "
+                     f"{f.controllers} supervisor controller(s) and {f.routers} router(s) spread over them, in "
+                     f"cluster {f.cluster or 'chaos-<random>'}")
+        else:
+            fleet = (f"would start {f.workers} {f.backend} worker(s) {_ids(workers)}"
+                     + (f" ({f.prefill_workers} prefill)" if f.prefill_workers else "")
+                     + f", {f.routers} router(s), {f.controllers} supervisor controller(s), "
+                     + (f"on etcd {etcd}" if etcd else f"a private etcd ({f.etcd_members} member(s))")
+                     + (f" and MQTT broker {mqtt}" if mqtt else " and a private MQTT broker")
+                     + f", in cluster {f.cluster or 'chaos-<random>'}")
     w = exp.workload
     arrival = w.arrival
     rate = (f"{arrival.kind} {arrival.rate:g}/s" if arrival.rate is not None else

@@ -203,6 +203,7 @@ _REQUIREMENTS: Mapping[str, tuple[str, Any, str]] = {
     # what a fault's spec.extra["requires"] may name: (fleet field, test, what to write in the file)
     "gpus": ("gpus_per_worker", lambda v: v > 0, "fleet.gpus_per_worker: 1 (a fake GPU source for the node agent)"),
     "standby": ("controllers", lambda v: v >= 2, "fleet.controllers: 2 (a leader and a standby)"),
+    "hosts": ("hosts", lambda v: v >= 3, "fleet.hosts: 3 or more (hosts in network namespaces to partition; root)"),
 }
 
 

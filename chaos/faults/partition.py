@@ -116,7 +116,7 @@ class IsolateParams(PartitionParams):
 
 
 @catalogued("the target hosts hear no one and no one hears them (other hosts and the clients)", target="host",
-            needs_root=True)
+            needs_root=True, requires=("hosts",))
 class Isolate(_PartitionFault):
     name = "partition.isolate"
     Params = IsolateParams
@@ -145,7 +145,7 @@ class SplitParams(PartitionParams):
 
 
 @catalogued("the hosts in two sides that do not hear each other; the etcd leader on the side chosen", target="fleet",
-            needs_root=True)
+            needs_root=True, requires=("hosts",))
 class Split(_PartitionFault):
     name = "partition.split"
     Params = SplitParams
@@ -175,7 +175,7 @@ class CutParams(PartitionParams):
 
 
 @catalogued("the target hosts and their peers stop hearing each other, for one service or all: one link",
-            target="host", needs_root=True)
+            target="host", needs_root=True, requires=("hosts",))
 class Cut(_PartitionFault):
     name = "partition.cut"
     Params = CutParams
@@ -202,7 +202,7 @@ class OneWayParams(PartitionParams):
 
 
 @catalogued("packets from the target hosts to others are dropped; the other way flows", target="host",
-            needs_root=True)
+            needs_root=True, requires=("hosts",))
 class OneWay(_PartitionFault):
     name = "partition.one_way"
     Params = OneWayParams

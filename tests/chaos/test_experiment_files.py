@@ -125,6 +125,14 @@ def test_a_load_fault_on_a_worker_target_is_refused(tmp_path: Path) -> None:
     assert err.field == "method[2].target.kind" and "targets fleet, not worker" in err.problem
 
 
+def test_a_partition_fault_needs_hosts_and_several_hosts_need_simulated_workers(tmp_path: Path) -> None:
+    partition = "fault: partition.isolate\n    at: 5\n    duration: 1\n    target: {kind: host, ids: [h1]}"
+    err = refused(tmp_path, GOOD.replace("fault: load.burst\n    at: 5\n    params: {count: 10}", partition))
+    assert err.field == "method[2].fault" and "needs fleet.hosts: 3 or more" in str(err), str(err)
+    err = refused(tmp_path, GOOD.replace("  workers: 3\n", "  workers: 1\n  hosts: 3\n  backend: vllm\n"))
+    assert err.field == "fleet" and "simulated" in err.problem and "backend" in err.problem, str(err)
+
+
 @pytest.mark.parametrize(("change", "field", "words"), [
     (("after: first", "after: nobody"), "method[1].after", "names no activity"),
     (("at: 5\n", "at: 12\n"), "method[2].at", "after the workload ends"),
