@@ -201,7 +201,7 @@ class StateStore(Protocol):
 
     async def grant(self, ttl: int) -> int: ...
 
-    async def keepalive(self, lease: int) -> int: ...
+    async def keepalive(self, lease: int, *, attempt_timeout: float | None = None) -> int: ...
 
     async def revoke(self, lease: int) -> None: ...
 
@@ -629,9 +629,16 @@ class EtcdStore:
 
         return await self._call(f"grant lease ttl={ttl}", call)
 
-    async def keepalive(self, lease: int) -> int:
+    async def keepalive(self, lease: int, *, attempt_timeout: float | None = None) -> int:
+        """Refresh ``lease``; its remaining TTL (0: it expired). ``attempt_timeout``: an attempt with no answer that
+        soon counts as a failure of its endpoint, and the next attempt goes to the next member (a member cut off
+        from the others, or whose leader was, answers nothing until its own timeout: seconds past a short TTL)."""
         async def call(client: aetcd.Client) -> int:
-            reply = await client.refresh_lease(lease)
+            try:
+                async with asyncio.timeout(attempt_timeout):
+                    reply = await client.refresh_lease(lease)
+            except TimeoutError:
+                raise aex.ConnectionTimeoutError(f"no answer within {attempt_timeout}s") from None
             return int(reply.TTL) if reply is not None else 0
 
         return await self._call(f"keepalive lease {lease:x}", call)

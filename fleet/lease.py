@@ -60,11 +60,11 @@ class LeaseKeeper:
         while True:
             await self._clock.sleep(delay)
             try:
-                # A keepalive the member cannot answer (its leader was cut off: etcd gives up on it only after its
-                # own request timeout, seconds past a short TTL) is given up after one interval and sent again at
-                # once; the next one reaches the leader the cluster has elected meanwhile.
+                # A keepalive the member cannot answer (it is cut off, or its leader is: etcd gives up on it only
+                # after its own request timeout, seconds past a short TTL) moves to the next member after a third
+                # of the interval, is given up after one, and sent again at once.
                 async with asyncio.timeout(interval):
-                    remaining = await self.store.keepalive(self.id)
+                    remaining = await self.store.keepalive(self.id, attempt_timeout=interval / 3)
             except (UnavailableError, StoreError, TimeoutError) as exc:
                 log.warning("lease %x keepalive failed: %s", self.id, exc or f"no answer within {interval:.1f}s")
                 delay = min(0.1, interval)

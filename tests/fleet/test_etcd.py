@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aetcd
 import pytest
@@ -13,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from fleetward.fleet.election import Election, Leadership, LeadershipLost, lead_forever
 from fleetward.fleet.errors import StoreError, StoreUnavailable
 from fleetward.fleet.etcd import Compare, Delete, EtcdStore, Put, WatchEvent
+from fleetward.fleet.infra import LocalEtcd
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.lease import LeaseKeeper
 from fleetward.fleet.procs import free_port
@@ -293,11 +296,11 @@ class _FirstKeepaliveUnanswered:
     def __getattr__(self, name: str) -> object:
         return getattr(self.store, name)
 
-    async def keepalive(self, lease: int) -> int:
+    async def keepalive(self, lease: int, *, attempt_timeout: float | None = None) -> int:
         if not self.stuck:
             self.stuck += 1
             await asyncio.Event().wait()
-        return await self.store.keepalive(lease)
+        return await self.store.keepalive(lease, attempt_timeout=attempt_timeout)
 
 
 async def test_a_keepalive_with_no_answer_is_sent_again_before_the_lease_runs_out(store: EtcdStore,
@@ -312,6 +315,39 @@ async def test_a_keepalive_with_no_answer_is_sent_again_before_the_lease_runs_ou
                 async for ev in changes:
                     pytest.fail(f"the lease lapsed behind a keepalive that got no answer: {ev}")
         assert slow.stuck == 1 and not lease.lost.is_set()
+
+
+async def test_a_keepalive_moves_on_from_a_member_that_answers_nothing(tmp_path: Path, keys: Keys) -> None:
+    """The member the store talks to stops answering (SIGSTOP: its connections stay open, nothing comes back, as
+    when a partition cuts it off): the keepalive gives up on it within a third of the interval and goes to the
+    next member, so the lease outlives it. Without that, the call waits for the store's own timeout (5 s),
+    past the TTL."""
+    members = [LocalEtcd(tmp_path / f"etcd-{i}", name=f"etcd-{i}", cluster_token=keys.cluster) for i in range(3)]
+    initial = ",".join(f"{m.name}={m.peer_url}" for m in members)
+    try:
+        for m in members:
+            m.initial_cluster = initial
+            m.start(tmp_path / "logs")
+        await asyncio.gather(*(m.wait_ready() for m in members))
+        ttl = 2
+        async with EtcdStore([m.endpoint for m in members]) as store, \
+                EtcdStore([m.endpoint for m in members[1:]]) as observer, LeaseKeeper(store, ttl=ttl) as lease:
+            rev = await store.put(keys.router("r"), b"up", lease=lease.id)
+            assert store.endpoint == members[0].endpoint
+            assert members[0].process is not None
+            members[0].process.signal(signal.SIGSTOP)
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(2 * ttl + 1), contextlib.aclosing(
+                        observer.watch_prefix(keys.routers, start_revision=rev + 1)) as changes:
+                    async for ev in changes:
+                        pytest.fail(f"the lease lapsed on a member that answers nothing: {ev}")
+            assert not lease.lost.is_set() and store.endpoint != members[0].endpoint
+            assert await observer.get(keys.router("r")) is not None
+    finally:
+        for m in members:
+            if m.process is not None:
+                m.process.signal(signal.SIGCONT)
+            await m.stop()
 
 
 def test_a_comma_separated_endpoint_is_a_cluster_s_members() -> None:
