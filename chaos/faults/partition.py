@@ -76,7 +76,7 @@ class _PartitionFault(BaseFault[Any]):
             raise FaultUnavailable(f"{self.name}: nothing to cut between {self.targets} and the rest")
         self._name = f"{self.name}#{id(self)}"
         fleet.net.partition(self._name, self.drops)
-        self.detail = {"drops": [[d.src, d.dst, d.port] for d in self.drops], "minority": list(self.minority)}
+        self.detail.update(drops=[[d.src, d.dst, d.port] for d in self.drops], minority=list(self.minority))
         ctx.record("partition", phase="start", activity=self._name, fault=self.name, minority=list(self.minority),
                    drops=self.detail["drops"])
 
