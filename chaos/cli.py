@@ -263,12 +263,10 @@ def _params(model: Any) -> list[dict[str, Any]]:
 
 
 _COMMON = ("verify_timeout_s", "recover_timeout_s")  # FaultParams: shown once under the tables
-_NEEDS = {"gpus": "needs fleet.gpus_per_worker > 0", "standby": "needs fleet.controllers >= 2"}
-
-
 def _faults(args: argparse.Namespace) -> int:
     from fleetward.chaos.catalogue import backends_for, fault_catalogue, target_kinds
     from fleetward.chaos.fault import FAMILIES
+    from fleetward.chaos.validation import REQUIREMENTS
     from fleetward.fleet.backends import BACKENDS
 
     catalogue, problems = fault_catalogue()
@@ -292,7 +290,7 @@ def _faults(args: argparse.Namespace) -> int:
             works = backends_for(s)
             notes = [*([] if len(works) == len(BACKENDS) else [f"{'/'.join(works)} only"]),
                      *(["needs root"] if s.needs_root else []),
-                     *(_NEEDS[r] for r in s.extra.get("requires", ()))]
+                     *(f"needs {REQUIREMENTS[r][2]}" for r in s.extra.get("requires", ()))]
             table.add_row(s.name, ", ".join(target_kinds(s)) or "-",
                           escape(s.summary + (f" [{'; '.join(notes)}]" if notes else "")), escape(params or "-"))
         out.print(table)

@@ -40,7 +40,7 @@ from fleetward.fleet.backends import backend_capabilities
 from fleetward.fleet.config import parse_yaml, read_text, validation_error
 from fleetward.fleet.errors import ConfigError
 
-__all__ = ["load_experiment", "validate_experiment"]
+__all__ = ["REQUIREMENTS", "load_experiment", "validate_experiment"]
 
 Loc = tuple[str | int, ...]
 _TARGET_KINDS = frozenset(get_args(Target.model_fields["kind"].annotation))
@@ -199,7 +199,7 @@ def _meaning(exp: Experiment, *, base: Path | None) -> list[InitErrorDetails]:
     return problems
 
 
-_REQUIREMENTS: Mapping[str, tuple[str, Any, str]] = {
+REQUIREMENTS: Mapping[str, tuple[str, Any, str]] = {
     # what a fault's spec.extra["requires"] may name: (fleet field, test, what to write in the file)
     "gpus": ("gpus_per_worker", lambda v: v > 0, "fleet.gpus_per_worker: 1 (a fake GPU source for the node agent)"),
     "standby": ("controllers", lambda v: v >= 2, "fleet.controllers: 2 (a leader and a standby)"),
@@ -210,7 +210,7 @@ _REQUIREMENTS: Mapping[str, tuple[str, Any, str]] = {
 def _requirements(spec: FaultSpec, fleet: FleetSpec, here: Loc) -> list[InitErrorDetails]:
     out = []
     for need in spec.extra.get("requires", ()):
-        field, holds, fix = _REQUIREMENTS[need]
+        field, holds, fix = REQUIREMENTS[need]
         if not holds(getattr(fleet, field)):
             out.append(_problem((*here, "fault"), f"{spec.name} needs {fix}"))
     return out

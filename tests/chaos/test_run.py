@@ -156,6 +156,9 @@ def test_chaos_faults_lists_the_catalogue_by_family_with_parameters() -> None:
     assert {p["name"]: p["default"] for p in burst["params"]}["count"] == 50
     text = chaos("faults", "--family", "load")
     assert text.returncode == 0 and "load.mass_cancel" in text.stdout and "load (5)" in text.stdout
+    every = chaos("faults")  # every family's table, each fault's needs said in words
+    assert every.returncode == 0, every.stderr
+    assert "partition (4)" in every.stdout and "needs fleet.hosts: 3 or more" in " ".join(every.stdout.split())
 
 
 def test_the_safety_rule_is_enforced_again_on_the_targets_a_run_resolves() -> None:
