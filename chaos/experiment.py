@@ -377,7 +377,8 @@ class BlastRadius(Frozen):
     """
 
     workers: Selector = Field((), description="worker ids or globs that may be faulted")
-    nodes: Selector = Field((), description="hosts whose workers may be faulted")
+    nodes: Selector = Field((), description="hosts whose workers may be faulted, and which partition faults may "
+                            "cut off (a fleet of several hosts: h0, h1, ...)")
     routers: Selector = Field((), description="router ids or globs")
     links: Selector = Field((), description="links (fault proxies): router->worker:<id>, client->router:<id>, "
                             "agent->etcd, ... or globs")
@@ -409,12 +410,12 @@ class BlastRadius(Frozen):
 
 # Every kind of component, whole: what an experiment that declares no radius may break (of the fleet it declares);
 # its max_capacity_share follows the experiment's safety rule for workers (:meth:`Experiment.radius`).
-DEFAULT_RADIUS = BlastRadius(workers=("*",), routers=("*",), links=("*",), etcd=("*",), broker=("*",),
+DEFAULT_RADIUS = BlastRadius(workers=("*",), nodes=("*",), routers=("*",), links=("*",), etcd=("*",), broker=("*",),
                              supervisors=("*",), max_capacity_share=0.5)
 
 _RADIUS_FIELDS: Mapping[str, str] = {"worker": "workers", "gpu": "workers", "kv": "workers", "router": "routers",
                                      "link": "links", "etcd": "etcd", "broker": "broker",
-                                     "supervisor": "supervisors"}
+                                     "supervisor": "supervisors", "host": "nodes"}
 
 
 def radius_field(kind: str) -> str | None:

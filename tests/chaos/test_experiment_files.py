@@ -131,6 +131,9 @@ def test_a_partition_fault_needs_hosts_and_several_hosts_need_simulated_workers(
     assert err.field == "method[2].fault" and "needs fleet.hosts: 3 or more" in str(err), str(err)
     err = refused(tmp_path, GOOD.replace("  workers: 3\n", "  workers: 1\n  hosts: 3\n  backend: vllm\n"))
     assert err.field == "fleet" and "simulated" in err.problem and "backend" in err.problem, str(err)
+    library = Path(__file__).resolve().parents[2] / "chaos" / "experiments" / "partition-host-isolation.yaml"
+    err = refused(tmp_path, library.read_text().replace("ids: [h2]}", "ids: [h1]}"))  # its radius: nodes [h2]
+    assert err.field == "method[0].target.ids" and "outside the blast radius (nodes h2" in err.problem, str(err)
 
 
 @pytest.mark.parametrize(("change", "field", "words"), [
