@@ -271,16 +271,23 @@ async def test_closing_a_lease_keeper_revokes_its_keys_at_once(store: EtcdStore,
     assert await store.keepalive(lease.id) == 0
 
 
+async def _no_change_for(store: EtcdStore, prefix: str, start: int, seconds: float, why: str) -> None:
+    """Fail on any change under ``prefix`` from revision ``start`` for ``seconds`` (a lease that lapsed shows as
+    its keys' deletion)."""
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(seconds), contextlib.aclosing(
+                store.watch_prefix(prefix, start_revision=start)) as changes:
+            async for ev in changes:
+                pytest.fail(f"{why}: {ev}")
+
+
 async def test_lease_keeper_keeps_keys_past_the_ttl(store: EtcdStore, keys: Keys) -> None:
     ttl = 2
     async with LeaseKeeper(store, ttl=ttl) as lease:
         rev = await store.put(keys.router("r"), b"up", lease=lease.id)
         # Without keepalives etcd would delete the key about one TTL from now: watch well past that.
-        with pytest.raises(TimeoutError):
-            async with asyncio.timeout(ttl + 1.5), contextlib.aclosing(
-                    store.watch_prefix(keys.routers, start_revision=rev + 1)) as changes:
-                async for ev in changes:
-                    pytest.fail(f"unexpected change while the lease was kept alive: {ev}")
+        await _no_change_for(store, keys.routers, rev + 1, ttl + 1.5, "unexpected change while the lease was kept "
+                             "alive")
         assert not lease.lost.is_set()
     assert await store.get(keys.router("r")) is None
 
@@ -309,11 +316,8 @@ async def test_a_keepalive_with_no_answer_is_sent_again_before_the_lease_runs_ou
     slow = _FirstKeepaliveUnanswered(store)
     async with LeaseKeeper(slow, ttl=ttl) as lease:  # type: ignore[arg-type]
         rev = await store.put(keys.router("r"), b"up", lease=lease.id)
-        with pytest.raises(TimeoutError):
-            async with asyncio.timeout(ttl + 1.5), contextlib.aclosing(
-                    store.watch_prefix(keys.routers, start_revision=rev + 1)) as changes:
-                async for ev in changes:
-                    pytest.fail(f"the lease lapsed behind a keepalive that got no answer: {ev}")
+        await _no_change_for(store, keys.routers, rev + 1, ttl + 1.5, "the lease lapsed behind a keepalive that got "
+                             "no answer")
         assert slow.stuck == 1 and not lease.lost.is_set()
 
 
@@ -336,11 +340,8 @@ async def test_a_keepalive_moves_on_from_a_member_that_answers_nothing(tmp_path:
             assert store.endpoint == members[0].endpoint
             assert members[0].process is not None
             members[0].process.signal(signal.SIGSTOP)
-            with pytest.raises(TimeoutError):
-                async with asyncio.timeout(2 * ttl + 1), contextlib.aclosing(
-                        observer.watch_prefix(keys.routers, start_revision=rev + 1)) as changes:
-                    async for ev in changes:
-                        pytest.fail(f"the lease lapsed on a member that answers nothing: {ev}")
+            await _no_change_for(observer, keys.routers, rev + 1, 2 * ttl + 1, "the lease lapsed on a member that "
+                                 "answers nothing")
             assert not lease.lost.is_set() and store.endpoint != members[0].endpoint
             assert await observer.get(keys.router("r")) is not None
     finally:
