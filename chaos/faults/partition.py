@@ -47,9 +47,6 @@ def _hosts(ctx: FaultContext) -> HostsFleet:
     return fleet
 
 
-def _reachable(net: HostNetwork, src: str, dst: str, port: int, timeout: float) -> bool:
-    """Whether ``dst:port`` answers ``src`` at all (accepted or refused) within ``timeout``: a path flows."""
-    return net.connects(src, dst, port, timeout=timeout, refused_counts=True)
 
 
 class PartitionParams(FaultParams):
@@ -83,17 +80,19 @@ class _PartitionFault(BaseFault[Any]):
     async def _plan(self, ctx: FaultContext, fleet: HostsFleet) -> list[Drop]:
         return self._drops(ctx, fleet)
 
-    async def _all_cut(self, net: HostNetwork, timeout: float) -> bool:
-        checks = [asyncio.to_thread(_reachable, net, d.src, d.dst, d.port or _PROBE_PORT, timeout) for d in self.drops]
-        return not any(await asyncio.gather(*checks))
-
-    async def _all_flow(self, net: HostNetwork, timeout: float) -> bool:
-        checks = [asyncio.to_thread(_reachable, net, d.src, d.dst, d.port or _PROBE_PORT, timeout) for d in self.drops]
-        return all(await asyncio.gather(*checks))
+    async def _flowing(self, net: HostNetwork, timeout: float) -> list[bool]:
+        """For each drop, whether its path answers at all (accepted or refused) within ``timeout``."""
+        return list(await asyncio.gather(*(
+            asyncio.to_thread(net.connects, d.src, d.dst, d.port or _PROBE_PORT, timeout=timeout, refused_counts=True)
+            for d in self.drops)))
 
     async def verify(self, ctx: FaultContext) -> bool:
         net = _hosts(ctx).net
-        return bool(self.drops) and await eventually(lambda: self._all_cut(net, 0.5), self.params.verify_timeout_s)
+
+        async def all_cut() -> bool:
+            return not any(await self._flowing(net, 0.5))
+
+        return bool(self.drops) and await eventually(all_cut, self.params.verify_timeout_s)
 
     async def recover(self, ctx: FaultContext) -> None:
         fleet = _hosts(ctx)
@@ -103,7 +102,11 @@ class _PartitionFault(BaseFault[Any]):
 
     async def verify_recovered(self, ctx: FaultContext) -> bool:
         net = _hosts(ctx).net
-        return await eventually(lambda: self._all_flow(net, 1.0), self.params.recover_timeout_s)
+
+        async def all_flow() -> bool:
+            return all(await self._flowing(net, 1.0))
+
+        return await eventually(all_flow, self.params.recover_timeout_s)
 
 
 def _both(a: str, b: str, port: int | None = None) -> list[Drop]:
