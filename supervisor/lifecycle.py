@@ -200,6 +200,7 @@ class Lifecycle:
             agent.exits.unwatch(worker_id)
             if old is not None:
                 await backend.stop(old, grace=5)
+            await agent.exits.cleared(worker_id)  # what an exit seen before this restart left behind
             spec = spec or agent.specs.get(worker_id)
             if spec is None:
                 raise FleetwardError(f"unknown worker {worker_id} on node {agent.node}")

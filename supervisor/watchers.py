@@ -49,6 +49,7 @@ class ExitWatch:
         self._watchers: dict[str, asyncio.Task[None]] = {}  # worker -> the wait for its exit, once registered
         self._tree_fds: dict[str, dict[int, int]] = {}  # worker -> pid -> pidfd of its engine processes
         self._dying: dict[str, WorkerHandle] = {}  # workers named dying before their exit completed
+        self._clearing: dict[str, asyncio.Task[None]] = {}  # worker -> the stop of what its exit left behind
 
     def is_registered(self, worker_id: str) -> bool:
         """Whether the worker registered (it has an exit watcher): one still starting has not."""
@@ -100,20 +101,44 @@ class ExitWatch:
         reason = f"process exited with code {code}" if code is not None else "process exited"
         log.warning("worker %s: %s", worker_id, reason)
         agent.handles.pop(worker_id, None)
+        # Before any await: a restart ordered on the exit (seen as it began) may cancel this watcher at the
+        # next one, and it no longer finds the handle to stop.
+        self._clear_leftovers(handle)
         # The signal first, then the deregistration: the leader learns why before it sees it go.
         await agent.signal(worker_id, "process", Severity.FATAL, reason, exit_code=code)
         with contextlib.suppress(UnavailableError):
             await agent.store.delete(agent.keys.worker(worker_id))
         await agent.bus.publish("worker.down", worker=worker_id, node=agent.node, reason=reason, exit_code=code)
-        # What the process left behind (vLLM's EngineCore and Worker outlive a killed API server, holding
-        # memory, and on a GPU its memory): stopped now, not at the next restart, which may never come.
+
+    def _clear_leftovers(self, handle: WorkerHandle) -> None:
+        """Stop what the exited process left behind (vLLM's EngineCore and Worker outlive a killed API server,
+        holding memory, and on a GPU its memory): now, not at the next restart, which may never come. In a
+        task of the agent's that no unwatch cancels; a restart waits for it (:meth:`cleared`)."""
+        agent = self.agent
+        worker_id = handle.spec.id
         leftovers = handle.process.leftovers()
-        if leftovers:
-            log.warning("worker %s: %d process(es) of its tree outlived it (pids %s); stopping them", worker_id,
-                        len(leftovers), ", ".join(str(p.pid) for p in leftovers))
-            await agent.backend_for(worker_id).stop(handle, grace=5)
-            if not handle.process.survivors:
-                log.info("worker %s: its tree is gone", worker_id)
+        if not leftovers:
+            return
+        log.warning("worker %s: %d process(es) of its tree outlived it (pids %s); stopping them", worker_id,
+                    len(leftovers), ", ".join(str(p.pid) for p in leftovers))
+
+        async def clear() -> None:
+            try:
+                await agent.backend_for(worker_id).stop(handle, grace=5)
+                if not handle.process.survivors:
+                    log.info("worker %s: its tree is gone", worker_id)
+            finally:
+                if self._clearing.get(worker_id) is task:
+                    del self._clearing[worker_id]
+
+        task = self._clearing[worker_id] = agent.spawn(clear(), name=f"leftovers-{worker_id}")
+
+    async def cleared(self, worker_id: str) -> None:
+        """Wait until what the worker's last exit left behind is stopped (a restart starts after that)."""
+        task = self._clearing.get(worker_id)
+        if task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(task)
 
     def watch_tree_member(self, wid: str, handle: WorkerHandle, pid: int, name: str) -> None:
         """A pidfd on a process of a worker's tree (e.g. vLLM's EngineCore): its exit is seen at once."""

@@ -21,8 +21,9 @@ Per test (function-scoped):
   restart them (the shared ones are never restarted); stopped after the test;
 - ``spawn_python(code, *args, ready="READY")``: run ``python -c code args...`` as a
   :class:`ManagedProcess` and wait until its output holds the ``ready`` line; stopped after the test;
-- ``outside_servers(n, sim_config)``: simulated workers started as an operator starts servers (detached,
-  a pidfile each, a command to start one again), for fleetward to adopt; killed after the test;
+- ``outside_servers(n, sim_config, prefix=())``: simulated workers started as an operator starts servers
+  (detached, a pidfile each, a command to start one again; ``prefix`` runs before the server's argv), for
+  fleetward to adopt; their trees killed after the test;
 - ``fleetward_up(*args, run_dir=, cluster=)``: ``fleetward up ARGS`` as a user runs it (an async context
   manager yielding the process and a ``status()`` that returns ``fleetward status --json`` or None); on
   leaving, SIGTERM, and the test fails unless it exits 0 leaving no process behind;
@@ -51,7 +52,7 @@ import subprocess
 import sys
 import uuid
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ from fleetward.fleet.errors import FleetwardError
 from fleetward.fleet.etcd import EtcdStore
 from fleetward.fleet.infra import LocalBroker, LocalEtcd
 from fleetward.fleet.keys import Keys
-from fleetward.fleet.procs import ManagedProcess, free_port, is_gone, pid_from_file
+from fleetward.fleet.procs import ManagedProcess, free_port, is_gone, kill_tree, pid_from_file, tree_of
 
 # -- leftover processes -----------------------------------------------------------------------------------
 
@@ -420,8 +421,8 @@ async def spawn_python(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
 # What an operator's start script does: run the server detached (its own session), write its pid, return.
 START = """
 import subprocess, sys
-port, pidfile, log, config = sys.argv[1:5]
-p = subprocess.Popen([sys.executable, "-m", "fleetward.sim.server", "--port", port, "--config-json", config],
+port, pidfile, log, config, *prefix = sys.argv[1:]
+p = subprocess.Popen([*prefix, sys.executable, "-m", "fleetward.sim.server", "--port", port, "--config-json", config],
                      stdout=open(log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                      start_new_session=True)
 open(pidfile, "w").write(str(p.pid))
@@ -431,13 +432,13 @@ open(pidfile, "w").write(str(p.pid))
 class OutsideServer:
     """One server started outside fleetward, and the command that starts it (again)."""
 
-    def __init__(self, root: Path, name: str, config: SimConfig) -> None:
+    def __init__(self, root: Path, name: str, config: SimConfig, prefix: Sequence[str] = ()) -> None:
         self.config = config
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.pidfile = root / f"{name}.pid"
         self.command = [sys.executable, "-c", START, str(self.port), str(self.pidfile), str(root / f"{name}.log"),
-                        self.config.model_dump_json()]
+                        self.config.model_dump_json(), *prefix]
 
     def start(self) -> None:
         subprocess.run(self.command, check=True, timeout=30)
@@ -451,9 +452,12 @@ class OutsideServer:
             return None
 
     def kill(self) -> None:
+        """SIGKILL its whole tree, and wait until it is gone."""
         p = self.process
         if p is not None and not is_gone(p):
-            p.kill()
+            tree = tree_of(p.pid)
+            kill_tree(tree)
+            psutil.wait_procs(tree, timeout=10)
 
     def entry(self, *, restart: bool, process: bool = True, **kw: Any) -> AttachConfig:
         return AttachConfig(url=self.url, process={"pidfile": self.pidfile} if process else None,
@@ -464,12 +468,13 @@ class OutsideServer:
 
 @pytest.fixture
 def outside_servers(tmp_path: Path) -> Iterator[Callable[..., list[OutsideServer]]]:
-    """``outside_servers(n, sim_config)``: n simulated workers started the way an operator starts theirs
-    (detached, a pidfile each), for fleetward to adopt. Killed after the test, wherever they were restarted."""
+    """``outside_servers(n, sim_config, prefix=())``: n simulated workers started the way an operator starts
+    theirs (detached, a pidfile each), for fleetward to adopt. Killed after the test with their trees, wherever
+    they were restarted."""
     made: list[OutsideServer] = []
 
-    def start(n: int, config: SimConfig) -> list[OutsideServer]:
-        batch = [OutsideServer(tmp_path / "outside", f"s{len(made) + i}", config) for i in range(n)]
+    def start(n: int, config: SimConfig, prefix: Sequence[str] = ()) -> list[OutsideServer]:
+        batch = [OutsideServer(tmp_path / "outside", f"s{len(made) + i}", config, prefix) for i in range(n)]
         (tmp_path / "outside").mkdir(exist_ok=True)
         for server in batch:
             server.start()

@@ -139,6 +139,43 @@ async def test_a_frozen_adopted_server_is_detected_through_its_process(
     await fleet.wait_healthy(timeout=60)
 
 
+async def test_what_a_killed_server_left_behind_is_stopped_even_when_a_restart_overtakes_its_exit(
+        tmp_path: Path, etcd_endpoint: str, broker_endpoint: str, cluster: str, outside_servers: Any,
+        monkeypatch: pytest.MonkeyPatch, wait_until: Any) -> None:
+    """vLLM's EngineCore outlives a SIGKILLed API server. The agent stops it when it sees the exit; a restart
+    ordered meanwhile (the exit was seen as it began) used to cancel that step at its first await, when the
+    restart no longer found the old process to clear, and the engine was left running (CI saw it on vLLM).
+    Here the server's leftover is a child it started, and the exit watcher is held at its first write until
+    the supervisor's restart has begun."""
+    server, = outside_servers(1, SIM, ["sh", "-c", 'sleep 600 & exec "$@"', "sh"])
+    fleet = await adopted_fleet(tmp_path, etcd_endpoint, broker_endpoint, cluster, [server.entry(restart=True)])
+    try:
+        victim, = fleet.worker_ids
+        api, *rest = fleet.processes(victim)
+        assert [p.name() for p in rest] == ["sleep"], "the server's tree is known to the agent"
+        agent = fleet.agent
+        signal_as_usual = agent.signal
+        gate = asyncio.Event()
+
+        async def held(worker: str, detector: str, *args: Any, **kw: Any) -> None:
+            if detector == "process" and "pid" not in kw:  # the exit watcher's (the exit seen beginning names a pid)
+                await gate.wait()
+            await signal_as_usual(worker, detector, *args, **kw)
+
+        monkeypatch.setattr(agent, "signal", held)
+        api.kill()
+        await wait_until(lambda: agent.is_restarting(victim) and not agent.exits.is_registered(victim), timeout=30,
+                         message="the supervisor's restart overtook the exit watcher")
+        gate.set()
+        await wait_until(lambda: all(is_gone(p) for p in rest), timeout=15,
+                         message="the child the killed server left is stopped")
+        await fleet.wait_healthy(timeout=60)
+        await wait_until(lambda: (tree := fleet.processes(victim)) and tree[0].pid == server.process.pid != api.pid,
+                         timeout=60, message="restarted by its command, and watched")
+    finally:
+        await fleet.aclose()
+
+
 async def test_a_restart_command_written_into_etcd_by_hand_is_never_run(
         restartable: TestFleet, servers: list[Server], tmp_path: Path, wait_until: Any) -> None:
     """Any holder of the fleet's etcd credentials (every router host) could rewrite ``attach/<id>`` and have the
