@@ -34,7 +34,7 @@ from fleetward.fleet.backends import Backend, SimBackend, TinyModel, WorkerHandl
 from fleetward.fleet.bus import MqttBus
 from fleetward.fleet.config import AttachConfig, RouterConfig, SupervisorConfig
 from fleetward.fleet.etcd import EtcdStore
-from fleetward.fleet.handle import AgentWorkers, Fleet, FleetClient, RouterRef
+from fleetward.fleet.handle import AgentWorkers, Fleet, FleetClient, RouterRef, StartedInContext
 from fleetward.fleet.infra import LocalBroker, LocalEtcd
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.launch import (
@@ -60,7 +60,7 @@ ControllerProcess = ServiceProcess  # a controller process; ``url`` is its contr
 
 
 @dataclass
-class TestFleet(AgentWorkers, FleetClient):
+class TestFleet(AgentWorkers, FleetClient, StartedInContext):
     """Workers (through a real node agent) and routers (real processes) under one cluster."""
 
     __test__ = False  # not a pytest test class
@@ -108,17 +108,6 @@ class TestFleet(AgentWorkers, FleetClient):
         self.warm: dict[str, int] = {}  # worker -> pid of its process that restore() warmed up (vLLM)
 
     # -- life -------------------------------------------------------------------------------------------
-
-    async def __aenter__(self) -> TestFleet:
-        try:
-            await self.start()
-        except BaseException:
-            await self.aclose()
-            raise
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     async def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)

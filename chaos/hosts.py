@@ -36,6 +36,7 @@ from fleetward.fleet.backends import Backend, SimBackend
 from fleetward.fleet.config import AutoscaleConfig, RouterConfig, SupervisorConfig
 from fleetward.fleet.errors import ConfigError
 from fleetward.fleet.etcd import EtcdStore
+from fleetward.fleet.handle import StartedInContext
 from fleetward.fleet.infra import LocalBroker, LocalEtcd
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.launch import (
@@ -56,7 +57,7 @@ __all__ = ["PORTS", "HostsFleet", "HostsView"]
 PORTS = {"etcd": 2379, "etcd-peer": 2380, "broker": 1883, "router": 8000, "controller": 9300, "autoscaler": 9400}
 
 
-class HostsFleet:
+class HostsFleet(StartedInContext):
     """The multi-host fleet (see the module docstring); an async context manager that stops it all."""
 
     def __init__(self, net: HostNetwork, *, cluster: str, run_dir: Path, backend: Backend, workers_per_host: int = 1,
@@ -87,6 +88,7 @@ class HostsFleet:
         self.services: dict[str, ServiceProcess] = {}
         self.placement: dict[str, str] = {}  # service id (agent:<node> for agents) -> host
         self._config: Path | None = None
+        self._store_client: EtcdStore | None = None  # made on first use: the members are known once started
 
     # -- where things are
 
@@ -152,20 +154,9 @@ class HostsFleet:
     # -- life
 
     def _store(self) -> EtcdStore:
-        if not hasattr(self, "_store_client"):
+        if self._store_client is None:
             self._store_client = EtcdStore(self.etcd_endpoint, attempts=5, retry_budget_s=10.0)
         return self._store_client
-
-    async def __aenter__(self) -> HostsFleet:
-        try:
-            await self.start()
-        except BaseException:
-            await self.aclose()
-            raise
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     def _env(self) -> dict[str, str]:
         return service_env(admin_token=self.admin_token)
@@ -247,7 +238,7 @@ class HostsFleet:
             with contextlib.suppress(Exception):
                 await s.process.stop(grace=3)
         await asyncio.gather(*(p.stop(grace=5) for p in self.agents.values()), return_exceptions=True)
-        if hasattr(self, "_store_client"):
+        if self._store_client is not None:
             await self._store_client.aclose()
         if self.broker_impl is not None:
             with contextlib.suppress(Exception):

@@ -47,7 +47,7 @@ from fleetward.fleet.config import (
 )
 from fleetward.fleet.errors import ConfigError, FleetwardError
 from fleetward.fleet.etcd import EtcdStore, enable_auth
-from fleetward.fleet.handle import AgentWorkers, Fleet, FleetClient, RouterRef
+from fleetward.fleet.handle import AgentWorkers, Fleet, FleetClient, RouterRef, StartedInContext
 from fleetward.fleet.infra import LocalBroker, LocalEtcd, LocalPki, make_local_pki, write_mosquitto_passwords
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.launch import (
@@ -73,7 +73,7 @@ from fleetward.fleet.procs import (
 from fleetward.fleet.prometheus import LocalPrometheus, TargetsWriter
 from fleetward.fleet.registry import publish_attachments
 from fleetward.fleet.signing import AttachSigner
-from fleetward.fleet.state import StateFile, state_path
+from fleetward.fleet.state import StateFile, state_path, write_admin_token
 from fleetward.fleet.worker import Role, WorkerSpec
 from fleetward.supervisor.agent import NodeAgent
 
@@ -84,7 +84,7 @@ log = logging.getLogger(__name__)
 Progress = Callable[[str, str], None]  # (step, what happened)
 
 
-class LocalFleet(AgentWorkers, FleetClient):
+class LocalFleet(AgentWorkers, FleetClient, StartedInContext):
     store: EtcdStore
     bus: MqttBus
     agent: NodeAgent
@@ -121,17 +121,6 @@ class LocalFleet(AgentWorkers, FleetClient):
         self.adopted: list[str] = []  # the servers of ``attach:`` (registered once they answer)
         self._lock: int | None = None  # the run folder's lock while this fleet holds it (see _claim)
         self._started_at = time.time()
-
-    async def __aenter__(self) -> LocalFleet:
-        try:
-            await self.start()
-        except BaseException:
-            await self.aclose()
-            raise
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     @property
     def router_url(self) -> str:
@@ -410,9 +399,7 @@ class LocalFleet(AgentWorkers, FleetClient):
     def _write_state(self) -> None:
         token_file = self.config.admin_token_file or self.root / "admin-token"
         if not token_file.exists():
-            fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(self.admin_secret.get_secret_value())
+            write_admin_token(token_file, self.admin_secret.get_secret_value())
         self.state_file.data = {
             "cluster": self.config.cluster,
             "etcd": self.etcd_endpoint,

@@ -23,7 +23,7 @@ from fleetward.fleet.backends import make_backend
 from fleetward.fleet.config import FleetConfig
 from fleetward.fleet.errors import ConfigError
 from fleetward.fleet.shutdown import install_stop_handlers
-from fleetward.fleet.state import StateFile, state_path
+from fleetward.fleet.state import StateFile, state_path, write_admin_token
 
 __all__ = ["hosts_up"]
 
@@ -66,9 +66,7 @@ async def _serve(config: FleetConfig, net: HostNetwork) -> int:
         with err.status("waiting for the workers…"):
             await fleet.wait_routable()
         token = root / "admin-token"
-        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(fleet.admin_token)
+        write_admin_token(token, fleet.admin_token)
         state.data = {**fleet.state(), "pid": os.getpid(), "admin_token_file": str(token)}
         state.write()
         enter = f"ip netns exec {net.clients.ns}"

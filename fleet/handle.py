@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Self, runtime_checkable
 
 import httpx
 import psutil
@@ -42,6 +42,7 @@ __all__ = [
     "FleetClient",
     "NotOurs",
     "RouterRef",
+    "StartedInContext",
     "WorkerHost",
     "ensure_serving",
     "restore",
@@ -196,6 +197,28 @@ class Fleet(Protocol):
         started again, every worker (of ``workers``, default all) routable (ready, when supervised) and
         warmed up. Returns what it did (``unquarantined``, ``cleared``, ``restarted``)."""
         ...
+
+
+class StartedInContext:
+    """``async with fleet:`` starts it and closes it on the way out; a start that fails half-way closes what
+    it had started before the error goes on. The class provides :meth:`start` and :meth:`aclose`."""
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self.start()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
 # -- what every implementation shares -------------------------------------------------------------------------

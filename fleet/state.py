@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,3 +60,10 @@ def read_admin_token(state: dict[str, Any], path: Path) -> str:
         return given.get_secret_value()
     token_file = Path(state.get("admin_token_file") or path.parent / "admin-token")
     return token_file.read_text().strip() if token_file.exists() else ""
+
+
+def write_admin_token(path: Path, token: str) -> None:
+    """The admin token written where ``read_admin_token`` finds it, readable by its owner only from the start."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)

@@ -11,6 +11,7 @@
   (uvicorn on a free port in the test's loop, for tests that act mid-stream); :func:`eventually` and
   :func:`pump` (a :class:`ManualClock` jumped one engine step at a time).
 - SSE bodies and metrics: :func:`sse`, :func:`sse_events`, :func:`tokens_of`, :func:`ids_of`, :func:`metric`.
+- An experiment of the library run as a user runs it: :func:`run_experiment` (its journal, every check passed).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -233,3 +236,17 @@ def metric(text: str, name: str, **labels: str) -> float:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 return s.value
     raise AssertionError(f"no sample {name} {labels}")
+
+
+LIBRARY = Path(__file__).resolve().parents[1] / "chaos" / "experiments"
+
+
+def run_experiment(file: str, out: Path, *, timeout: float = 300) -> dict[str, Any]:
+    """``fleetward chaos run LIBRARY/FILE --out OUT``: it exits 0 and every checker it names passes; its journal."""
+    done = subprocess.run([sys.executable, "-m", "fleetward.cli", "chaos", "run", str(LIBRARY / file),
+                           "--out", str(out), "--no-report"], capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    journal: dict[str, Any] = json.loads((out / "journal.json").read_text())
+    verdicts = {v["checker"]: v["status"] for v in journal["checks"]["verdicts"]}
+    assert verdicts and set(verdicts.values()) == {"pass"}, verdicts
+    return journal

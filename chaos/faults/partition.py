@@ -109,8 +109,9 @@ class _PartitionFault(BaseFault[Any]):
         return await eventually(all_flow, self.params.recover_timeout_s)
 
 
-def _both(a: str, b: str, port: int | None = None) -> list[Drop]:
-    return [Drop(a, b, port), Drop(b, a, port)] if port is None else [Drop(a, b, port)]
+def _between(side: list[str], other: list[str]) -> list[Drop]:
+    """Every packet between the two sides dropped, both ways."""
+    return [d for a in side for b in other for d in (Drop(a, b), Drop(b, a))]
 
 
 class IsolateParams(PartitionParams):
@@ -137,7 +138,7 @@ class Isolate(_PartitionFault):
     def _drops(self, ctx: FaultContext, fleet: HostsFleet) -> list[Drop]:
         others = [h.name for h in fleet.net.nodes if h.name not in self.targets]
         self.minority = list(self.targets)
-        return [d for t in self.targets for o in others for d in _both(t, o)]
+        return _between(self.targets, others)
 
 
 class SplitParams(PartitionParams):
@@ -167,7 +168,7 @@ class Split(_PartitionFault):
         self.detail["etcd_leader_was"] = leader
         sides = ([*self.minority, *(["clients"] if p.clients == "minority" else [])],
                  [*majority, *(["clients"] if p.clients == "majority" else [])])
-        return [d for a in sides[0] for b in sides[1] for d in _both(a, b)]
+        return _between(*sides)
 
 
 class CutParams(PartitionParams):
@@ -189,7 +190,7 @@ class Cut(_PartitionFault):
         for peer in peers:
             fleet.net.host(peer)  # a KeyError names the hosts
         if p.service == "any":
-            return [d for t in self.targets for peer in peers for d in _both(t, peer)]
+            return _between(self.targets, peers)
         serving = await fleet.service_ports(p.service)
         drops = []
         for t in self.targets:

@@ -7,16 +7,12 @@ to ``test_faults_control`` (same faults, shared fleet), which keeps this module 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from testkit import LIBRARY, run_experiment
 
 from fleetward.chaos.hostnet import HostNetwork
-
-LIBRARY = Path(__file__).resolve().parents[2] / "chaos" / "experiments"
 
 FAMILIES = {
     "process": "process-kill-worker.yaml",
@@ -40,13 +36,7 @@ def test_the_chosen_files_cover_every_family_and_exist() -> None:
 def test_a_library_experiment_of_each_family_passes(family: str, tmp_path: Path) -> None:
     if family == "partition" and (why := HostNetwork.unavailable_reason()):
         pytest.skip(why)
-    out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "fleetward.cli", "chaos", "run", str(LIBRARY / FAMILIES[family]),
-                           "--out", str(out), "--no-report"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    journal = json.loads((out / "journal.json").read_text())
-    verdicts = {v["checker"]: v["status"] for v in journal["checks"]["verdicts"]}
-    assert verdicts and set(verdicts.values()) == {"pass"}, verdicts
+    journal = run_experiment(FAMILIES[family], tmp_path / "run")
     families = {a["activity"]["fault"].split(".")[0] for a in journal["run"]}
     assert family in families
     assert all(a["status"] == "succeeded" and a["output"]["verified"] for a in journal["run"]), journal["run"]

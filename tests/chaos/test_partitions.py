@@ -4,19 +4,17 @@ network namespaces, real drops between them. Each must pass every checker it nam
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from testkit import run_experiment
 
 from fleetward.chaos.hostnet import HostNetwork, leftover_namespaces
 
 pytestmark = pytest.mark.skipif(HostNetwork.unavailable_reason() is not None,
                                 reason=str(HostNetwork.unavailable_reason()))
 
-LIBRARY = Path(__file__).resolve().parents[2] / "chaos" / "experiments"
 # partition-host-isolation.yaml runs in test_library.py (one experiment of each family).
 EXPERIMENTS = ["partition-etcd-leader-minority", "partition-router-host-cut", "partition-controller-host-cut",
                "partition-agent-etcd-cut", "partition-heal-inflight-actions"]
@@ -24,13 +22,8 @@ EXPERIMENTS = ["partition-etcd-leader-minority", "partition-router-host-cut", "p
 
 def _run(name: str, out: Path) -> dict[str, Any]:
     before = set(leftover_namespaces())
-    done = subprocess.run([sys.executable, "-m", "fleetward.cli", "chaos", "run", str(LIBRARY / f"{name}.yaml"),
-                           "--out", str(out), "--no-report"], capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    journal = run_experiment(f"{name}.yaml", out, timeout=400)
     assert set(leftover_namespaces()) <= before  # its hosts are gone
-    journal: dict[str, Any] = json.loads((out / "journal.json").read_text())
-    verdicts = {v["checker"]: v["status"] for v in journal["checks"]["verdicts"]}
-    assert verdicts and set(verdicts.values()) == {"pass"}, verdicts
     assert all(a["status"] == "succeeded" and a["output"]["verified"] and a["output"]["recovered"]
                for a in journal["run"]), journal["run"]
     return journal
