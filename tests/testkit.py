@@ -10,6 +10,7 @@
 - The simulated worker in-process: :func:`asgi` (httpx's ASGI transport, buffered) and :func:`serve`
   (uvicorn on a free port in the test's loop, for tests that act mid-stream); :func:`eventually` and
   :func:`pump` (a :class:`ManualClock` jumped one engine step at a time).
+- A request's checkpoint in etcd: :func:`checkpointed` (what a resume on another router needs).
 - SSE bodies and metrics: :func:`sse`, :func:`sse_events`, :func:`tokens_of`, :func:`ids_of`, :func:`metric`.
 - An experiment of the library run as a user runs it: :func:`run_experiment` (its journal, every check passed).
 """
@@ -37,6 +38,7 @@ from fleetward.fleet.clock import SYSTEM_CLOCK, Clock, ManualClock
 from fleetward.fleet.config import RouterConfig, SimConfig, SupervisorConfig
 from fleetward.fleet.procs import free_port
 from fleetward.fleet.sse import sse_data, sse_lines
+from fleetward.migration.checkpoint import read_checkpoint
 from fleetward.sim.engine import Faults
 from fleetward.sim.model import sim_model
 from fleetward.sim.server import SimWorker
@@ -250,3 +252,10 @@ def run_experiment(file: str, out: Path, *, timeout: float = 300) -> dict[str, A
     verdicts = {v["checker"]: v["status"] for v in journal["checks"]["verdicts"]}
     assert verdicts and set(verdicts.values()) == {"pass"}, verdicts
     return journal
+
+
+async def checkpointed(fleet: TestFleet, request_id: str, tokens: int = 0) -> bool:
+    """Whether the request's checkpoint (its base and deltas) is in etcd with at least ``tokens`` emitted: a
+    router killed before its first flush leaves nothing to resume, so a test waits on this before a kill."""
+    found = await read_checkpoint(fleet.store, fleet.keys, request_id)
+    return found is not None and len(found[0].emitted) >= tokens

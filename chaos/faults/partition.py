@@ -47,8 +47,6 @@ def _hosts(ctx: FaultContext) -> HostsFleet:
     return fleet
 
 
-
-
 class PartitionParams(FaultParams):
     verify_timeout_s: float = Field(5.0, gt=0, le=60, description="how long verify waits for the drops to bite")
     recover_timeout_s: float = Field(10.0, gt=0, le=120)

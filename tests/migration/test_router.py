@@ -16,7 +16,7 @@ import orjson
 import psutil
 import pytest
 import pytest_asyncio
-from testkit import PATIENT_SUPERVISOR, fleet_sim, routed_fleet
+from testkit import PATIENT_SUPERVISOR, checkpointed, fleet_sim, routed_fleet
 
 from fleetward.chaos.harness import RouterProcess, TestFleet
 from fleetward.chaos.workload import sse_lines
@@ -257,7 +257,7 @@ async def test_a_resume_of_a_request_that_cannot_be_continued_exactly_is_refused
                 if int(last_id.rpartition(":")[2]) >= 5:
                     break
     rid = last_id.rpartition(":")[0]
-    await wait_until(lambda: _checkpointed(healthy, rid, 5), timeout=15)
+    await wait_until(lambda: checkpointed(healthy, rid, 5), timeout=15)
     second = await healthy.start_router("r-second-look")
     try:
         async with httpx.AsyncClient(timeout=30) as client:
@@ -404,7 +404,7 @@ async def test_a_client_resumes_on_another_router_with_last_event_id(healthy: Te
                         got.extend(orjson.loads(line[6:])["choices"][0]["token_ids"])
                         if len(got) == 40:
                             rid = last_id.rpartition(":")[0]
-                            await wait_until(lambda: _checkpointed(healthy, rid, 20), timeout=15)  # noqa: B023
+                            await wait_until(lambda: checkpointed(healthy, rid, 20), timeout=15)  # noqa: B023
                             healthy.kill_router(first)
         assert last_id.endswith(f":{len(got)}") and len(got) >= 40
         rest, events, ids = await stream_tokens(second.url, body, headers={"Last-Event-ID": last_id})
@@ -497,10 +497,7 @@ async def test_a_dead_routers_streams_are_cancelled_on_the_workers_and_its_check
                 pass
             rid = line[4:].rpartition(":")[0]
 
-            async def checkpointed() -> bool:
-                return await healthy.store.get(healthy.keys.request(rid)) is not None
-
-            await wait_until(checkpointed, timeout=10)
+            await wait_until(lambda: checkpointed(healthy, rid), timeout=10)
             healthy.kill_router(doomed)
 
             async def nothing_runs() -> bool:
@@ -552,7 +549,7 @@ async def test_a_router_group_serves_one_port_from_several_processes(healthy: Te
                     if len(got) >= 30:
                         break
         rid = last_id.rpartition(":")[0]
-        await wait_until(lambda: _checkpointed(healthy, rid, len(got)), timeout=15)
+        await wait_until(lambda: checkpointed(healthy, rid, len(got)), timeout=15)
         rest, _, _ = await stream_tokens(group.url, body, headers={"Last-Event-ID": last_id})
         assert got + rest == reference(prompt, 200)
 
@@ -574,8 +571,3 @@ async def test_a_router_group_serves_one_port_from_several_processes(healthy: Te
 
 async def _count(members: Any, n: int) -> bool:
     return len(await members()) == n
-
-
-async def _checkpointed(fleet: TestFleet, rid: str, n: int) -> bool:
-    found = await read_checkpoint(fleet.store, fleet.keys, rid)  # its base and deltas
-    return found is not None and len(found[0].emitted) >= n

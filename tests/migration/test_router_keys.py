@@ -15,13 +15,12 @@ import httpx
 import openai
 import pytest
 import pytest_asyncio
-from testkit import fleet_sim
+from testkit import checkpointed, fleet_sim
 
 from fleetward.chaos.harness import TestFleet
 from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.errors import ConfigError
 from fleetward.migration.apikeys import ApiKeys
-from fleetward.migration.checkpoint import read_checkpoint
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -136,10 +135,8 @@ async def test_only_the_key_that_started_a_stream_may_resume_it(keyed: tuple[Tes
         async with http.stream("POST", url + "/v1/completions", json=body, headers=owner) as gone:
             last = (await _events(gone.aiter_lines(), 2))[-1]
 
-        async def checkpointed() -> bool:
-            return await read_checkpoint(fleet.store, fleet.keys, last.rpartition(":")[0]) is not None
-
-        await wait_until(checkpointed, timeout=10, message="the request checkpointed")
+        await wait_until(lambda: checkpointed(fleet, last.rpartition(":")[0]), timeout=10,
+                         message="the request checkpointed")
         for headers, status in (({}, 401), (other, 404), (owner, 200)):
             async with http.stream("POST", other_router + "/v1/completions", json=body,
                                    headers={**headers, "Last-Event-ID": last}) as r:

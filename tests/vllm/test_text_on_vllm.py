@@ -16,11 +16,11 @@ import httpx
 import orjson
 import pytest
 from openai import AsyncOpenAI
+from testkit import checkpointed
 
 from fleetward.chaos.harness import TestFleet
 from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.cgroups import CpuGroup, cgroups_available
-from fleetward.migration.checkpoint import read_checkpoint
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -159,13 +159,9 @@ async def test_a_last_event_id_resume_on_a_second_router_keeps_the_text_exact(vl
             # regenerated and not sent again) or more (they are replayed).
             rid, _, count = last.rpartition(":")
             n = int(count)
-
-            async def checkpointed() -> bool:
-                # A router that dies before its first flush leaves nothing to resume (the checkpoint lag,
-                # docs/operations.md): the kill waits for the request's checkpoint, not for a guess of the lag.
-                return await read_checkpoint(vllm_fleet.store, vllm_fleet.keys, rid) is not None
-
-            await wait_until(checkpointed, timeout=30, message="the request checkpointed")
+            # A router that dies before its first flush leaves nothing to resume (the checkpoint lag,
+            # docs/operations.md): the kill waits for the request's checkpoint, not for a guess of the lag.
+            await wait_until(lambda: checkpointed(vllm_fleet, rid), timeout=30, message="the request checkpointed")
             vllm_fleet.kill_router(first)
             tail_ids, tail_text, _ = await sse_chat(client, second.url, body(prompt), {"Last-Event-ID": last})
         held = head_ids[:n]
