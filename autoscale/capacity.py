@@ -54,23 +54,38 @@ UNITS: dict[str, str] = {"aggregated": "req/s", "prefill": "prompt tok/s", "deco
 
 @dataclass(frozen=True, slots=True)
 class Sla:
-    """A request meets the SLA when its TTFT and its mean inter-token latency are both within target."""
+    """A request meets the SLA when its TTFT and its mean inter-token latency are both within target. The TTFT
+    target may grow with the prompt (``ttft_per_1k_s`` per 1,000 prompt tokens on top of ``ttft_s``), as
+    long-context SLOs are written: a 32k-token prompt cannot have its first token as soon as a 200-token one."""
 
     ttft_s: float = 2.0
     itl_s: float = 0.05
+    ttft_per_1k_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.ttft_s <= 0 or self.itl_s <= 0:
-            raise ConfigError(f"SLA targets must be positive: ttft {self.ttft_s} s, itl {self.itl_s} s")
+        if self.ttft_s <= 0 or self.itl_s <= 0 or self.ttft_per_1k_s < 0:
+            raise ConfigError(f"SLA targets must be positive: ttft {self.ttft_s} s, itl {self.itl_s} s, ttft per "
+                              f"1k prompt tokens {self.ttft_per_1k_s} s")
+
+    def ttft_for(self, prompt_tokens: float) -> float:
+        """The TTFT target of a request with ``prompt_tokens``."""
+        return self.ttft_s + self.ttft_per_1k_s * prompt_tokens / 1000.0
 
     def only(self, slos: Sequence[str]) -> Sla:
         """The same targets for ``slos``; the others never missed (an infinite target)."""
-        return Sla(self.ttft_s if "ttft" in slos else math.inf, self.itl_s if "itl" in slos else math.inf)
+        return Sla(self.ttft_s if "ttft" in slos else math.inf, self.itl_s if "itl" in slos else math.inf,
+                   self.ttft_per_1k_s if "ttft" in slos else 0.0)
+
+    def describe(self) -> str:
+        per = f" + {self.ttft_per_1k_s:g} s per 1k prompt tokens" if self.ttft_per_1k_s else ""
+        return f"TTFT {self.ttft_s:g} s{per}, ITL {self.itl_s * 1000:g} ms"
 
 
 @dataclass(frozen=True, slots=True)
 class CapacityPoint:
     rate: float  # requests/s offered to one worker
+    # p99 TTFT; measured against an SLA per prompt token (Sla.ttft_per_1k_s), each request's TTFT is first
+    # scaled to the base target (x ttft_s / its own target), so the point compares with ttft_s either way
     ttft_p99: float
     itl_p99: float
 
@@ -81,6 +96,11 @@ class CapacityModel:
     startup_s: float
     mean_input: float | None = None  # the request mix the points were measured at (tokens), when known
     mean_output: float | None = None
+    # What the work costs one worker, in its units (``fleetward profile`` measures both): prompt tokens/s
+    # computed alone, and seconds of a full batch's step per output token (the step over the batch size).
+    prefill_tokens_per_s: float | None = None
+    decode_s_per_token: float | None = None
+    ttft_per_1k_s: float = 0.0  # the points' TTFT was scaled to the base target of an SLA per prompt token
 
     def __post_init__(self) -> None:
         if not self.points:
@@ -93,6 +113,10 @@ class CapacityModel:
 
     def max_rate(self, sla: Sla) -> float:
         """The highest per-worker load that meets ``sla``, interpolated where the latency crosses the target."""
+        if math.isfinite(sla.ttft_s) and sla.ttft_per_1k_s != self.ttft_per_1k_s:
+            raise ConfigError(f"this capacity model's TTFT was measured against {self.ttft_per_1k_s:g} s per 1k prompt "
+                              f"tokens, the SLA asks for {sla.ttft_per_1k_s:g}: profile again with --ttft-per-1k "
+                              f"{sla.ttft_per_1k_s:g}", field="autoscale.ttft_per_1k_s")
         best = 0.0
         prev: CapacityPoint | None = None
         for p in self.points:
@@ -107,10 +131,38 @@ class CapacityModel:
             if math.isinf(sla.itl_s) or math.isinf(sla.ttft_s):  # a pool judged on one SLO (PoolCapacity)
                 raise ConfigError(f"no load meets the SLA ({_targets(sla)}): at {low.rate:g}/s one worker gives "
                                   f"{_latencies(low, sla)}; relax the target")
-            raise ConfigError(f"no measured load meets the SLA (TTFT {sla.ttft_s} s, ITL {sla.itl_s * 1000:g} ms): "
-                              f"at {low.rate:g} req/s one worker gives p99 TTFT {low.ttft_p99:.3f} s and ITL "
-                              f"{low.itl_p99 * 1000:.1f} ms; relax the targets")
+            raise ConfigError(f"no measured load meets the SLA ({sla.describe()}): at {low.rate:g} req/s one worker "
+                              f"gives p99 TTFT {low.ttft_p99:.3f} s and ITL {low.itl_p99 * 1000:.1f} ms"
+                              f"{self._achievable(low, sla)}")
         return best
+
+    def request_cost(self, mean_input: float, mean_output: float) -> float | None:
+        """Seconds of one worker's time a request of this mix costs (its prompt's prefill plus its share of
+        decode steps); None without the work model."""
+        if not self.prefill_tokens_per_s or not self.decode_s_per_token:
+            return None
+        return mean_input / self.prefill_tokens_per_s + mean_output * self.decode_s_per_token
+
+    def relative_cost(self, mean_input: float, mean_output: float) -> float:
+        """What a request of this mix costs against one of the mix the points were measured at: the factor by
+        which the requests/s one worker carries shrink (2.0: half as many). 1.0 when either mix or the work
+        model is not known."""
+        if mean_input <= 0 or self.mean_input is None or self.mean_output is None:
+            return 1.0
+        now, then = self.request_cost(mean_input, mean_output), self.request_cost(self.mean_input, self.mean_output)
+        return now / then if now is not None and then else 1.0
+
+    def _achievable(self, low: CapacityPoint, sla: Sla) -> str:
+        """What to ask for instead, when the lowest load misses the SLA."""
+        if low.itl_p99 > sla.itl_s:
+            return f"; the ITL target is below what one worker gives: {low.itl_p99 * 1000:.0f} ms or more is achievable"
+        mix = f" for prompts of {self.mean_input:.0f} tokens on average" if self.mean_input else ""
+        text = f"; a TTFT target of {low.ttft_p99:.2f} s or more is achievable{mix}"
+        if self.mean_input and self.mean_input >= 1000 and not sla.ttft_per_1k_s:
+            per_1k = math.ceil(10 * low.ttft_p99 / (self.mean_input / 1000)) / 10
+            text += (f", or a target per prompt token, as long-context SLOs are written: --ttft-per-1k {per_1k:g} "
+                     f"(TTFT {sla.ttft_s:g} s + {per_1k:g} s per 1,000 prompt tokens; autoscale.ttft_per_1k_s)")
+        return text
 
     def itl_at(self, rate: float) -> float:
         """The p99 ITL one worker gives at ``rate`` (linear between points, flat beyond them)."""
@@ -135,6 +187,11 @@ class CapacityModel:
             body["mean_input"] = self.mean_input
         if self.mean_output is not None:
             body["mean_output"] = self.mean_output
+        if self.ttft_per_1k_s:
+            body["ttft_per_1k_s"] = self.ttft_per_1k_s
+        if self.prefill_tokens_per_s is not None and self.decode_s_per_token is not None:
+            body["work"] = {"prefill_tokens_per_s": self.prefill_tokens_per_s,
+                            "decode_s_per_token": self.decode_s_per_token}
         return json.dumps(body, indent=1)
 
     @classmethod
@@ -144,16 +201,25 @@ class CapacityModel:
     @classmethod
     def load(cls, path: Path) -> CapacityModel:
         """A model from its JSON: ``startup_s``, ``points`` and, optionally, the request mix the points were
-        measured at (``mean_input``, ``mean_output``: tokens per request)."""
+        measured at (``mean_input``, ``mean_output``: tokens per request) and the work model (``work``:
+        ``prefill_tokens_per_s``, ``decode_s_per_token``). A file without them (older ``fleetward profile``)
+        plans in requests/s only."""
         try:
             data = json.loads(path.read_text())
             model = cls.from_points([CapacityPoint(**p) for p in data["points"]], float(data["startup_s"]))
             mix = [None if data.get(k) is None else float(data[k]) for k in ("mean_input", "mean_output")]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            work = data.get("work") or {}
+            costs = [None if work.get(k) is None else float(work[k]) for k in ("prefill_tokens_per_s",
+                                                                                "decode_s_per_token")]
+            per_1k = float(data.get("ttft_per_1k_s") or 0.0)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(f"{path}: not a capacity model ({exc})") from exc
         if any(v is not None and v <= 0 for v in mix):
             raise ConfigError(f"{path}: mean_input and mean_output are tokens per request: positive")
-        return dataclasses.replace(model, mean_input=mix[0], mean_output=mix[1])
+        if any(v is not None and v <= 0 for v in costs):
+            raise ConfigError(f"{path}: work.prefill_tokens_per_s and work.decode_s_per_token must be positive")
+        return dataclasses.replace(model, mean_input=mix[0], mean_output=mix[1], prefill_tokens_per_s=costs[0],
+                                   decode_s_per_token=costs[1], ttft_per_1k_s=per_1k)
 
 
 @dataclass(frozen=True)

@@ -91,11 +91,12 @@ class PoolRecord:
 def make_policy(config: AutoscaleConfig, capacity: CapacityModel, pool: Role = "aggregated") -> Policy:
     """``pool``'s policy; ``capacity`` is the aggregated model (:func:`capacity_for`), which a prefill or decode
     pool without a capacity file of its own derives its capacity from (:func:`pool_capacity`)."""
-    sla = Sla(config.ttft_s, config.itl_s)
+    sla = Sla(config.ttft_s, config.itl_s, config.ttft_per_1k_s)
     lo, hi = config.min_workers, config.max_workers
     if config.policy == "fleetward":
         return Planner(pool_capacity(config, capacity, pool), sla, min_workers=lo, max_workers=hi,
-                       predictor=config.predictor, headroom=config.headroom, down_stable=config.down_stable)
+                       predictor=config.predictor, headroom=config.headroom, down_stable=config.down_stable,
+                       margin_quantile=config.margin_quantile, trust_max=config.capacity_trust_max)
     if config.policy == "reactive":
         return Reactive(min_workers=lo, max_workers=hi)
     if config.policy == "dynamo-style":
@@ -144,10 +145,7 @@ def capacity_for(config: AutoscaleConfig, *, backend: str, sim: SimConfig | None
 
         sample = [TraceRequest(0.0, 64 * (1 + i % 8), 32 * (1 + i % 5)) for i in range(40)]
         model = profile_capacity(sample, startup_s=default_startup, config=sim or SimConfig(), duration_s=120.0,
-                                 sla=Sla(config.ttft_s, config.itl_s))
-        # The mix it was measured at: what a prefill or decode pool's derived capacity is in tokens of.
-        model = dataclasses.replace(model, mean_input=sum(r.input_tokens for r in sample) / len(sample),
-                                    mean_output=sum(r.output_tokens for r in sample) / len(sample))
+                                 sla=Sla(config.ttft_s, config.itl_s, config.ttft_per_1k_s))
     else:
         raise ConfigError("the autoscaler needs a capacity model for vLLM workers: `fleetward profile` (or "
                           "`fleetward profile --url` on a running server) writes one for autoscale.capacity; or set "
@@ -155,7 +153,7 @@ def capacity_for(config: AutoscaleConfig, *, backend: str, sim: SimConfig | None
     if config.startup_s is not None:
         model = dataclasses.replace(model, startup_s=config.startup_s)
     for pool in config.pools:  # a clear error now if a pool's capacity is missing or no load meets the SLA
-        pool_capacity(config, model, pool).max_rate(Sla(config.ttft_s, config.itl_s))
+        pool_capacity(config, model, pool).max_rate(Sla(config.ttft_s, config.itl_s, config.ttft_per_1k_s))
     return model
 
 

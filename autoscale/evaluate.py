@@ -1,9 +1,11 @@
 """One trace, every policy, the same SLA and worker model: what ``fleetward replay --simulate`` runs.
 
 The capacity model is measured first (:func:`~.simulate.profile_capacity` on request lengths drawn from
-the trace), and every policy that needs one gets the same model: fleetward's planner, the Dynamo-style
-planner, and the oracle, whose worker-hours are the floor for it. Static provisioning gets the workers
-the trace's peak interval needs. Every run starts with the workers the first interval needs.
+the trace), and the policies that plan by one get the same model: fleetward's planner and the Dynamo-style
+planner. The oracle plans by none: it searches the simulator for the fewest workers that keep the SLA in
+every interval, with the whole trace known (:mod:`.oracle`). Static provisioning gets the most workers any
+interval needs by that search (the peak, sized so that it keeps the SLA). Every run but the oracle's
+starts with the workers the capacity model gives the first interval; the oracle starts with its own.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from fleetward.autoscale.capacity import CapacityModel, Sla
-from fleetward.autoscale.planner import POLICIES, DynamoStyle, Oracle, Planner, Policy, Reactive, StaticPeak
+from fleetward.autoscale.oracle import OracleSchedule, SearchResult, search
+from fleetward.autoscale.planner import POLICIES, DynamoStyle, Planner, Policy, Reactive, StaticPeak
 from fleetward.autoscale.simulate import DEFAULT_WORKER, FleetResult, profile_capacity, simulate
 from fleetward.autoscale.traces import Trace
 from fleetward.fleet.config import SimConfig
@@ -33,15 +36,26 @@ class Evaluation:
     interval_s: float
     rates: list[float]
     results: dict[str, FleetResult] = field(default_factory=dict)
+    searched: SearchResult | None = None  # the oracle's search, when it ran
 
     def summary(self) -> dict[str, object]:
-        return {
+        oracle = self.results.get("oracle")
+        policies: dict[str, dict[str, object]] = {}
+        for name, r in self.results.items():
+            policies[name] = r.summary()
+            if oracle is not None and oracle.worker_hours > 0:
+                policies[name]["worker_hours_x_oracle"] = round(r.worker_hours / oracle.worker_hours, 3)
+        out: dict[str, object] = {
             "trace": {"name": self.trace.name, "format": self.trace.format, "requests": len(self.trace.requests),
                       "duration_s": round(self.trace.duration_s, 1)},
-            "sla": {"ttft_s": self.sla.ttft_s, "itl_s": self.sla.itl_s},
+            "sla": {"ttft_s": self.sla.ttft_s, "itl_s": self.sla.itl_s, "ttft_per_1k_s": self.sla.ttft_per_1k_s},
             "capacity": {"per_worker_rps": round(self.per_worker, 3), "startup_s": self.capacity.startup_s},
-            "policies": {name: r.summary() for name, r in self.results.items()},
+            "policies": policies,
         }
+        if self.searched is not None:
+            out["oracle_search"] = {"peak_workers": max(self.searched.needed, default=0),
+                                    "trials": self.searched.trials}
+        return out
 
 
 def evaluate(trace: Trace, *, policies: Sequence[str] = POLICIES, sla: Sla | None = None, startup_s: float = 45.0,
@@ -65,25 +79,37 @@ def evaluate(trace: Trace, *, policies: Sequence[str] = POLICIES, sla: Sla | Non
     if peak > top:
         raise ConfigError(f"the trace's peak needs {peak} workers at {per_worker:.2f} req/s each, above "
                           f"max_workers={top}: raise it or scale the trace's rate down")
-    first = max(min_workers, math.ceil(rates[0] / per_worker) if rates else 1)
+    # A warm fleet: every policy but the oracle starts with what the opening minutes (the start-up lead) need
+    # by the capacity model, as a fleet would that had been running before the trace began.
+    lead = math.ceil(startup_s / interval_s) + 1
+    first = max(min_workers, math.ceil(max(rates[:lead]) / per_worker) if rates else 1)
     ev = Evaluation(trace, sla, capacity, per_worker, interval_s, rates)
+    if "oracle" in policies or "static-peak" in policies:
+        ev.searched = search(trace.requests, sla=sla, startup_s=startup_s, interval_s=interval_s, config=config,
+                             min_workers=min_workers, max_workers=top,
+                             on_progress=functools.partial(progress, "oracle search") if progress else None)
+    searched = ev.searched
+    static = max(min_workers, max(searched.needed) if searched is not None else peak)
 
     def make(name: str) -> Policy:
         if name == "fleetward":
             return Planner(capacity, sla, min_workers=min_workers, max_workers=top, predictor=predictor)
         if name == "static-peak":
-            return StaticPeak(max(peak, min_workers))
+            return StaticPeak(static)
         if name == "reactive":
             return Reactive(min_workers=min_workers, max_workers=top)
         if name == "dynamo-style":
             return DynamoStyle(capacity, sla, min_workers=min_workers, max_workers=top)
-        return Oracle(capacity, sla, rates, interval_s, min_workers=min_workers, max_workers=top)
+        assert searched is not None
+        return OracleSchedule(searched, interval_s)
 
     for name in policies:
         policy = make(name)
+        initial = static if name == "static-peak" else searched.desired[0] if name == "oracle" and searched else first
+        if isinstance(policy, Planner):
+            policy.resume(initial)  # it plans from the fleet it has, as a daemon taking over does
         ev.results[name] = simulate(
             trace.requests, policy, sla=sla, startup_s=startup_s, config=config, interval_s=interval_s,
-            initial_workers=max(peak, min_workers) if name == "static-peak" else first,
-            failures_per_worker_hour=failures_per_worker_hour, migration=migration, seed=seed,
-            on_progress=functools.partial(progress, name) if progress is not None else None)
+            initial_workers=initial, failures_per_worker_hour=failures_per_worker_hour, migration=migration,
+            seed=seed, on_progress=functools.partial(progress, name) if progress is not None else None)
     return ev

@@ -53,6 +53,7 @@ class ClientRecord:
     itl_s: float | None = None  # mean inter-token latency after the first token
     error: str | None = None
     workers: int = 0  # distinct workers that produced its tokens (> 1: it migrated)
+    prompt_tokens: int = 0  # the prompt sent (its TTFT target, when the SLA is per prompt token)
 
     @property
     def failed(self) -> bool:
@@ -63,7 +64,8 @@ class ClientRecord:
         return self.tokens > 0 and (self.error is not None or self.tokens < self.asked)
 
     def meets(self, sla: Sla) -> bool:
-        return (not self.failed and not self.cut and self.ttft_s is not None and self.ttft_s <= sla.ttft_s
+        return (not self.failed and not self.cut and self.ttft_s is not None
+                and self.ttft_s <= sla.ttft_for(self.prompt_tokens)
                 and (self.itl_s or 0.0) <= sla.itl_s)
 
 
@@ -165,9 +167,10 @@ async def replay_live(trace: Trace, *, router: str, model: str, store: StateStor
                 wait = t0 + req.arrival_s - clock.monotonic()
                 if wait > 0:
                     await clock.sleep(wait)  # the trace's arrival time, not a synchronisation
-                rec = ClientRecord(req.arrival_s, max(1, min(req.output_tokens, max_output_tokens)))
-                records.append(rec)
                 prompt = [rng.randrange(10, 200) for _ in range(max(1, min(req.input_tokens, max_prompt_tokens)))]
+                rec = ClientRecord(req.arrival_s, max(1, min(req.output_tokens, max_output_tokens)),
+                                   prompt_tokens=len(prompt))
+                records.append(rec)
                 body = {"model": model, "prompt": prompt, "max_tokens": rec.asked, "min_tokens": rec.asked,
                         "ignore_eos": True, "stream": True, "return_token_ids": True, "temperature": 0}
                 task = tg.create_task(stream_request(client, router, body, rec, clock=clock,

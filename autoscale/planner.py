@@ -5,17 +5,21 @@ lengths, TTFT/ITL percentiles, queue depth, KV use, healthy capacity) and answer
 *healthy* workers the pool should have. Workers that are unhealthy, draining or quarantined are not in
 ``healthy``, so a policy that keeps its answer makes the actuator replace them.
 
-- :class:`Planner` (fleetward's): the predicted load over the time a new worker needs to start, turned
-  into workers by the measured :class:`~fleetward.autoscale.capacity.CapacityModel`; up at once, down
-  only after ``down_stable`` intervals all wanting fewer, by at least ``hysteresis``; a feedback step
-  up while the SLA is being missed.
+- :class:`Planner` (fleetward's): the predicted load over the time a new worker needs to start, plus a margin
+  learned from how far recent forecasts fell short (at least ``headroom``), in the units the work costs
+  (an aggregated pool's requests weighed by their prompt and output tokens against the mix the capacity was
+  measured at), turned into workers by the measured :class:`~fleetward.autoscale.capacity.CapacityModel`,
+  times a trust factor learned from intervals that met the SLA at high load; up at once, down only after
+  ``down_stable`` intervals all wanting fewer, by at least ``hysteresis``; a feedback step up while the SLA
+  is being missed.
 - :class:`StaticPeak`: provisioning for the peak, never changing.
 - :class:`Reactive`: a Kubernetes-HPA-like rule on queue depth and KV use per worker (10 % tolerance,
   a 5-minute scale-down stabilisation window).
 - :class:`DynamoStyle`: Dynamo's planner shape: last interval's load over the interpolated per-worker
   throughput, scaled by a correction factor (observed over expected latency); reactive, no lookahead.
-- :class:`Oracle`: knows every future interval's load exactly; the same capacity model and start-up
-  time. The physical limit on worker-hours for that capacity model.
+
+The oracle is not here: it plans by no rule but searches the simulator with the whole trace known
+(:mod:`fleetward.autoscale.oracle`).
 
 The planner and the Dynamo-style policy plan a pool in its own unit of work
 (:class:`~fleetward.autoscale.capacity.PoolCapacity`): an aggregated pool in requests/s against TTFT and
@@ -32,7 +36,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,8 +43,8 @@ from fleetward.autoscale.capacity import SLOS, CapacityModel, PoolCapacity, Sla
 from fleetward.autoscale.predict import Predictor, make_predictor
 from fleetward.fleet.errors import ConfigError
 
-__all__ = ["POLICIES", "Decision", "DynamoStyle", "Observation", "Oracle", "Planner", "Policy", "Reactive",
-           "StaticPeak", "check_bounds"]
+__all__ = ["POLICIES", "Decision", "DynamoStyle", "Observation", "Planner", "Policy", "Reactive", "StaticPeak",
+           "check_bounds"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,15 +91,21 @@ def _pool(capacity: CapacityModel | PoolCapacity) -> PoolCapacity:
 
 
 class _Work:
-    """A pool's unit of work per request: 1 for an aggregated pool, the mean prompt (prefill) or output
-    (decode) tokens otherwise; the last interval that saw any when this one saw none, at first the mix the
-    capacity was measured at."""
+    """A pool's unit of work per request: for an aggregated pool, what a request of the interval's mix costs
+    against one of the mix the capacity was measured at (the work model: prompt tokens and output tokens;
+    1 without it); the mean prompt (prefill) or output (decode) tokens otherwise. The last interval that saw
+    any when this one saw none; at first, the mix the capacity was measured at."""
 
     def __init__(self, pool: PoolCapacity) -> None:
-        self.role = pool.role
+        self.role, self.curve = pool.role, pool.curve
         self.per_request = 1.0 if pool.role == "aggregated" else (pool.tokens_per_request or 0.0)
 
     def observe(self, obs: Observation) -> float:
+        if self.role == "aggregated":
+            if obs.mean_input > 0:  # smoothed: an interval's mix is a small sample of the service's
+                cost = self.curve.relative_cost(obs.mean_input, obs.mean_output)
+                self.per_request += _MIX_SMOOTHING * (cost - self.per_request)
+            return self.per_request
         seen = obs.mean_input if self.role == "prefill" else obs.mean_output if self.role == "decode" else 0.0
         if seen > 0:
             self.per_request = seen
@@ -104,8 +113,11 @@ class _Work:
 
     def missed(self, obs: Observation, sla: Sla) -> bool:
         slos = SLOS[self.role]
-        return ("ttft" in slos and obs.ttft_p99 is not None and obs.ttft_p99 > sla.ttft_s) or \
+        return ("ttft" in slos and obs.ttft_p99 is not None and obs.ttft_p99 > sla.ttft_for(obs.mean_input)) or \
                ("itl" in slos and obs.itl_p99 is not None and obs.itl_p99 > sla.itl_s)
+
+
+_MIX_SMOOTHING = 0.2  # an exponential average of the intervals' request cost: about the last five intervals
 
 
 class Planner:
@@ -115,7 +127,8 @@ class Planner:
 
     def __init__(self, capacity: CapacityModel | PoolCapacity, sla: Sla, *, min_workers: int = 1,
                  max_workers: int = 64, predictor: Predictor | str = "holt-winters", headroom: float = 0.1,
-                 hysteresis: int = 1, down_stable: int = 6, miss_intervals: int = 2) -> None:
+                 hysteresis: int = 1, down_stable: int = 6, miss_intervals: int = 2, margin_quantile: float = 0.95,
+                 margin_history: int = 40, trust_max: float = 1.25) -> None:
         check_bounds(min_workers, max_workers)
         self.pool = _pool(capacity)
         self.capacity, self.sla = self.pool.curve, sla
@@ -128,6 +141,10 @@ class Planner:
         self._current = min_workers
         self.miss_intervals = miss_intervals
         self._misses = 0
+        self.margin_quantile = margin_quantile
+        self._errors: deque[float] = deque(maxlen=margin_history)  # recent intervals' need minus its forecast
+        self._last_forecast: float | None = None
+        self.trust_max, self.trust = trust_max, 1.0  # how far past the capacity model the fleet has proven to carry
 
     def resume(self, desired: int) -> None:
         """Continue from a decision made elsewhere (the previous leader's): scale down from it only after
@@ -138,11 +155,15 @@ class Planner:
     def decide(self, obs: Observation) -> Decision:
         self.predictor.observe(obs.arrival_rate)
         lead = max(1, math.ceil(self.capacity.startup_s / obs.interval_s) + 1)
-        predicted = max([obs.arrival_rate, *self.predictor.forecast(lead)])
-        per_request = self._work.observe(obs)  # 1 for an aggregated pool: its unit is the request
+        forecast = self.predictor.forecast(lead)
+        predicted = max([obs.arrival_rate, *forecast])
+        per_request = self._work.observe(obs)  # an aggregated pool: the mix's cost against the profiled one
         backlog = obs.queue_depth / obs.interval_s  # queued requests, to be served within one interval
-        load = (predicted * (1 + self.headroom) + backlog) * per_request
-        need = math.ceil(load / self.per_worker) if load > 0 else 0
+        margin = self._margin(obs, forecast[0])
+        rate = max(predicted * (1 + self.headroom), predicted + margin)
+        load = (rate + backlog) * per_request
+        self._learn(obs, per_request)
+        need = math.ceil(load / (self.per_worker * self.trust)) if load > 0 else 0
         # Feedback for what the capacity model did not foresee: the SLA missed for several intervals in a
         # row while the workers are busy (a single long prompt's prefill stalls a batch for one interval:
         # no worker more would help that). Only the pool's own SLOs count.
@@ -162,6 +183,8 @@ class Planner:
         else:
             why = (f"predicted {predicted:.2f} req/s x {per_request:.0f} {self.pool.unit.split()[0]} tokens over "
                    f"{lead} interval(s), {obs.queue_depth} queued, {self.per_worker:.0f} {self.pool.unit} per worker")
+        if predicted + margin > predicted * (1 + self.headroom):
+            why += f"; {margin:.2f} req/s above the forecast, as recent intervals needed"
         if missed:
             why += "; SLA missed last interval"
         if need > self._current:
@@ -175,6 +198,40 @@ class Planner:
             self._wants.clear()
             return Decision(self._current, "down: " + why)
         return Decision(self._current, "hold: " + why)
+
+
+    def _learn(self, obs: Observation, per_request: float) -> None:
+        """The trust in the capacity model, learned from the fleet (additive increase, multiplicative decrease):
+        2 % more for each interval that met the pool's SLOs with its workers at least half loaded by the model's
+        measure (none starting), 10 % less for each interval that missed them, between 1 and ``trust_max``. A
+        capacity measured on one worker under Poisson load is a floor for a fleet behind least-loaded routing;
+        the trust finds how far above it this fleet's traffic may go."""
+        if self.trust_max <= 1.0 or not obs.healthy:
+            return
+        seen = [obs.ttft_p99 if slo == "ttft" else obs.itl_p99 for slo in SLOS[self.pool.role]]
+        if any(v is None for v in seen):
+            return  # an interval without latencies says nothing either way
+        used = obs.arrival_rate * per_request / (obs.healthy * self.per_worker * self.trust)
+        if self._work.missed(obs, self.sla):
+            self.trust = max(1.0, self.trust * 0.9)
+        elif used > 0.5 and obs.starting == 0:
+            self.trust = min(self.trust_max, self.trust * 1.02)
+
+    def _margin(self, obs: Observation, predicted: float) -> float:
+        """The rate to plan above the forecast, learned online: the ``margin_quantile`` of how far the recent
+        intervals' arrival rate exceeded the forecast made for them one interval before. Smooth traffic learns
+        a small margin (the fixed headroom then rules); traffic that jumps without warning learns to keep the
+        capacity its jumps need."""
+        if self._last_forecast is not None:
+            self._errors.append(obs.arrival_rate - self._last_forecast)
+        self._last_forecast = predicted
+        if len(self._errors) < _MIN_ERRORS:
+            return 0.0
+        errors = sorted(self._errors)
+        return max(0.0, errors[min(len(errors) - 1, int(self.margin_quantile * len(errors)))])
+
+
+_MIN_ERRORS = 4  # intervals of forecast errors before the margin is learned from them
 
 
 class StaticPeak:
@@ -242,26 +299,6 @@ class DynamoStyle:
                             f"{load:.0f} {self.pool.unit}, correction {correction:.2f}")
         return Decision(_clamp(need, self.min, self.max),
                         f"{obs.arrival_rate:.2f} req/s, correction {correction:.2f}")
-
-
-class Oracle:
-    """Knows every interval's arrival rate (``rates[k]`` for the interval starting at ``k * interval_s``)."""
-
-    name = "oracle"
-
-    def __init__(self, capacity: CapacityModel, sla: Sla, rates: Sequence[float], interval_s: float, *,
-                 min_workers: int = 1, max_workers: int = 64) -> None:
-        check_bounds(min_workers, max_workers)
-        self.rates, self.interval_s = list(rates), interval_s
-        self.per_worker = capacity.max_rate(sla)
-        self.startup_s, self.min, self.max = capacity.startup_s, min_workers, max_workers
-
-    def decide(self, obs: Observation) -> Decision:
-        k = int(obs.now // self.interval_s)
-        lead = math.ceil(self.startup_s / self.interval_s) + 1
-        window = self.rates[k:k + lead + 1] or [0.0]
-        need = math.ceil(max(window) / self.per_worker) if max(window) > 0 else 0
-        return Decision(_clamp(need, self.min, self.max), f"future peak {max(window):.2f} req/s")
 
 
 POLICIES = ("fleetward", "static-peak", "reactive", "dynamo-style", "oracle")

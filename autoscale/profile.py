@@ -4,8 +4,11 @@
 ``ignore_eos`` so every answer has the asked length) with Poisson arrivals at rising rates, one step per
 rate, and records each step's p99 TTFT and p99 of the requests' mean inter-token latency. It stops once the
 SLA is broken by ``give_up_factor`` (past that point the queue only grows) or the rates run out.
-``fleetward profile`` adds the worker's start-up time (launch to serving) when it starts the worker itself,
-and writes the :class:`~fleetward.autoscale.capacity.CapacityModel` as JSON.
+:func:`measure_work` measures what the work costs the worker in its own units: prompt tokens/s (long prompts
+one at a time, one token of answer each) and seconds of a step per output token at a full batch (``batch``
+streams at once, short prompts: their mean ITL over the batch). ``fleetward profile`` adds the worker's
+start-up time (launch to serving) when it starts the worker itself, and writes the
+:class:`~fleetward.autoscale.capacity.CapacityModel` as JSON, with the mix it was measured at and the work.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from fleetward.autoscale.simulate import p99
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.errors import FleetwardError
 
-__all__ = ["ProfileStep", "profile_worker", "rising_rates"]
+__all__ = ["ProfileStep", "measure_work", "profile_worker", "rising_rates"]
 
 log = logging.getLogger(__name__)
 
@@ -76,3 +79,30 @@ async def profile_worker(url: str, *, model: str, sla: Sla, rates: Sequence[floa
             if point.ttft_p99 > give_up_factor * sla.ttft_s or point.itl_p99 > give_up_factor * sla.itl_s:
                 break
     return points
+
+
+async def measure_work(url: str, *, model: str, prompt_tokens: int = 2048, batch: int = 16, output_tokens: int = 64,
+                       repeats: int = 3, seed: int = 0, clock: Clock = SYSTEM_CLOCK) -> tuple[float, float]:
+    """(prompt tokens/s, seconds per output token at a batch of ``batch``) of the worker at ``url``; raises
+    :class:`FleetwardError` when it answers neither measurement."""
+    rng = random.Random(seed)
+
+    def body(prompt: int, tokens: int) -> dict[str, object]:
+        return {"model": model, "prompt": [rng.randrange(10, 200) for _ in range(prompt)], "max_tokens": tokens,
+                "min_tokens": tokens, "ignore_eos": True, "stream": True, "return_token_ids": True,
+                "temperature": 0}
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=10.0), trust_env=False) as client:
+        firsts = []
+        for _ in range(repeats):  # one at a time: nothing else shares the prefill
+            rec = await stream_request(client, url, body(prompt_tokens, 1), ClientRecord(0.0, 1), clock=clock)
+            if rec.ttft_s is not None and rec.error is None:
+                firsts.append(rec.ttft_s)
+        recs = await asyncio.gather(*(stream_request(client, url, body(8, output_tokens),
+                                                     ClientRecord(0.0, output_tokens), clock=clock)
+                                      for _ in range(batch)))
+    itls = [r.itl_s for r in recs if r.itl_s and r.error is None]
+    if not firsts or not itls:
+        raise FleetwardError(f"the worker at {url} answered too little to measure its prefill and decode cost")
+    firsts.sort()
+    return prompt_tokens / firsts[len(firsts) // 2], sum(itls) / len(itls) / batch

@@ -24,7 +24,6 @@ the healthy count match its decision.
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 import random
 from collections import deque
@@ -37,7 +36,7 @@ from fleetward.autoscale.planner import Observation, Policy, StaticPeak
 from fleetward.autoscale.traces import TraceRequest
 from fleetward.fleet.config import SimConfig
 
-__all__ = ["FleetResult", "IntervalRecord", "p99", "profile_capacity", "simulate"]
+__all__ = ["FleetResult", "FleetSim", "IntervalRecord", "measure_work", "p99", "profile_capacity", "simulate"]
 
 # A worker for the simulator: the sim worker's latency model with a batch small enough that the traces
 # need a fleet (tens of workers) rather than one or two, and chunked prefill as vLLM V1 always runs it
@@ -84,6 +83,19 @@ class _Worker:
         self.v = self.t0 = self.paused_until = 0.0
         self.kv_used = 0
         self.version = 0
+
+    def clone(self, copy_req: Callable[[_Req], _Req]) -> _Worker:
+        new = object.__new__(_Worker)
+        new.id, new.config, new.state = self.id, self.config, self.state
+        new.started_at, new.ready_at, new.stopped_at = self.started_at, self.ready_at, self.stopped_at
+        new.attempts = {rid: _Attempt(copy_req(a.req), a.start_v, a.finish_v, a.first_at, a.kv)
+                        for rid, a in self.attempts.items()}
+        new.heap = list(self.heap)
+        new.queue = deque(copy_req(r) for r in self.queue)
+        new.pf = deque([copy_req(e[0]), e[1], e[2]] for e in self.pf)
+        new.v, new.t0, new.paused_until = self.v, self.t0, self.paused_until
+        new.kv_used, new.version = self.kv_used, self.version
+        return new
 
     @property
     def load(self) -> int:
@@ -244,229 +256,363 @@ def _mean_itl(r: _Req) -> float:
     return (r.finish - r.first_token) / (r.output - 1) if r.output > 1 else 0.0
 
 
-def simulate(requests: Sequence[TraceRequest], policy: Policy, *, sla: Sla, startup_s: float,
-             config: SimConfig = DEFAULT_WORKER, interval_s: float = 30.0, initial_workers: int = 1,
-             failures_per_worker_hour: float = 0.0, migration: bool = True, drain_deadline_s: float = 300.0,
-             seed: int = 0, on_progress: Callable[[float], None] | None = None) -> FleetResult:
-    """Run ``requests`` through a fleet that ``policy`` scales; see the module docstring."""
-    rng = random.Random(seed)
-    seq = itertools.count()
-    events: list[tuple[float, int, str, int]] = []
-    workers: dict[int, _Worker] = {}
-    ids = itertools.count()
-    pending: deque[_Req] = deque()  # every serving worker full (or none serving): requests wait at the router
-    reqs: list[_Req] = []
-    stats = {"failed": 0, "migrated": 0, "scale_events": 0}
-    done_in_interval: list[_Req] = []
-    arrivals_in_interval: list[_Req] = []
-    timeline: list[IntervalRecord] = []
-    reasons: list[str] = []
-    end_of_trace = requests[-1].arrival_s if requests else 0.0
-    finished = 0
+class FleetSim:
+    """The simulated fleet (module docstring): :meth:`run` drives it with a policy up to a time, :meth:`clone`
+    copies the state of what is in flight (not the requests already finished) so that a search can try
+    several futures from the same instant (:mod:`.oracle`)."""
 
-    def push(t: float, kind: str, ref: int) -> None:
-        heapq.heappush(events, (t, next(seq), kind, ref))
+    def __init__(self, requests: Sequence[TraceRequest], *, sla: Sla, startup_s: float,
+                 config: SimConfig = DEFAULT_WORKER, interval_s: float = 30.0, initial_workers: int = 1,
+                 failures_per_worker_hour: float = 0.0, migration: bool = True, drain_deadline_s: float = 300.0,
+                 seed: int = 0) -> None:
+        self.requests, self.sla, self.startup_s, self.config = requests, sla, startup_s, config
+        self.interval_s = interval_s
+        self.failure_rate, self.migration, self.drain_deadline_s = failures_per_worker_hour, migration, drain_deadline_s
+        self.rng = random.Random(seed)
+        self.events: list[tuple[float, int, str, int]] = []
+        self._seq = 0
+        self.workers: dict[int, _Worker] = {}
+        self._ids = 0
+        self.pending: deque[_Req] = deque()  # every serving worker full (or none serving): held at the router
+        self.reqs: list[_Req] = []  # every request that arrived (in a clone: since it was made)
+        self.next_index = 0  # the next request of ``requests`` to arrive
+        self.open = 0  # arrived and not finished
+        self.failed = self.migrated = self.scale_events = 0
+        self.done_in_interval: list[_Req] = []
+        self.arrivals_in_interval: list[_Req] = []
+        self.timeline: list[IntervalRecord] = []
+        self.reasons: list[str] = []
+        self.carried: list[_Req] = []  # in a clone: the requests in flight when it was made
+        self.t = 0.0
+        for _ in range(initial_workers):
+            w = _Worker(self._next_id(), config, 0.0, 0.0)
+            w.state = "ready"
+            self.workers[w.id] = w
+        if requests:
+            self._push(requests[0].arrival_s, "arrive", 0)
+        self._push(interval_s, "plan", 0)
+        if failures_per_worker_hour > 0:
+            self._push(self.rng.expovariate(failures_per_worker_hour / 3600.0), "fail", 0)
 
-    def reschedule(w: _Worker) -> None:
+    # -- state ----------------------------------------------------------------------------------------------
+
+    def _next_id(self) -> int:
+        self._ids += 1
+        return self._ids - 1
+
+    def _push(self, t: float, kind: str, ref: int) -> None:
+        self._seq += 1
+        heapq.heappush(self.events, (t, self._seq, kind, ref))
+
+    @property
+    def done(self) -> bool:
+        return self.next_index >= len(self.requests) and self.open == 0 and not self.pending
+
+    def clone(self) -> FleetSim:
+        """An independent copy of the fleet now: workers, what they run, the router's queue, the events to come.
+        Requests that finished are not copied: the copy's :attr:`reqs` starts empty."""
+        new = object.__new__(FleetSim)
+        new.__dict__.update(self.__dict__)
+        memo: dict[int, _Req] = {}
+
+        def copy_req(r: _Req) -> _Req:
+            c = memo.get(r.id)
+            if c is None:
+                c = memo[r.id] = _Req(r.id, r.arrival, r.input, r.output, r.generated, r.first_token, r.finish,
+                                      r.failed, r.migrations)
+            return c
+
+        new.workers = {wid: w.clone(copy_req) for wid, w in self.workers.items()}
+        new.pending = deque(copy_req(r) for r in self.pending)
+        new.events = list(self.events)
+        new.rng = random.Random()
+        new.rng.setstate(self.rng.getstate())
+        new.reqs, new.done_in_interval, new.arrivals_in_interval = [], [], []
+        new.timeline, new.reasons = [], []
+        new.carried = list(memo.values())
+        return new
+
+    def serving(self) -> list[_Worker]:
+        return [w for w in self.workers.values() if w.state == "ready"]
+
+    # -- what happens -----------------------------------------------------------------------------------------
+
+    def _reschedule(self, w: _Worker) -> None:
         w.version += 1
         t = w.next_event()
         if t is not None:
-            push(t, "worker", w.id * 1_000_000_000 + w.version % 1_000_000_000)
+            self._push(t, "worker", w.id * 1_000_000_000 + w.version % 1_000_000_000)
 
-    def start_worker(t: float) -> None:
-        w = _Worker(next(ids), config, t, startup_s)
-        workers[w.id] = w
-        push(w.ready_at, "ready", w.id)
-
-    def serving() -> list[_Worker]:
-        return [w for w in workers.values() if w.state == "ready"]
-
-    def route(t: float, batch: Sequence[_Req]) -> None:
-        ready = serving()
+    def _route(self, t: float, batch: Sequence[_Req]) -> None:
+        ready = self.serving()
         touched: dict[int, _Worker] = {}
+        limit = self.config.max_num_seqs
         for r in batch:
             w = min(ready, key=lambda x: (x.load, x.id)) if ready else None
-            if w is None or w.load >= config.max_num_seqs:
-                pending.append(r)
+            if w is None or w.load >= limit:
+                self.pending.append(r)
                 continue
             w.advance(t)
             w.queue.append(r)
             w.admit(t)
             touched[w.id] = w
         for w in touched.values():
-            reschedule(w)
+            self._reschedule(w)
 
-    def complete(t: float, w: _Worker) -> None:
-        nonlocal finished
+    def _complete(self, t: float, w: _Worker) -> None:
         w.advance(t)
         done = w.finish_due(t)
-        finished += len(done)
-        done_in_interval.extend(done)
-        while pending and w.state == "ready" and w.load < config.max_num_seqs:
-            w.queue.append(pending.popleft())
+        self.open -= len(done)
+        self.done_in_interval.extend(done)
+        while self.pending and w.state == "ready" and w.load < self.config.max_num_seqs:
+            w.queue.append(self.pending.popleft())
         w.admit(t)
         if w.state == "draining" and not w.load:
-            stop(t, w)
+            self._stop(t, w)
         else:
-            reschedule(w)
+            self._reschedule(w)
 
-    def stop(t: float, w: _Worker) -> None:
+    def _stop(self, t: float, w: _Worker) -> None:
         w.state, w.stopped_at = "stopped", t
         w.version += 1
 
-    def displace(t: float, w: _Worker, *, failure: bool) -> None:
-        nonlocal finished
+    def _displace(self, t: float, w: _Worker, *, failure: bool) -> None:
         w.advance(t)
         moved = w.take_all(t)
-        stop(t, w)
-        if failure and not migration:
+        self._stop(t, w)
+        if failure and not self.migration:
             for r in moved:
                 if r.first_token is not None:
                     r.failed = True
-                    finished += 1
-                    stats["failed"] += 1
+                    self.open -= 1
+                    self.failed += 1
                 else:
-                    route(t, [r])
+                    self._route(t, [r])
             return
         for r in moved:
             if r.first_token is not None:
                 r.migrations += 1
-                stats["migrated"] += 1
-        route(t, moved)
+                self.migrated += 1
+        self._route(t, moved)
 
-    def actuate(t: float, desired: int) -> None:
-        starting = [w for w in workers.values() if w.state == "starting"]
-        ready = serving()
+    def actuate(self, t: float, desired: int) -> None:
+        """Make the serving and starting workers ``desired``: undrain, then start (ready after ``startup_s``);
+        or stop starting ones, then drain the least loaded (their streams finish, or move at the deadline)."""
+        starting = [w for w in self.workers.values() if w.state == "starting"]
+        ready = self.serving()
         have = len(starting) + len(ready)
         if desired > have:
-            stats["scale_events"] += 1
-            for w in [w for w in workers.values() if w.state == "draining"][: desired - have]:
+            self.scale_events += 1
+            for w in [w for w in self.workers.values() if w.state == "draining"][: desired - have]:
                 w.state = "ready"  # undrain before starting anew
                 have += 1
-                reschedule(w)
+                self._reschedule(w)
             for _ in range(desired - have):
-                start_worker(t)
+                w = _Worker(self._next_id(), self.config, t, self.startup_s)
+                self.workers[w.id] = w
+                if self.startup_s > 0:
+                    self._push(w.ready_at, "ready", w.id)
+                else:
+                    self._ready(t, w)
         elif desired < have:
-            stats["scale_events"] += 1
+            self.scale_events += 1
             extra = have - desired
             for w in sorted(starting, key=lambda x: -x.ready_at)[:extra]:
-                stop(t, w)
+                self._stop(t, w)
                 extra -= 1
             for w in sorted(ready, key=lambda x: (x.load, -x.id))[:extra]:
                 w.state = "draining"
                 w.advance(t)
                 queued = list(w.queue)
                 w.queue.clear()
-                route(t, queued)
+                self._route(t, queued)
                 if not w.attempts and not w.pf:
-                    stop(t, w)
+                    self._stop(t, w)
                 else:
-                    push(t + drain_deadline_s, "deadline", w.id)
+                    self._push(t + self.drain_deadline_s, "deadline", w.id)
 
-    def observe(t: float) -> Observation:
-        ready = serving()
-        ttft = p99([r.first_token - r.arrival for r in done_in_interval if r.first_token is not None])
-        itl = p99([_mean_itl(r) for r in done_in_interval])
-        n = len(arrivals_in_interval)
-        return Observation(
-            now=t, interval_s=interval_s, arrival_rate=n / interval_s, healthy=len(ready),
-            starting=sum(w.state == "starting" for w in workers.values()),
-            mean_input=sum(r.input for r in arrivals_in_interval) / n if n else 0.0,
-            mean_output=sum(r.output for r in arrivals_in_interval) / n if n else 0.0,
-            ttft_p99=ttft, itl_p99=itl, queue_depth=sum(len(w.queue) for w in ready) + len(pending),
-            kv_usage=sum(w.kv_used for w in ready) / (len(ready) * config.kv_capacity_tokens) if ready else 0.0)
-
-    for _ in range(initial_workers):
-        w = _Worker(next(ids), config, 0.0, 0.0)
+    def _ready(self, t: float, w: _Worker) -> None:
         w.state = "ready"
-        workers[w.id] = w
-    it = iter(requests)
-    nxt = next(it, None)
-    if nxt is not None:
-        push(nxt.arrival_s, "arrive", 0)
-    push(interval_s, "plan", 0)
-    if failures_per_worker_hour > 0:
-        push(rng.expovariate(failures_per_worker_hour / 3600.0), "fail", 0)
-    t = 0.0
-    while events:
-        t, _, kind, ref = heapq.heappop(events)
-        if kind == "arrive":
-            assert nxt is not None
-            r = _Req(len(reqs), nxt.arrival_s, max(1, nxt.input_tokens), max(1, nxt.output_tokens))
-            reqs.append(r)
-            arrivals_in_interval.append(r)
-            route(t, [r])
-            nxt = next(it, None)
-            if nxt is not None:
-                push(nxt.arrival_s, "arrive", 0)
-        elif kind == "worker":
-            w = workers[ref // 1_000_000_000]
-            if w.state in ("ready", "draining") and ref % 1_000_000_000 == w.version % 1_000_000_000:
-                complete(t, w)
-        elif kind == "ready":
-            w = workers[ref]
-            if w.state == "starting":
-                w.state = "ready"
-                w.t0 = t
-                waiting = list(pending)
-                pending.clear()
-                route(t, waiting)
-        elif kind == "deadline":
-            w = workers[ref]
-            if w.state == "draining":
-                displace(t, w, failure=False)  # still running at the deadline: migrate, never cut
-        elif kind == "fail":
-            ready = serving()
-            if ready:
-                displace(t, rng.choice(ready), failure=True)
-            alive = max(1, len(serving()))
-            push(t + rng.expovariate(failures_per_worker_hour * alive / 3600.0), "fail", 0)
-        elif kind == "plan":
-            obs = observe(t)
-            decision = policy.decide(obs)
-            reasons.append(f"{t:.0f}s {decision.desired}: {decision.reason}")
-            timeline.append(IntervalRecord(t, obs.arrival_rate, decision.desired, obs.healthy, obs.starting,
-                                           obs.ttft_p99, obs.itl_p99))
-            actuate(t, decision.desired)
-            done_in_interval.clear()
-            arrivals_in_interval.clear()
-            if on_progress is not None:
-                on_progress(min(t, end_of_trace))
-            if nxt is not None or finished < len(reqs) or pending:
-                push(t + interval_s, "plan", 0)
-        if nxt is None and finished >= len(reqs) and not pending:
-            break
-    worker_hours = sum(((w.stopped_at if w.stopped_at is not None else t) - w.started_at)
-                       for w in workers.values()) / 3600.0
-    met = sum(1 for r in reqs if not r.failed and r.first_token is not None and r.finish is not None
-              and r.first_token - r.arrival <= sla.ttft_s and _mean_itl(r) <= sla.itl_s)
-    served = [r for r in reqs if not r.failed and r.first_token is not None and r.finish is not None]
-    return FleetResult(policy.name, len(reqs), met, stats["failed"], 0, stats["migrated"], worker_hours,
-                       stats["scale_events"], p99([r.first_token - r.arrival for r in served]),  # type: ignore[operator]
-                       p99([_mean_itl(r) for r in served]), timeline, reasons)
+        w.t0 = t
+        waiting = list(self.pending)
+        self.pending.clear()
+        self._route(t, waiting)
+
+    def observe(self, t: float) -> Observation:
+        """The interval that ends at ``t``, as a policy sees it."""
+        ready = self.serving()
+        done = self.done_in_interval
+        ttft = p99([r.first_token - r.arrival for r in done if r.first_token is not None])
+        itl = p99([_mean_itl(r) for r in done])
+        arrivals = self.arrivals_in_interval
+        n = len(arrivals)
+        return Observation(
+            now=t, interval_s=self.interval_s, arrival_rate=n / self.interval_s, healthy=len(ready),
+            starting=sum(w.state == "starting" for w in self.workers.values()),
+            mean_input=sum(r.input for r in arrivals) / n if n else 0.0,
+            mean_output=sum(r.output for r in arrivals) / n if n else 0.0,
+            ttft_p99=ttft, itl_p99=itl,
+            queue_depth=sum(len(w.queue) for w in ready) + len(self.pending),
+            kv_usage=sum(w.kv_used for w in ready) / (len(ready) * self.config.kv_capacity_tokens) if ready else 0.0)
+
+    def run(self, policy: Policy | None, *, until: float = math.inf,
+            on_progress: Callable[[float], None] | None = None) -> None:
+        """Handle every event before ``until`` (or to the end of the trace and its streams). At each planning
+        interval ``policy`` decides and the fleet is made to match; without one the fleet stays as it is."""
+        end_of_trace = self.requests[-1].arrival_s if self.requests else 0.0
+        events = self.events
+        while events and events[0][0] < until:
+            t, _, kind, ref = heapq.heappop(events)
+            self.t = t
+            if kind == "arrive":
+                nxt = self.requests[self.next_index]
+                r = _Req(self.next_index, nxt.arrival_s, max(1, nxt.input_tokens), max(1, nxt.output_tokens))
+                self.next_index += 1
+                self.open += 1
+                self.reqs.append(r)
+                self.arrivals_in_interval.append(r)
+                self._route(t, [r])
+                if self.next_index < len(self.requests):
+                    self._push(self.requests[self.next_index].arrival_s, "arrive", 0)
+            elif kind == "worker":
+                w = self.workers[ref // 1_000_000_000]
+                if w.state in ("ready", "draining") and ref % 1_000_000_000 == w.version % 1_000_000_000:
+                    self._complete(t, w)
+            elif kind == "ready":
+                w = self.workers[ref]
+                if w.state == "starting":
+                    self._ready(t, w)
+            elif kind == "deadline":
+                w = self.workers[ref]
+                if w.state == "draining":
+                    self._displace(t, w, failure=False)  # still running at the deadline: migrate, never cut
+            elif kind == "fail":
+                ready = self.serving()
+                if ready:
+                    self._displace(t, self.rng.choice(ready), failure=True)
+                alive = max(1, len(self.serving()))
+                self._push(t + self.rng.expovariate(self.failure_rate * alive / 3600.0), "fail", 0)
+            elif kind == "plan":
+                if policy is not None:
+                    obs = self.observe(t)
+                    decision = policy.decide(obs)
+                    self.reasons.append(f"{t:.0f}s {decision.desired}: {decision.reason}")
+                    self.timeline.append(IntervalRecord(t, obs.arrival_rate, decision.desired, obs.healthy,
+                                                        obs.starting, obs.ttft_p99, obs.itl_p99))
+                    self.actuate(t, decision.desired)
+                self.done_in_interval.clear()
+                self.arrivals_in_interval.clear()
+                if on_progress is not None:
+                    on_progress(min(t, end_of_trace))
+                if not self.done:
+                    self._push(t + self.interval_s, "plan", 0)
+            if self.done:
+                break
+
+    def met(self, r: _Req) -> bool:
+        """``r`` finished within the SLA (its own TTFT target, by its prompt length, and the ITL target)."""
+        return (not r.failed and r.first_token is not None and r.finish is not None
+                and r.first_token - r.arrival <= self.sla.ttft_for(r.input) and _mean_itl(r) <= self.sla.itl_s)
+
+    def met_so_far(self, r: _Req) -> bool:
+        """``r`` is within the SLA as far as it got by now (:attr:`t`): finished and met; or its first token in
+        time and every token since at the ITL target on average; or still waiting for its first token and not
+        late yet."""
+        if r.finish is not None or r.failed:
+            return self.met(r)
+        target = self.sla.ttft_for(r.input)
+        if r.first_token is None:
+            return self.t - r.arrival <= target
+        if r.first_token - r.arrival > target:
+            return False
+        tokens = self._tokens_so_far(r)
+        return tokens <= 1 or (self.t - r.first_token) / (tokens - 1) <= self.sla.itl_s
+
+    def _tokens_so_far(self, r: _Req) -> float:
+        for w in self.workers.values():
+            a = w.attempts.get(r.id)
+            if a is not None:
+                w.advance(self.t)
+                return r.generated + 1 + (w.v - a.start_v)
+        return r.generated + 1
+
+    def result(self, name: str) -> FleetResult:
+        t = self.t
+        worker_hours = sum(((w.stopped_at if w.stopped_at is not None else t) - w.started_at)
+                           for w in self.workers.values()) / 3600.0
+        served = [r for r in self.reqs if not r.failed and r.first_token is not None and r.finish is not None]
+        return FleetResult(name, len(self.reqs), sum(1 for r in served if self.met(r)), self.failed, 0,
+                           self.migrated, worker_hours, self.scale_events,
+                           p99([r.first_token - r.arrival for r in served]),  # type: ignore[operator]
+                           p99([_mean_itl(r) for r in served]), self.timeline, self.reasons)
+
+
+def simulate(requests: Sequence[TraceRequest], policy: Policy, *, sla: Sla, startup_s: float,
+             config: SimConfig = DEFAULT_WORKER, interval_s: float = 30.0, initial_workers: int = 1,
+             failures_per_worker_hour: float = 0.0, migration: bool = True, drain_deadline_s: float = 300.0,
+             seed: int = 0, on_progress: Callable[[float], None] | None = None) -> FleetResult:
+    """Run ``requests`` through a fleet that ``policy`` scales; see the module docstring."""
+    sim = FleetSim(requests, sla=sla, startup_s=startup_s, config=config, interval_s=interval_s,
+                   initial_workers=initial_workers, failures_per_worker_hour=failures_per_worker_hour,
+                   migration=migration, drain_deadline_s=drain_deadline_s, seed=seed)
+    sim.run(policy, on_progress=on_progress)
+    return sim.result(policy.name)
 
 
 def profile_capacity(sample: Sequence[TraceRequest], *, startup_s: float, config: SimConfig = DEFAULT_WORKER,
-                     duration_s: float = 600.0, seed: int = 0, sla: Sla | None = None) -> CapacityModel:
-    """Measure one simulated worker at rising Poisson load, with request lengths drawn from ``sample``:
-    the capacity model the planners use (the same measurement ``fleetward profile`` makes on a live worker)."""
+                     duration_s: float = 600.0, seed: int = 0, sla: Sla | None = None, workers: int = 4,
+                     min_requests: int = 400) -> CapacityModel:
+    """Measure what one simulated worker carries at rising Poisson load, with request lengths drawn from
+    ``sample``: the capacity model the planners use, with the mix it was measured at and the work model
+    (:func:`measure_work`).
+
+    The load is offered to ``workers`` workers behind the router's least-loaded routing, and each point is
+    per worker: what one worker carries *in a fleet*, where a short prompt goes to another worker rather than
+    wait behind a long one's prefill (with heavy-tailed prompts a lone worker's p99 TTFT is that wait, and
+    says nothing of a fleet's). Each rate runs ``duration_s`` or until ``min_requests`` arrived, whichever is
+    longer: a p99 of a few dozen requests is their maximum, noise that would decide the capacity."""
+    sla = sla or Sla()
     rng = random.Random(seed)
     points: list[CapacityPoint] = []
     rate = 0.05
     for _ in range(80):
         t, reqs = 0.0, []
+        length = max(duration_s, min_requests / (rate * workers))
         while True:
-            t += rng.expovariate(rate)
-            if t > duration_s:
+            t += rng.expovariate(rate * workers)
+            if t > length:
                 break
             s = rng.choice(sample)
             reqs.append(TraceRequest(t, s.input_tokens, s.output_tokens))
         if len(reqs) >= 20:
-            result = simulate(reqs, StaticPeak(1), sla=sla or Sla(), startup_s=0.0, config=config,
-                              interval_s=duration_s)
-            if result.ttft_p99 is not None and result.itl_p99 is not None:
-                points.append(CapacityPoint(rate, result.ttft_p99, result.itl_p99))
-                if result.ttft_p99 > 60.0:  # far past any SLA: the queue only grows from here
+            sim = FleetSim(reqs, sla=sla, startup_s=0.0, config=config, interval_s=length, initial_workers=workers)
+            sim.run(StaticPeak(workers))
+            served = [r for r in sim.reqs if r.first_token is not None and r.finish is not None]
+            ttft = p99([(r.first_token - r.arrival) * sla.ttft_s / sla.ttft_for(r.input)  # type: ignore[operator]
+                        for r in served])
+            itl = p99([_mean_itl(r) for r in served])
+            if ttft is not None and itl is not None:
+                points.append(CapacityPoint(rate, ttft, itl))
+                if ttft > 60.0:  # far past any SLA: the queue only grows from here
                     break
         rate *= 1.15
-    return CapacityModel.from_points(points, startup_s)
+    prefill, decode = measure_work(config)
+    return CapacityModel(tuple(points), startup_s, sum(r.input_tokens for r in sample) / len(sample),
+                         sum(r.output_tokens for r in sample) / len(sample), prefill, decode, sla.ttft_per_1k_s)
+
+
+def measure_work(config: SimConfig = DEFAULT_WORKER, *, prompt_tokens: int = 8192,
+                 output_tokens: int = 256) -> tuple[float, float]:
+    """The work model of one simulated worker, measured as ``fleetward profile`` measures a live one: prompt
+    tokens/s (one long prompt alone, one token of answer) and seconds per output token at a full batch
+    (``max_num_seqs`` one-token prompts answered at once: their mean ITL over the batch)."""
+    sla = Sla(math.inf, math.inf)
+    alone = FleetSim([TraceRequest(0.0, prompt_tokens, 1)], sla=sla, startup_s=0.0, config=config)
+    alone.run(StaticPeak(1))
+    first = alone.reqs[0].first_token
+    assert first is not None
+    batch = config.max_num_seqs
+    full = FleetSim([TraceRequest(0.0, 1, output_tokens)] * batch, sla=sla, startup_s=0.0, config=config)
+    full.run(StaticPeak(1))
+    itl = sum(_mean_itl(r) for r in full.reqs) / batch
+    return prompt_tokens / max(first, 1e-9), itl / batch

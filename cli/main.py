@@ -59,7 +59,8 @@ _UP_FIELDS = ("cluster", "workers", "prefill_workers", "backend", "host", "run_d
 _AUTOSCALE_FLAGS = (("autoscale_enabled", "autoscale.enabled"), ("policy", "autoscale.policy"),
                     ("interval_s", "autoscale.interval_s"), ("min_workers", "autoscale.min_workers"),
                     ("max_workers", "autoscale.max_workers"), ("ttft_s", "autoscale.ttft_s"),
-                    ("itl_s", "autoscale.itl_s"), ("capacity", "autoscale.capacity"),
+                    ("itl_s", "autoscale.itl_s"), ("ttft_per_1k_s", "autoscale.ttft_per_1k_s"),
+                    ("capacity", "autoscale.capacity"),
                     ("per_worker_rps", "autoscale.per_worker_rps"), ("autoscaler_port", "autoscale.port"),
                     ("prometheus_enabled", "prometheus.enabled"))
 
@@ -215,6 +216,8 @@ def _parser() -> argparse.ArgumentParser:
     asc.add_argument("--max", dest="max_workers", type=int, help="most workers per pool; default 8")
     asc.add_argument("--ttft", dest="ttft_s", type=float, help="SLA: p99 TTFT in seconds; default 2")
     asc.add_argument("--itl", dest="itl_s", type=float, help="SLA: p99 mean ITL in seconds; default 0.05")
+    asc.add_argument("--ttft-per-1k", dest="ttft_per_1k_s", type=float,
+                     help="SLA: TTFT allowed per 1,000 prompt tokens on top of --ttft, s; default 0")
     asc.add_argument("--capacity", type=Path, help="capacity model file (fleetward profile, replay)")
     asc.add_argument("--per-worker-rps", dest="per_worker_rps", type=float,
                      help="a flat capacity instead: requests/s one worker carries within the SLA")

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 
 from rich.console import Console
 
 from fleetward.autoscale.capacity import CapacityModel, CapacityPoint, Sla
-from fleetward.autoscale.profile import profile_worker, rising_rates
+from fleetward.autoscale.profile import measure_work, profile_worker, rising_rates
 from fleetward.fleet.backends import BACKENDS
 from fleetward.fleet.config import FleetConfig, load_fleet_config
 from fleetward.fleet.errors import ConfigError
@@ -36,10 +37,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--out", type=Path, default=Path("capacity.json"), help="where the model goes")
     p.add_argument("--ttft", type=float, default=Sla().ttft_s, help="SLA: p99 TTFT, s (stops 4x past it)")
     p.add_argument("--itl", type=float, default=Sla().itl_s, help="SLA: p99 mean ITL, s (stops 4x past it)")
+    p.add_argument("--ttft-per-1k", dest="ttft_per_1k", type=float, default=0.0,
+                   help="SLA: TTFT allowed per 1,000 prompt tokens on top of --ttft, s (default 0)")
     p.add_argument("--rates", help="comma-separated requests/s (default 0.25 rising by 1.5x until the SLA breaks)")
     p.add_argument("--step", type=float, default=20.0, help="seconds per rate (default 20)")
     p.add_argument("--prompt-tokens", dest="prompt_tokens", type=int, default=128)
     p.add_argument("--max-tokens", dest="max_tokens", type=int, default=64)
+    p.add_argument("--work-prompt-tokens", dest="work_prompt_tokens", type=int, default=1024,
+                   help="prompt length that measures prefill tokens/s (default 1024)")
+    p.add_argument("--work-batch", dest="work_batch", type=int, default=16,
+                   help="streams at once that measure decode cost per token (default 16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", dest="run_dir", type=Path, help="where the worker's log goes (default .fleetward)")
 
@@ -69,28 +76,41 @@ async def _served_model(url: str) -> str:
 
 
 async def _profile(args: argparse.Namespace, err: Console) -> CapacityModel:
-    sla = Sla(args.ttft, args.itl)
+    sla = Sla(args.ttft, args.itl, args.ttft_per_1k)
     rates = _rates(args.rates)
+    if args.work_prompt_tokens < 1 or args.work_batch < 1:
+        raise ConfigError("--work-prompt-tokens and --work-batch must be at least 1", field="--work-batch")
 
     def step(rate: float, point: CapacityPoint | None, failed: int) -> None:
         lost = f", [red]{failed} failed[/]" if failed else ""
         if point is None:
             err.print(f"  {rate:8.3f} req/s: nothing answered{lost}")
         else:
-            ok = point.ttft_p99 <= sla.ttft_s and point.itl_p99 <= sla.itl_s
+            ok = point.ttft_p99 <= sla.ttft_for(args.prompt_tokens) and point.itl_p99 <= sla.itl_s
             err.print(f"  {rate:8.3f} req/s: p99 TTFT {point.ttft_p99:7.3f} s, ITL {point.itl_p99 * 1000:7.1f} ms  "
                       f"{'[green]within[/]' if ok else '[yellow]beyond[/]'} the SLA{lost}")
 
-    async def measure(url: str, model: str) -> list[CapacityPoint]:
+    async def measure(url: str, model: str, startup: float) -> CapacityModel:
+        err.print(f"measuring the work: {args.work_prompt_tokens}-token prompts alone, then {args.work_batch} "
+                  f"streams at once:")
+        prefill, decode = await measure_work(url, model=model, prompt_tokens=args.work_prompt_tokens,
+                                             batch=args.work_batch, seed=args.seed)
+        err.print(f"  prefill {prefill:,.0f} prompt tokens/s; decode {decode * 1000:.2f} ms per output token "
+                  f"at a batch of {args.work_batch}")
         err.print(f"driving {url} ({model}) at rising load, {args.step:g} s per rate:")
-        return await profile_worker(url, model=model, sla=sla, rates=rates, step_s=args.step,
-                                    prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, seed=args.seed,
-                                    on_step=step)
+        points = await profile_worker(url, model=model, sla=sla, rates=rates, step_s=args.step,
+                                      prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, seed=args.seed,
+                                      on_step=step)
+        # Against an SLA per prompt token, each TTFT counts against its prompt's target: scaled to the base one.
+        scale = sla.ttft_s / sla.ttft_for(args.prompt_tokens)
+        points = [dataclasses.replace(p, ttft_p99=p.ttft_p99 * scale) for p in points]
+        return CapacityModel(tuple(points), startup, float(args.prompt_tokens), float(args.max_tokens), prefill,
+                             decode, sla.ttft_per_1k_s)
 
     if args.url:
         url = args.url.rstrip("/")
-        points = await measure(url, args.served_model or await _served_model(url))
-        return CapacityModel.from_points(points, args.startup if args.startup is not None else 60.0)
+        return await measure(url, args.served_model or await _served_model(url),
+                             args.startup if args.startup is not None else 60.0)
 
     from fleetward.fleet.backends import make_backend
     from fleetward.fleet.procs import free_port
@@ -116,15 +136,15 @@ async def _profile(args: argparse.Namespace, err: Console) -> CapacityModel:
         startup = time.monotonic() - t0
         err.print(f"  the worker serves after [bold]{startup:.1f} s[/] (log: {log_dir})")
         await backend.warm_up(spec.url)
-        points = await measure(spec.url, backend.model_name)
+        return await measure(spec.url, backend.model_name,
+                             args.startup if args.startup is not None else round(startup, 2))
     finally:
         await backend.stop(handle, grace=5)
-    return CapacityModel.from_points(points, args.startup if args.startup is not None else round(startup, 2))
 
 
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     model = asyncio.run(_profile(args, err))
-    sla = Sla(args.ttft, args.itl)
+    sla = Sla(args.ttft, args.itl, args.ttft_per_1k)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(model.to_json() + "\n")
     try:

@@ -50,6 +50,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--limit", type=float, help="only the first LIMIT seconds of the (compressed) trace")
     p.add_argument("--ttft", type=float, default=Sla().ttft_s, help="SLA: time to first token, s (default 2)")
     p.add_argument("--itl", type=float, default=Sla().itl_s, help="SLA: mean inter-token latency, s (default 0.05)")
+    p.add_argument("--ttft-per-1k", dest="ttft_per_1k", type=float, default=0.0,
+                   help="SLA: TTFT allowed per 1,000 prompt tokens on top of --ttft, s (long-context SLOs; default 0)")
     p.add_argument("--interval", type=float, default=30.0, help="planning interval, s (default 30)")
     p.add_argument("--startup", type=float, default=45.0, help="a new worker's start-up time, s (default 45)")
     p.add_argument("--min", dest="min_workers", type=int, default=1, help="fewest workers (default 1)")
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
             done[policy] = t
             bar.update(task, description=f"{trace.name}: {policy}", completed=sum(done.values()))
 
-        ev = evaluate(trace, policies=policies, sla=Sla(args.ttft, args.itl), startup_s=args.startup,
+        ev = evaluate(trace, policies=policies, sla=Sla(args.ttft, args.itl, args.ttft_per_1k), startup_s=args.startup,
                       interval_s=args.interval, min_workers=args.min_workers, max_workers=args.max_workers,
                       predictor=args.predictor, failures_per_worker_hour=args.failures_per_hour,
                       migration=not args.no_migration, config=DEFAULT_WORKER, seed=args.seed, progress=progress)
@@ -95,7 +97,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         out.print_json(json.dumps(summary))
         return 0
     table = Table(title=f"{trace.name} ({trace.format}, {len(trace.requests)} requests, "
-                        f"{trace.duration_s / 3600:.2f} h): SLA TTFT {args.ttft:g} s, ITL {args.itl * 1000:g} ms; "
+                        f"{trace.duration_s / 3600:.2f} h): SLA {ev.sla.describe()}; "
                         f"{ev.per_worker:.2f} req/s per worker, start-up {args.startup:g} s")
     for col in ("policy", "SLA attainment", "worker-hours", "vs oracle", "goodput/worker-h", "scale events",
                 "cut streams", "failed", "migrated"):
@@ -119,8 +121,8 @@ def _plot(ev: Evaluation, folder: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
-    load, replicas, itl = axes
+    fig, axes = plt.subplots(4, 1, figsize=(11, 11), sharex=True)
+    load, replicas, ttft, itl = axes
     first = next(iter(ev.results.values()))
     hours = [r.t / 3600 for r in first.timeline]
     load.plot(hours, [r.arrival_rate for r in first.timeline], color="black")
@@ -128,13 +130,17 @@ def _plot(ev: Evaluation, folder: Path) -> None:
     for name, res in ev.results.items():
         h = [r.t / 3600 for r in res.timeline]
         replicas.step(h, [r.healthy for r in res.timeline], where="post", label=name)
+        ttft.plot(h, [r.ttft_p99 or 0 for r in res.timeline], label=name, linewidth=0.8)
         itl.plot(h, [1000 * (r.itl_p99 or 0) for r in res.timeline], label=name, linewidth=0.8)
     replicas.set_ylabel("serving workers")
     replicas.legend(fontsize=8)
+    ttft.axhline(ev.sla.ttft_s, color="red", linestyle="--", linewidth=0.8)
+    ttft.set_yscale("symlog", linthresh=1.0)
+    ttft.set_ylabel("p99 TTFT per interval (s)")
     itl.axhline(1000 * ev.sla.itl_s, color="red", linestyle="--", linewidth=0.8)
     itl.set_ylabel("p99 ITL per interval (ms)")
     itl.set_xlabel("trace time (h)")
-    fig.suptitle(f"{ev.trace.name}: load, replicas and latency by policy")
+    fig.suptitle(f"{ev.trace.name}: load, replicas and latency by policy ({ev.sla.describe()})")
     fig.tight_layout()
     fig.savefig(folder / "replay.png", dpi=110)
     plt.close(fig)
@@ -161,7 +167,7 @@ async def _run_live(args: argparse.Namespace, trace: Trace, out: Console, err: C
                           f"--simulate); choose from {', '.join(LIVE_POLICIES)}", field="--policies")
     if not trace.requests:
         raise ConfigError(f"trace {trace.name} has no requests")
-    sla = Sla(args.ttft, args.itl)
+    sla = Sla(args.ttft, args.itl, args.ttft_per_1k)
     folder = _folder(args, trace)
     sim = SimConfig()
     sample = [TraceRequest(0.0, min(r.input_tokens, args.max_prompt), min(r.output_tokens, args.max_output))
@@ -183,6 +189,7 @@ async def _run_live(args: argparse.Namespace, trace: Trace, out: Console, err: C
                              autoscale=AutoscaleConfig(
                                  enabled=True, policy=name, interval_s=interval, min_workers=args.min_workers,
                                  max_workers=top, predictor=args.predictor, ttft_s=sla.ttft_s, itl_s=sla.itl_s,
+                                 ttft_per_1k_s=sla.ttft_per_1k_s,
                                  capacity=(folder / "capacity.json").resolve(), drain_deadline_s=60.0))
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeElapsedColumn(), console=err, transient=True) as bar:
@@ -199,7 +206,7 @@ async def _run_live(args: argparse.Namespace, trace: Trace, out: Console, err: C
         results[name] = result
     summary = {"mode": "live", "trace": {"name": trace.name, "format": trace.format, "requests": len(trace.requests),
                                          "duration_s": round(trace.duration_s, 1)},
-               "sla": {"ttft_s": sla.ttft_s, "itl_s": sla.itl_s},
+               "sla": {"ttft_s": sla.ttft_s, "itl_s": sla.itl_s, "ttft_per_1k_s": sla.ttft_per_1k_s},
                "capacity": {"per_worker_rps": round(per_worker, 3), "startup_s": capacity.startup_s},
                "policies": {name: r.summary() for name, r in results.items()}}
     (folder / "replay.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -209,7 +216,7 @@ async def _run_live(args: argparse.Namespace, trace: Trace, out: Console, err: C
         out.print_json(json.dumps(summary))
         return 0
     table = Table(title=f"{trace.name} live ({len(trace.requests)} requests, {trace.duration_s:.0f} s): SLA TTFT "
-                        f"{args.ttft:g} s, ITL {args.itl * 1000:g} ms; {per_worker:.2f} req/s per worker")
+                        f"{sla.describe()}; {per_worker:.2f} req/s per worker")
     for col in ("policy", "SLA attainment", "worker-hours", "goodput/worker-h", "scale events", "cut streams",
                 "failed", "migrated"):
         table.add_column(col, justify="left" if col == "policy" else "right")

@@ -264,6 +264,8 @@ class AutoscaleConfig(Frozen):
         "fleetward", description="how it decides (fleetward.autoscale.planner; the others are the baselines)")
     ttft_s: float = Field(2.0, gt=0, description="SLA: p99 time to first token")
     itl_s: float = Field(0.05, gt=0, description="SLA: p99 of requests' mean inter-token latency")
+    ttft_per_1k_s: float = Field(0.0, ge=0, description="SLA: TTFT allowed per 1,000 prompt tokens on top of ttft_s "
+                                 "(long-context SLOs)")
     interval_s: float = Field(30.0, gt=0, description="one observation and decision per interval")
     min_workers: int = Field(1, ge=0, description="fewest workers per pool")
     max_workers: int = Field(8, ge=1, description="most workers per pool")
@@ -283,7 +285,12 @@ class AutoscaleConfig(Frozen):
     startup_s: float | None = Field(None, ge=0, description="a new worker's start-up time (default: the capacity "
                                     "file's, else 5 s for sim and 60 s for vLLM)")
     down_stable: int = Field(6, ge=1, description="intervals that must all want fewer workers before scaling down")
-    headroom: float = Field(0.1, ge=0, description="capacity kept above the predicted load (0.1: 10 %)")
+    headroom: float = Field(0.1, ge=0, description="capacity kept above the predicted load at least (0.1: 10 %); "
+                            "more when recent forecasts fell short by more (learned)")
+    margin_quantile: float = Field(0.95, ge=0, le=1, description="the planner keeps this quantile of how far recent "
+                                   "forecasts fell short (the last 40 intervals) above its forecast; 0 turns it off")
+    capacity_trust_max: float = Field(1.25, ge=1.0, description="how far past the capacity model the planner may "
+                                      "load workers once the SLA has held at that load (learned; 1 turns it off)")
     drain_deadline_s: float = Field(60.0, ge=0, description="scale-down: how long a retired worker's streams may "
                                     "finish before they move to other workers")
     nodes: tuple[str, ...] = Field((), description="nodes new workers may go to (default: the nodes that run "

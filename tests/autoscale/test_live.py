@@ -33,7 +33,7 @@ SLA = Sla(ttft_s=2.0, itl_s=0.05)
 CAPACITY = CapacityModel((CapacityPoint(3.0, 0.0, 0.0), CapacityPoint(3.003, 1e9, 1e9)), startup_s=1.0)
 INTERVAL = 1.0
 CONFIG = AutoscaleConfig(interval_s=INTERVAL, min_workers=1, max_workers=4, predictor="constant", headroom=0.0,
-                         down_stable=3, drain_deadline_s=2.0)
+                         down_stable=3, drain_deadline_s=2.0, margin_quantile=0.0, capacity_trust_max=1.0)
 
 
 def step_trace() -> Trace:
@@ -49,8 +49,12 @@ def step_trace() -> Trace:
 
 
 def planner() -> Planner:
+    """The planner with its learned parts off: in a 40-second trace the margin would learn the one step as a
+    jump to keep (it is tested in the simulator and sans IO), and the trust would follow latencies that the
+    two fleets measure differently (simulated against a live router's histograms)."""
     return Planner(CAPACITY, SLA, min_workers=CONFIG.min_workers, max_workers=CONFIG.max_workers,
-                   predictor=CONFIG.predictor, headroom=CONFIG.headroom, down_stable=CONFIG.down_stable)
+                   predictor=CONFIG.predictor, headroom=CONFIG.headroom, down_stable=CONFIG.down_stable,
+                   margin_quantile=CONFIG.margin_quantile, trust_max=CONFIG.capacity_trust_max)
 
 
 @pytest.fixture

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
 import pytest
 
 from fleetward.autoscale.capacity import CapacityModel, CapacityPoint, Sla
-from fleetward.autoscale.planner import DynamoStyle, Observation, Oracle, Planner, Reactive
+from fleetward.autoscale.planner import DynamoStyle, Observation, Planner, Reactive
 from fleetward.fleet.errors import ConfigError
 
 SLA = Sla(ttft_s=2.0, itl_s=0.05)
@@ -23,7 +24,9 @@ def obs(k: int, rate: float, healthy: int, **kw: object) -> Observation:
 
 
 def planner(**kw: object) -> Planner:
-    options: dict[str, object] = {"predictor": "constant", "headroom": 0.0, "min_workers": 1, "max_workers": 20}
+    """A planner without the learned parts (margin, trust) unless asked: the rule alone."""
+    options: dict[str, object] = {"predictor": "constant", "headroom": 0.0, "min_workers": 1, "max_workers": 20,
+                                  "margin_quantile": 0.0, "trust_max": 1.0}
     options.update(kw)
     return Planner(CAPACITY, SLA, **options)  # type: ignore[arg-type]
 
@@ -96,11 +99,7 @@ def test_the_planner_scales_ahead_of_a_ramp_by_the_start_up_time() -> None:
     assert sum(ahead[30:]) > sum(late[30:])
 
 
-def test_the_oracle_covers_the_future_peak_and_dynamo_style_corrects_by_latency() -> None:
-    rates = [4.0] * 10 + [40.0] * 10
-    oracle = Oracle(CAPACITY, SLA, rates, INTERVAL, max_workers=20)
-    assert oracle.decide(obs(5, 4.0, 1)).desired == 1
-    assert oracle.decide(obs(7, 4.0, 1)).desired == 10  # 3 intervals before the step: start-up + one interval
+def test_dynamo_style_corrects_by_latency() -> None:
     dyn = DynamoStyle(CAPACITY, SLA, max_workers=20)
     base = dyn.decide(obs(0, 16.0, 4)).desired
     slow = dyn.decide(obs(1, 16.0, 4, itl_p99=2 * CAPACITY.itl_at(4.0))).desired
@@ -112,3 +111,43 @@ def test_reactive_follows_queue_depth_and_waits_out_its_stabilisation_window() -
     assert hpa.decide(obs(0, 0, 4, queue_depth=32)).desired == 8
     assert hpa.decide(obs(1, 0, 8, queue_depth=0)).desired == 8  # within 5 minutes of wanting 8
     assert hpa.decide(obs(12, 0, 8, queue_depth=0)).desired == 1
+
+
+def test_the_margin_is_learned_from_forecasts_that_fell_short() -> None:
+    """Smooth load learns no margin (the headroom rules); load that jumps without warning learns to keep the
+    capacity of its jumps, and forgets it once the jumps have left its history."""
+    smooth = planner(margin_quantile=0.95, margin_history=10)
+    assert [smooth.decide(obs(k, 8.0, 2)).desired for k in range(20)][-1] == 2
+    jumpy = planner(margin_quantile=0.95, margin_history=10)
+    rates = [0.0, 0.0, 0.0, 16.0] * 5  # bursts of 16 req/s after silences: 4 workers while it lasts
+    wanted = [jumpy.decide(obs(k, r, 4)).desired for k, r in enumerate(rates)]
+    assert min(wanted[8:]) >= 4, "between bursts it keeps what a burst needs"
+    for k in range(20, 40):
+        last = jumpy.decide(obs(k, 1.0, 4)).desired
+    assert last == 1, "ten quiet intervals later the bursts are out of its history"
+
+
+def test_capacity_trust_grows_while_the_sla_holds_at_high_load_and_falls_back_when_it_is_missed() -> None:
+    p = planner(trust_max=1.25)
+    for k in range(30):  # 3 workers at 11 req/s: above the model's 4 req/s each x 0.5, and within the SLA
+        p.decide(obs(k, 11.0, 3, ttft_p99=0.5, itl_p99=0.03))
+    assert p.trust == pytest.approx(1.25)
+    assert p.decide(obs(30, 11.0, 3)).desired == 3  # 11 / (4 x 1.25) -> 3, where the model alone says 3 too
+    assert planner().decide(obs(0, 18.0, 3)).desired == 5 and p.decide(obs(31, 18.0, 3)).desired == 4
+    p.decide(obs(32, 18.0, 4, ttft_p99=0.5, itl_p99=0.2))  # missed: trust falls back
+    assert p.trust < 1.25
+
+
+def test_an_aggregated_pool_weighs_requests_by_the_work_they_cost() -> None:
+    """With the work model, prompts twice as long as those the capacity was measured at cost more workers."""
+    work = dataclasses.replace(CAPACITY, mean_input=1000.0, mean_output=100.0, prefill_tokens_per_s=10_000.0,
+                               decode_s_per_token=0.001)
+    assert work.relative_cost(1000.0, 100.0) == pytest.approx(1.0)
+    assert work.relative_cost(3000.0, 100.0) == pytest.approx(2.0)  # (0.3 s + 0.1 s) / (0.1 s + 0.1 s)
+    same = Planner(work, SLA, predictor="constant", headroom=0.0, margin_quantile=0.0, trust_max=1.0)
+    longer = Planner(work, SLA, predictor="constant", headroom=0.0, margin_quantile=0.0, trust_max=1.0)
+    for k in range(30):  # the mix is smoothed over intervals: it settles
+        a = same.decide(obs(k, 8.0, 2, mean_input=1000.0, mean_output=100.0)).desired
+        b = longer.decide(obs(k, 8.0, 2, mean_input=3000.0, mean_output=100.0)).desired
+    assert (a, b) == (2, 4)
+    assert CAPACITY.relative_cost(3000.0, 100.0) == 1.0, "a model without the work plans in requests/s"
