@@ -134,9 +134,13 @@ def _plot(ev: Evaluation, folder: Path) -> None:
         itl.plot(h, [1000 * (r.itl_p99 or 0) for r in res.timeline], label=name, linewidth=0.8)
     replicas.set_ylabel("serving workers")
     replicas.legend(fontsize=8)
-    ttft.axhline(ev.sla.ttft_s, color="red", linestyle="--", linewidth=0.8)
     ttft.set_yscale("symlog", linthresh=1.0)
-    ttft.set_ylabel("p99 TTFT per interval (s)")
+    ttft.set_ylim(bottom=0)
+    if ev.sla.ttft_per_1k_s:  # each request has its own target: no one line to draw
+        ttft.set_ylabel("p99 TTFT per interval (s;\nthe target grows with the prompt)")
+    else:
+        ttft.axhline(ev.sla.ttft_s, color="red", linestyle="--", linewidth=0.8)
+        ttft.set_ylabel("p99 TTFT per interval (s)")
     itl.axhline(1000 * ev.sla.itl_s, color="red", linestyle="--", linewidth=0.8)
     itl.set_ylabel("p99 ITL per interval (ms)")
     itl.set_xlabel("trace time (h)")

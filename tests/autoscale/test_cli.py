@@ -37,6 +37,10 @@ def test_profile_measures_a_worker_it_starts_and_writes_a_model_the_autoscaler_t
     assert [p.rate for p in model.points] == [1.0, 8.0] and model.startup_s > 0
     assert model.max_rate(Sla(ttft_s=10, itl_s=1)) == 8.0
     assert (tmp_path / ".fleetward" / "profile" / "worker-profile-w0.log").exists(), "the default run dir"
+    # The work model and the mix it was measured at: the planner weighs requests by them.
+    assert (model.mean_input, model.mean_output) == (128.0, 16.0)
+    assert model.prefill_tokens_per_s and model.decode_s_per_token and "prompt tokens/s" in r.stderr
+    assert model.relative_cost(256.0, 16.0) > 1.0
 
 
 def test_profile_refuses_bad_rates_and_an_unreachable_server_clearly(tmp_path: Path, fleetward_cli: Any) -> None:
