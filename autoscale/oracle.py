@@ -1,8 +1,8 @@
 """The SLA-aware oracle: with the whole trace known, the fewest workers that keep the SLA, found in the simulator.
 
-An oracle is the best any policy could do, so it cannot plan by a capacity rule (a rule on the mean rate
-misses what the rule misses: bursts inside an interval, long prompts, a backlog carried over). It searches
-instead, in the same simulator every policy runs in (:class:`~.simulate.FleetSim`), interval by interval:
+An oracle is the best any policy could do, so it cannot plan by a capacity rule: a rule on the mean rate
+misses bursts inside an interval, long prompts and a backlog carried over. It searches instead, in the same
+simulator every policy runs in (:class:`~.simulate.FleetSim`), interval by interval:
 
 1. **Search.** From the fleet's state at the start of interval *k* (what runs where, what waits at the
    router), for a candidate number of serving workers *n*: copy the state (:meth:`FleetSim.clone`), make the

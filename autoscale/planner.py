@@ -185,6 +185,8 @@ class Planner:
                    f"{lead} interval(s), {obs.queue_depth} queued, {self.per_worker:.0f} {self.pool.unit} per worker")
         if predicted + margin > predicted * (1 + self.headroom):
             why += f"; {margin:.2f} req/s above the forecast, as recent intervals needed"
+        if self.trust > 1.0:
+            why += f"; {self.trust:.2f}x the capacity model, as the SLA held"
         if missed:
             why += "; SLA missed last interval"
         if need > self._current:
@@ -199,11 +201,10 @@ class Planner:
             return Decision(self._current, "down: " + why)
         return Decision(self._current, "hold: " + why)
 
-
     def _learn(self, obs: Observation, per_request: float) -> None:
-        """The trust in the capacity model, learned from the fleet (additive increase, multiplicative decrease):
-        2 % more for each interval that met the pool's SLOs with its workers at least half loaded by the model's
-        measure (none starting), 10 % less for each interval that missed them, between 1 and ``trust_max``. A
+        """The trust in the capacity model, learned from the fleet: 2 % more for each interval that met the
+        pool's SLOs with its workers at least half loaded by the model's measure (none starting), 10 % less for
+        each interval that missed them (slow up, fast down), between 1 and ``trust_max``. A
         capacity measured on one worker under Poisson load is a floor for a fleet behind least-loaded routing;
         the trust finds how far above it this fleet's traffic may go."""
         if self.trust_max <= 1.0 or not obs.healthy:
