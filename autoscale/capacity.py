@@ -71,6 +71,11 @@ class Sla:
         """The TTFT target of a request with ``prompt_tokens``."""
         return self.ttft_s + self.ttft_per_1k_s * prompt_tokens / 1000.0
 
+    def base_ttft(self, ttft: float, prompt_tokens: float) -> float:
+        """``ttft`` of a request with ``prompt_tokens``, scaled to the base target ``ttft_s``: what a capacity point
+        records, so that it compares with ``ttft_s`` whatever the prompt (itself without a per-token target)."""
+        return ttft * self.ttft_s / self.ttft_for(prompt_tokens)
+
     def only(self, slos: Sequence[str]) -> Sla:
         """The same targets for ``slos``; the others never missed (an infinite target)."""
         return Sla(self.ttft_s if "ttft" in slos else math.inf, self.itl_s if "itl" in slos else math.inf,

@@ -128,6 +128,7 @@ def capacity_for(config: AutoscaleConfig, *, backend: str, sim: SimConfig | None
     It is an aggregated worker's: prefill and decode pools without a capacity file of their own derive theirs
     from it (:func:`pool_capacity`). When every pool has its own file, none is needed: the first pool's
     model is returned. Every pool's capacity is checked here, so a bad one is refused at start-up."""
+    sla = Sla(config.ttft_s, config.itl_s, config.ttft_per_1k_s)
     worker = backend_class(backend)
     default_startup = worker.default_startup_s
     own = [_pool_file(config, pool) for pool in config.pools]
@@ -145,7 +146,7 @@ def capacity_for(config: AutoscaleConfig, *, backend: str, sim: SimConfig | None
 
         sample = [TraceRequest(0.0, 64 * (1 + i % 8), 32 * (1 + i % 5)) for i in range(40)]
         model = profile_capacity(sample, startup_s=default_startup, config=sim or SimConfig(), duration_s=120.0,
-                                 sla=Sla(config.ttft_s, config.itl_s, config.ttft_per_1k_s))
+                                 sla=sla)
     else:
         raise ConfigError("the autoscaler needs a capacity model for vLLM workers: `fleetward profile` (or "
                           "`fleetward profile --url` on a running server) writes one for autoscale.capacity; or set "
@@ -153,7 +154,7 @@ def capacity_for(config: AutoscaleConfig, *, backend: str, sim: SimConfig | None
     if config.startup_s is not None:
         model = dataclasses.replace(model, startup_s=config.startup_s)
     for pool in config.pools:  # a clear error now if a pool's capacity is missing or no load meets the SLA
-        pool_capacity(config, model, pool).max_rate(Sla(config.ttft_s, config.itl_s, config.ttft_per_1k_s))
+        pool_capacity(config, model, pool).max_rate(sla)
     return model
 
 

@@ -69,6 +69,12 @@ class ClientRecord:
                 and (self.itl_s or 0.0) <= sla.itl_s)
 
 
+def fixed_length_body(model: str, prompt: list[int], tokens: int) -> dict[str, object]:
+    """A streamed completion of token-id ``prompt`` whose answer is exactly ``tokens`` long (``ignore_eos``)."""
+    return {"model": model, "prompt": prompt, "max_tokens": tokens, "min_tokens": tokens, "ignore_eos": True,
+            "stream": True, "return_token_ids": True, "temperature": 0}
+
+
 async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, object], rec: ClientRecord, *,
                          clock: Clock = SYSTEM_CLOCK, headers: dict[str, str] | None = None) -> ClientRecord:
     """POST ``body`` (a streamed completion) to ``url`` and record in ``rec`` what the client saw: TTFT, mean
@@ -171,9 +177,8 @@ async def replay_live(trace: Trace, *, router: str, model: str, store: StateStor
                 rec = ClientRecord(req.arrival_s, max(1, min(req.output_tokens, max_output_tokens)),
                                    prompt_tokens=len(prompt))
                 records.append(rec)
-                body = {"model": model, "prompt": prompt, "max_tokens": rec.asked, "min_tokens": rec.asked,
-                        "ignore_eos": True, "stream": True, "return_token_ids": True, "temperature": 0}
-                task = tg.create_task(stream_request(client, router, body, rec, clock=clock,
+                task = tg.create_task(stream_request(client, router, fixed_length_body(model, prompt, rec.asked), rec,
+                                                     clock=clock,
                                                      headers={"X-Fleetward-Trace": "1"}))
                 task.add_done_callback(done)
                 if on_progress is not None:

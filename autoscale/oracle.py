@@ -84,8 +84,7 @@ def search(requests: Sequence[TraceRequest], *, sla: Sla, startup_s: float, inte
                 trial = main.clone()
                 trial.actuate(start, m)
                 trial.run(None, until=end + tail)
-                judged = [r for r in trial.carried if r.finish is None or r.finish >= start]
-                judged += [r for r in trial.reqs if r.arrival < end]
+                judged = trial.carried + [r for r in trial.reqs if r.arrival < end]
                 cache[m] = sum(trial.met_so_far(r) for r in judged) / len(judged) if judged else 1.0
             return cache[m]
 

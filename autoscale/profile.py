@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import httpx
 
 from fleetward.autoscale.capacity import CapacityPoint, Sla
-from fleetward.autoscale.live import ClientRecord, stream_request
+from fleetward.autoscale.live import ClientRecord, fixed_length_body, stream_request
 from fleetward.autoscale.simulate import p99
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.errors import FleetwardError
@@ -57,9 +57,7 @@ async def profile_worker(url: str, *, model: str, sla: Sla, rates: Sequence[floa
                 wait = t0 + t - clock.monotonic()
                 if wait > 0:
                     await clock.sleep(wait)  # the arrival process, not a synchronisation
-                prompt = [rng.randrange(10, 200) for _ in range(prompt_tokens)]
-                body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
-                        "ignore_eos": True, "stream": True, "return_token_ids": True, "temperature": 0}
+                body = fixed_length_body(model, [rng.randrange(10, 200) for _ in range(prompt_tokens)], max_tokens)
                 tasks.append(asyncio.create_task(stream_request(client, url, body, ClientRecord(t, max_tokens),
                                                                 clock=clock)))
             results = await asyncio.gather(*tasks)
@@ -88,9 +86,7 @@ async def measure_work(url: str, *, model: str, prompt_tokens: int = 2048, batch
     rng = random.Random(seed)
 
     def body(prompt: int, tokens: int) -> dict[str, object]:
-        return {"model": model, "prompt": [rng.randrange(10, 200) for _ in range(prompt)], "max_tokens": tokens,
-                "min_tokens": tokens, "ignore_eos": True, "stream": True, "return_token_ids": True,
-                "temperature": 0}
+        return fixed_length_body(model, [rng.randrange(10, 200) for _ in range(prompt)], tokens)
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=10.0), trust_env=False) as client:
         firsts = []

@@ -588,8 +588,7 @@ def profile_capacity(sample: Sequence[TraceRequest], *, startup_s: float, config
             sim = FleetSim(reqs, sla=sla, startup_s=0.0, config=config, interval_s=length, initial_workers=workers)
             sim.run(StaticPeak(workers))
             served = [r for r in sim.reqs if r.first_token is not None and r.finish is not None]
-            ttft = p99([(r.first_token - r.arrival) * sla.ttft_s / sla.ttft_for(r.input)  # type: ignore[operator]
-                        for r in served])
+            ttft = p99([sla.base_ttft(r.first_token - r.arrival, r.input) for r in served])  # type: ignore[operator]
             itl = p99([_mean_itl(r) for r in served])
             if ttft is not None and itl is not None:
                 points.append(CapacityPoint(rate, ttft, itl))

@@ -102,8 +102,7 @@ async def _profile(args: argparse.Namespace, err: Console) -> CapacityModel:
                                       prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, seed=args.seed,
                                       on_step=step)
         # Against an SLA per prompt token, each TTFT counts against its prompt's target: scaled to the base one.
-        scale = sla.ttft_s / sla.ttft_for(args.prompt_tokens)
-        points = [dataclasses.replace(p, ttft_p99=p.ttft_p99 * scale) for p in points]
+        points = [dataclasses.replace(p, ttft_p99=sla.base_ttft(p.ttft_p99, args.prompt_tokens)) for p in points]
         return CapacityModel(tuple(points), startup, float(args.prompt_tokens), float(args.max_tokens), prefill,
                              decode, sla.ttft_per_1k_s)
 
