@@ -8,7 +8,7 @@ boundary fleetward may fake; the ``gpu`` fault family acts through this source
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.errors import FleetwardError
@@ -35,6 +35,7 @@ class _FakeGpu:
     sbe: int = 0
     throttle: frozenset[str] = frozenset()
     selftest_failure: str | None = None
+    pids: set[int] = field(default_factory=set)
 
 
 class FakeGpuSource:
@@ -80,6 +81,9 @@ class FakeGpuSource:
         if g.selftest_failure is not None:
             return SelftestResult(f"fake:{gpu}", False, size, seed, 0, None, size * size, g.selftest_failure)
         return selftest(self._selftest_device, size=size, seed=seed)
+
+    def processes(self) -> dict[int, frozenset[int]]:
+        return {g.info.index: frozenset(g.pids) for g in self._gpus}
 
     def close(self) -> None:
         self._closed = True
@@ -142,6 +146,10 @@ class FakeGpuSource:
         g = self._gpu(gpu)
         if not g.lost:
             self._set_throttle(g, frozenset() if reason is None else g.throttle - {reason})
+
+    def run_process(self, gpu: int, pid: int) -> None:
+        """``pid`` holds a compute context on ``gpu`` (what NVML lists as its compute processes)."""
+        self._gpu(gpu).pids.add(pid)
 
     def fail_selftest(self, gpu: int, reason: str = "forced self-test failure") -> None:
         self._gpu(gpu).selftest_failure = reason

@@ -32,6 +32,8 @@ __all__ = [
     "AutoscaleConfig",
     "FleetConfig",
     "Frozen",
+    "GpuConfig",
+    "GpuPolicyConfig",
     "ProcessRef",
     "PrometheusConfig",
     "RouterConfig",
@@ -313,6 +315,74 @@ class PrometheusConfig(Frozen):
     scrape_interval_s: float = Field(5.0, gt=0, description="how often targets are scraped and rules evaluated")
 
 
+# The names of fleetward.supervisor.gpu's Action and THROTTLE_REASONS (a test keeps them equal): the policy
+# section is checked here, with the file's lines, and the supervisor builds its GpuPolicy from it.
+GpuActionName = Literal["ignore", "degraded", "restart_worker", "drain_and_quarantine"]
+ThrottleReason = Literal["sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake"]
+
+
+class GpuRuleConfig(Frozen):
+    """One rule of the GPU policy: what to do, and the reason shown (default: the catalogue's). An action
+    name alone (``13: drain_and_quarantine``) is short for ``{action: drain_and_quarantine}``."""
+
+    action: GpuActionName = Field(description="ignore, degraded (slow: suspect, not restarted), restart_worker, or "
+                                  "drain_and_quarantine (the GPU stays out until it passes its self-test)")
+    reason: str | None = Field(None, min_length=1, description="what the signal and the fleet page say (default: "
+                               "the catalogue's reason for it)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return {"action": value} if isinstance(value, str) else value
+
+
+
+
+class GpuPolicyConfig(Frozen):
+    """Overrides of the GPU policy (docs/operations.md, "GPU health"); what is not set keeps its default."""
+
+    unknown_xid: GpuActionName | None = Field(None, description="an Xid the table lacks (default restart_worker)")
+    xid: dict[int, GpuRuleConfig] = Field(default_factory=dict, description="per Xid: an action, or {action, reason}")
+    throttle: dict[ThrottleReason, GpuRuleConfig] = Field(default_factory=dict, description="per clock-slowdown reason")
+    ecc_dbe: GpuRuleConfig | None = Field(None, description="an uncorrectable ECC error (default drain_and_quarantine)")
+    ecc_sbe: GpuRuleConfig | None = Field(None, description="corrected ECC errors (default ignore)")
+    lost: GpuRuleConfig | None = Field(None, description="a GPU lost or fallen off the bus (default "
+                                       "drain_and_quarantine)")
+    retirement_pending: GpuRuleConfig | None = Field(None, description="page retirement / row remapping "
+                                                     "pending (default drain_and_quarantine)")
+
+    def overrides(self) -> dict[str, Any]:
+        """What the file sets, in the shape ``GpuPolicy.from_config`` reads."""
+        return self.model_dump(mode="json", exclude_none=True, exclude_defaults=True)
+
+
+class GpuConfig(Frozen):
+    """Where a node agent reads the health of its host's GPUs (``gpu:``; ``gpu: nvml`` is short for ``gpu:
+    {source: nvml}``)."""
+
+    source: Literal["auto", "nvml", "dcgm", "off"] = Field(
+        "auto", description="auto: dcgm-exporter when dcgm_url is set, else NVML when its bindings load and it "
+        "sees a GPU, else off (said once in the agent's log and in `fleetward status`); nvml or dcgm: that one, "
+        "or the agent does not start; off: no GPU health")
+    dcgm_url: str | None = Field(None, pattern=r"^https?://[^\s/]+(/\S*)?$", description="this host's "
+                                 "dcgm-exporter metrics, e.g. http://127.0.0.1:9400/metrics")
+    per_worker: int = Field(1, ge=0, le=64, description="GPUs each worker this node starts gets (worker i: GPUs "
+                            "i*k .. i*k+k-1, as CUDA_VISIBLE_DEVICES in NVML's order); 0: none")
+    policy: GpuPolicyConfig = Field(GpuPolicyConfig(), description="overrides of the Xid / ECC / throttle policy")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return {"source": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _dcgm_needs_a_url(self) -> GpuConfig:
+        if self.source == "dcgm" and not self.dcgm_url:
+            raise ValueError("source dcgm needs dcgm_url (this host's dcgm-exporter, e.g. "
+                             "http://127.0.0.1:9400/metrics)")
+        return self
+
+
 class ProcessRef(Frozen):
     """How a node agent finds the process of a server it did not start: exactly one of these."""
 
@@ -349,6 +419,9 @@ class AttachConfig(Frozen):
     process: ProcessRef | None = Field(None, description="how to find its process (none: watched by URL only)")
     restart_command: tuple[str, ...] = Field((), description="argv run to restart it (none: drain and leave it "
                                              "for an operator)")
+    gpus: tuple[int, ...] | None = Field(None, description="the GPUs it runs on, by NVML index (default: found "
+                                         "from NVML's compute processes and its process tree; dcgm: none "
+                                         "unless given)")
 
     @field_validator("restart_command", mode="before")
     @classmethod
@@ -514,6 +587,8 @@ class FleetConfig(Frozen):
     supervisor: SupervisorConfig = Field(SupervisorConfig(), description="health detection and remediation")
     autoscale: AutoscaleConfig = Field(AutoscaleConfig(), description="SLA-driven scaling of the workers")
     prometheus: PrometheusConfig = Field(PrometheusConfig(), description="a local Prometheus with the alert rules")
+    gpu: GpuConfig = Field(GpuConfig(), description="GPU health: where the agent reads it, GPUs per worker, the "
+                           "policy")
 
     @field_validator("etcd", "mqtt")
     @classmethod
@@ -648,6 +723,9 @@ def _line_for(lines: Mapping[Path_, int], path: Path_) -> int | None:
     while path:
         if path in lines:
             return lines[path]
+        keyed = tuple(str(p) for p in path)  # an integer mapping key (gpu.policy.xid.13) is a string in the file
+        if keyed in lines:
+            return lines[keyed]
         path = path[:-1]
     return lines.get(())
 

@@ -18,14 +18,23 @@ A :class:`GpuHealthSource` is the narrow interface to the GPU hardware of one ho
   wrong, fails to compute, hangs or is lost gives ``passed=False``.
   It raises only when the test cannot run at all (torch missing). The supervisor calls it through
   :func:`run_selftest` before a quarantined or restarted GPU worker returns to service.
+- ``processes()`` maps each GPU index to the pids of the processes that hold a compute context on it
+  (NVML's compute processes, in the pid namespace of the host), for GPUs whose owner fleetward did not
+  start; a source that cannot tell (dcgm-exporter) returns an empty mapping.
 - ``close()`` releases the hardware interface; idempotent. ``poll`` after ``close`` raises.
+
+A source that reads its GPUs from somewhere that can fail (dcgm-exporter over HTTP) raises
+:class:`GpuSourceError` from ``poll`` while it cannot; the next ``poll`` tries again. NVML's does not.
 
 Sources are synchronous and not thread-safe: one owner calls them (from a thread if its loop must not
 wait on the driver). Timestamps (``GpuEvent.ts``) are wall seconds from the injected clock.
 
-Implementations: :class:`NvmlSource` reads NVML (``pip install 'fleetward[gpu]'``) on GPU hosts. A node
-without GPUs runs no source. The fault-injectable stand-in for hosts without GPUs is testbed code, not
-product: :class:`fleetward.chaos.fakegpu.FakeGpuSource` (it keeps the real source's rules above).
+Implementations: :class:`NvmlSource` reads NVML (``pip install 'fleetward[gpu]'``) on GPU hosts;
+:class:`~fleetward.supervisor.dcgm.DcgmExporterSource` reads the dcgm-exporter a fleet already runs; the
+fleet file's ``gpu:`` picks one (:mod:`fleetward.supervisor.gpuhost`). A node without GPUs runs no source.
+The fault-injectable stand-in for hosts without GPUs is testbed code, not product:
+:class:`fleetward.chaos.fakegpu.FakeGpuSource` (it keeps the real source's rules above); the tests also run
+:class:`NvmlSource` itself over a fake of NVML's bindings (``tests/fakenvml``).
 
 The policy
 ----------
@@ -76,6 +85,7 @@ __all__ = [
     "GpuHealthSource",
     "GpuInfo",
     "GpuPolicy",
+    "GpuSourceError",
     "NvmlSource",
     "Rule",
     "SelftestResult",
@@ -83,12 +93,17 @@ __all__ = [
     "selftest",
     "selftest_in_child",
     "throttle_events",
+    "throttle_reasons",
 ]
 
 log = logging.getLogger(__name__)
 
 XID_FALLEN_OFF_THE_BUS = 79
 XID_DOUBLE_BIT_ECC = 48
+
+
+class GpuSourceError(FleetwardError):
+    """The source cannot read its GPUs right now (dcgm-exporter unreachable); the next poll tries again."""
 
 
 # --------------------------------------------------------------------------------------------- events
@@ -134,7 +149,8 @@ _THROTTLE_BITS: Mapping[int, str] = MappingProxyType({
 THROTTLE_REASONS: frozenset[str] = frozenset(_THROTTLE_BITS.values())
 
 
-def _throttle_reasons(mask: int) -> frozenset[str]:
+def throttle_reasons(mask: int) -> frozenset[str]:
+    """The slowdown reasons set in a clock-event mask (NVML's, which dcgm-exporter exports as it is)."""
     return frozenset(name for bit, name in _THROTTLE_BITS.items() if mask & bit)
 
 
@@ -292,6 +308,10 @@ class GpuHealthSource(Protocol):
         """Run the deterministic matmul self-test on ``gpu``; ``passed=False`` when it computes wrong."""
         ...
 
+    def processes(self) -> dict[int, frozenset[int]]:
+        """GPU index -> pids holding a compute context on it (empty when the source cannot tell)."""
+        ...
+
     def close(self) -> None:
         """Release the hardware interface (idempotent)."""
         ...
@@ -347,8 +367,7 @@ class NvmlSource:
             nvml.nvmlInit()
         except nvml.NVMLError as exc:
             raise FleetwardError(f"NVML cannot initialise ({self._error_name(exc)}: {exc}): this host has no "
-                                 "usable NVIDIA GPU or driver (does `nvidia-smi` work?); hosts without GPUs "
-                                 "use fleetward.chaos.fakegpu.FakeGpuSource") from exc
+                                 "usable NVIDIA GPU or driver (does `nvidia-smi` work?)") from exc
         self._closed = False
         try:
             self._gpus = self._open_devices()
@@ -358,7 +377,7 @@ class NvmlSource:
         except FleetwardError:
             self.close()
             raise
-        self._by_address = {_address(g.handle): g for g in self._gpus}
+        self._by_address = {_address(g.handle): g for g in self._gpus if g.handle is not None}
         # Newer NVML renamed "throttle reasons" to "clocks event reasons"; same bits.
         self._clock_reasons: Callable[[Any], int] = getattr(
             nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or nvml.nvmlDeviceGetCurrentClocksThrottleReasons
@@ -371,8 +390,17 @@ class NvmlSource:
         self._event_set = nvml.nvmlEventSetCreate()
         out = []
         for index in range(count):
-            handle = nvml.nvmlDeviceGetHandleByIndex(index)
-            info = GpuInfo(index, _text(nvml.nvmlDeviceGetUUID(handle)), _text(nvml.nvmlDeviceGetName(handle)))
+            try:
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                info = GpuInfo(index, _text(nvml.nvmlDeviceGetUUID(handle)), _text(nvml.nvmlDeviceGetName(handle)))
+            except nvml.NVMLError as exc:
+                if getattr(exc, "value", None) != nvml.NVML_ERROR_GPU_IS_LOST:
+                    raise
+                # Lost before we looked (an agent restarted on a host whose GPU fell off the bus): watched as
+                # lost, so its workers are still marked, rather than a host that watches nothing.
+                log.error("GPU %d is lost (NVML: %s): reported lost until the host is repaired", index, exc)
+                out.append(_NvmlGpu(GpuInfo(index, f"GPU-lost-{index}", "lost GPU"), None, lost=True))
+                continue
             try:
                 nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, self._event_set)
             except nvml.NVMLError as exc:
@@ -395,6 +423,13 @@ class NvmlSource:
             if g.lost:
                 events.append(GpuEvent(g.info.index, GpuEventKind.LOST, now, detail="NVML: GPU is lost"))
         return events
+
+    def processes(self) -> dict[int, frozenset[int]]:
+        out: dict[int, frozenset[int]] = {}
+        for g in self._gpus:
+            running = self._query(g, "processes", self._nvml.nvmlDeviceGetComputeRunningProcesses)
+            out[g.info.index] = frozenset(int(p.pid) for p in running or ())
+        return out
 
     def selftest(self, gpu: int, *, size: int = 256, seed: int = 0) -> SelftestResult:
         g = self._gpus[gpu]
@@ -461,7 +496,7 @@ class NvmlSource:
             setattr(g, attr, total)  # a GPU reset zeroes volatile counts: follow it down silently
         mask = self._query(g, "clocks", self._clock_reasons)
         if mask is not None:
-            after = _throttle_reasons(mask)
+            after = throttle_reasons(mask)
             out += throttle_events(i, now, g.throttle, after)
             g.throttle = after
         retired = self._query(g, "retired_pages", nvml.nvmlDeviceGetRetiredPagesPendingStatus)
