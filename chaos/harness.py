@@ -462,6 +462,10 @@ class _HarnessBackend:
         return self.inner.owns_processes
 
     @property
+    def simulated(self) -> bool:
+        return self.inner.simulated
+
+    @property
     def can_restart(self) -> bool:
         return self.inner.can_restart
 

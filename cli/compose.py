@@ -76,6 +76,8 @@ from fleetward.fleet.signing import AttachSigner
 from fleetward.fleet.state import StateFile, state_path, write_admin_token
 from fleetward.fleet.worker import Role, WorkerSpec
 from fleetward.supervisor.agent import NodeAgent
+from fleetward.supervisor.gpu import GpuHealthSource
+from fleetward.supervisor.gpuhost import GpuChoice, assign, open_source, policy_of
 
 __all__ = ["LocalFleet"]
 
@@ -121,6 +123,8 @@ class LocalFleet(AgentWorkers, FleetClient, StartedInContext):
         self.adopted: list[str] = []  # the servers of ``attach:`` (registered once they answer)
         self._lock: int | None = None  # the run folder's lock while this fleet holds it (see _claim)
         self._started_at = time.time()
+        self.gpu: GpuHealthSource | None = None  # this host's GPU health source (gpu:), once opened
+        self.gpu_choice = GpuChoice("off", "not opened yet")
 
     @property
     def router_url(self) -> str:
@@ -149,13 +153,29 @@ class LocalFleet(AgentWorkers, FleetClient, StartedInContext):
                               "host's address) or 0.0.0.0", field="host")
         specs = []
         cores = spread_cores(c.workers)
+        gpus = self._gpus_of_workers()
         for i in range(c.workers):
             port = ensure_port(c.host, c.worker_base_port + i if c.worker_base_port else 0, name=f"worker {i}")
             role: Role = ("prefill" if i < c.prefill_workers else "decode") if c.prefill_workers else "aggregated"
             specs.append(WorkerSpec(id=f"{c.node}-w{i}", host=c.host, port=port, model=self.backend.model_name,
-                                    node=c.node, role=role, cpus=cores[i],
+                                    node=c.node, role=role, cpus=cores[i], gpus=gpus[i],
                                     advertise_host=advertise if advertise != c.host else None))
         return specs
+
+    def _gpus_of_workers(self) -> list[tuple[int, ...]]:
+        """Each worker's GPUs (``gpu.per_worker``, in NVML's order). Workers that need a GPU (not simulated) and
+        find none left are refused; simulated ones past the host's GPUs run without."""
+        c = self.config
+        have = len(self.gpu_choice.gpus)
+        gpus = assign(c.workers, c.gpu.per_worker if self.gpu is not None else 0, gpus=have)
+        short = [i for i, g in enumerate(gpus) if not g]
+        if self.gpu is not None and c.gpu.per_worker and short:
+            if not self.backend.simulated:
+                raise ConfigError(f"{c.workers} {self.backend.name} worker(s) with {c.gpu.per_worker} GPU(s) each "
+                                  f"need {c.workers * c.gpu.per_worker} GPUs and this host has {have}: lower "
+                                  "workers or gpu.per_worker", field="gpu.per_worker")
+            self._progress("gpu", f"{len(short)} simulated worker(s) past this host's {have} GPU(s) run without one")
+        return gpus
 
     def _ensure_model(self) -> None:
         """The vllm backend's default model, the tiny local one, is written on first use."""
@@ -195,6 +215,8 @@ class LocalFleet(AgentWorkers, FleetClient, StartedInContext):
         c = self.config
         self._claim()
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.gpu, self.gpu_choice = await asyncio.to_thread(open_source, c.gpu)  # dcgm-exporter: a few tries
+        self._progress("gpu", self.gpu_choice.line)
         specs = self._specs()  # fail early on busy worker ports
         if c.tls and c.etcd and c.mqtt:
             raise ConfigError("tls secures the embedded etcd and broker, and both are given (etcd, mqtt): set "
@@ -230,7 +252,8 @@ class LocalFleet(AgentWorkers, FleetClient, StartedInContext):
                                log_dir=self.log_dir, lease_ttl=c.lease_ttl_s, supervisor=c.supervisor,
                                worker_env={"FLEETWARD_ADMIN_TOKEN": self.admin_secret.get_secret_value()},
                                worker_host=c.host, admin_token=self.admin_secret.get_secret_value(),
-                               advertise_host=self.advertise_host)
+                               advertise_host=self.advertise_host, gpu=self.gpu, gpu_choice=self.gpu_choice,
+                               gpu_policy=policy_of(c.gpu), gpus_per_worker=c.gpu.per_worker)
         await self.agent.start()
         self._write_state()
         if c.prometheus.enabled:  # its address first: the controller's fleet page lists its alerts
@@ -463,6 +486,9 @@ class LocalFleet(AgentWorkers, FleetClient, StartedInContext):
             except Exception:
                 log.exception("stopping the node agent failed; stopping the rest")
             del self.agent
+        if self.gpu is not None:
+            self.gpu.close()
+            self.gpu = None
         if "bus" in vars(self):
             await self.bus.aclose()
             del self.bus

@@ -125,6 +125,11 @@ class Backend(Protocol):
         ...
 
     @property
+    def simulated(self) -> bool:
+        """Whether its workers are the simulated worker (they need no GPU, whatever the host has)."""
+        ...
+
+    @property
     def model_name(self) -> str: ...
 
     @property
@@ -215,7 +220,9 @@ class _ProcessBackend:
         raise NotImplementedError
 
     def env(self, spec: WorkerSpec) -> dict[str, str]:
-        return {"PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"}
+        """The worker's environment: with GPUs, exactly those visible to CUDA, numbered as NVML numbers them."""
+        gpus = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(map(str, spec.gpus))}
+        return {"PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1", **(gpus if spec.gpus else {})}
 
     @property
     def fault_switches(self) -> bool:
@@ -372,6 +379,8 @@ class VllmBackend(_ProcessBackend):
                 "--seed", "0"]
         if c.enforce_eager:
             argv.append("--enforce-eager")
+        if len(spec.gpus) > 1 and not any(a.startswith(("--tensor-parallel-size", "-tp")) for a in c.extra_args):
+            argv += ["--tensor-parallel-size", str(len(spec.gpus))]  # one model over the GPUs it was given
         return [*argv, *c.extra_args]
 
     def env(self, spec: WorkerSpec) -> dict[str, str]:

@@ -70,6 +70,7 @@ class ExternalBackend:
     name = "external"
     capabilities: frozenset[str] = frozenset()
     owns_processes = False  # never stopped when the agent stops or gives the server up
+    simulated = False  # whatever it runs, fleetward does not model it
     start_timeout = 300.0
 
     def __init__(self, entry: AttachConfig, *, model: str, tokenizer: str | None = None) -> None:

@@ -9,7 +9,8 @@ entry's node adopts it:
    registers it under its lease like a worker of its own (``workers/<id>``, backend ``external``), so
    routers route and migrate its streams and the supervisor watches it;
 2. with a process locator (pidfile, systemd unit, container) the agent's process and engine detectors
-   watch it too (its exit, a stopped or frozen EngineCore);
+   watch it too (its exit, a stopped or frozen EngineCore), and its GPUs are those on which NVML lists a
+   process of its tree (unless the entry names them, ``gpus:``), so the gpu detector marks it;
 3. a restart runs the entry's ``restart_command``; without one, the worker is deregistered (routers stop
    sending it work) and left for an operator. It is taken back by itself once it serves again as a new
    process (a new pid, or an answer after it had stopped answering), or when it is added again;
@@ -22,18 +23,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from fleetward.fleet.backends import worker_ready
+from fleetward.fleet.backends import WorkerHandle, worker_ready
 from fleetward.fleet.config import AttachConfig
 from fleetward.fleet.errors import StoreError, UnavailableError
 from fleetward.fleet.external import ExternalBackend, discover
 from fleetward.fleet.procs import is_local_only
 from fleetward.fleet.worker import WorkerSpec
+from fleetward.supervisor.gpuhost import gpus_of
 
 if TYPE_CHECKING:
     from fleetward.supervisor.agent import NodeAgent
@@ -123,7 +126,7 @@ class Adopter:
         # registered at the address other hosts reach this node at; the agent itself still uses it as given.
         advertise = agent.advertise_host if is_local_only(host) else None
         spec = WorkerSpec(id=worker_id, host=host, port=port, model=model, role=entry.role, node=agent.node,
-                          advertise_host=advertise)
+                          advertise_host=advertise, gpus=entry.gpus or ())
         if advertise is not None:
             log.info("%s: %s is registered as %s, the address other hosts reach this node at (advertise_host)",
                      worker_id, entry.url, spec.url)
@@ -132,10 +135,26 @@ class Adopter:
         await agent.initial_health(worker_id)
         handle = backend.adopt(spec)
         await backend.wait_ready(handle, timeout=float("inf"))
-        log.info("adopting %s at %s (model %s, process %s)", worker_id, entry.url, model,
-                 handle.process.pid if handle.process.pid is not None else "not watched: known by URL only")
+        await self._find_gpus(worker_id, entry, handle)
+        log.info("adopting %s at %s (model %s, process %s, GPUs %s)", worker_id, entry.url, model,
+                 handle.process.pid if handle.process.pid is not None else "not watched: known by URL only",
+                 list(handle.spec.gpus) or "none known")
         agent.handles[worker_id] = handle
         await agent.register(handle)
+
+    async def _find_gpus(self, worker_id: str, entry: AttachConfig, handle: WorkerHandle) -> None:
+        """The GPUs of a server that names none (``gpus:``): those whose compute processes (NVML's) are in its
+        process tree, found once it serves (its engine holds its CUDA context by then)."""
+        source = self.agent.gpu
+        if entry.gpus is not None or source is None:
+            return
+        tree = [p.pid for p in handle.process.tree()]
+        if not tree:
+            return
+        gpus = gpus_of(tree, await asyncio.to_thread(source.processes))
+        if gpus != handle.spec.gpus:
+            handle.spec = dataclasses.replace(handle.spec, gpus=gpus)
+            self.agent.specs[worker_id] = handle.spec
 
     async def give_up(self, worker_id: str) -> None:
         """Stop protecting the server (it keeps running): deregistered, its records gone."""
@@ -168,6 +187,7 @@ class Adopter:
             if serving and (new_process or went_away):
                 log.info("%s serves again (%s): taking it back", worker_id,
                          f"pid {handle.process.pid}" if new_process else "it answers again")
+                await self._find_gpus(worker_id, entry, handle)
                 agent.handles[worker_id] = handle
                 with contextlib.suppress(UnavailableError):
                     await agent.register(handle)

@@ -55,7 +55,8 @@ from fleetward.fleet.telemetry import link_gauges
 from fleetward.fleet.worker import HealthRecord, HealthState, WorkerRecord, WorkerSpec
 from fleetward.supervisor.actions import KINDS, ActionFollower
 from fleetward.supervisor.adoption import Adopter
-from fleetward.supervisor.gpu import GpuHealthSource
+from fleetward.supervisor.gpu import GpuHealthSource, GpuPolicy
+from fleetward.supervisor.gpuhost import GpuChoice
 from fleetward.supervisor.lifecycle import Lifecycle, Progress
 from fleetward.supervisor.signals import Severity, Signal
 from fleetward.supervisor.watchers import EngineWatch, ExitWatch, GpuWatch
@@ -92,6 +93,11 @@ class _Metrics:
                 self.actions.labels(kind, result)
         self.refused = Counter("fleetward_agent_actions_refused", "Actions in etcd this agent refused to carry "
                                "out: not signed by the leader, addressed elsewhere, stale, or replayed.", registry=r)
+        self.gpus = Gauge("fleetward_agent_gpus", "GPUs this agent watches, by the health source it reads them "
+                          "from (nvml, dcgm; off: none, with 0).", ["source"], registry=r)
+        self.gpu_source_up = Gauge("fleetward_agent_gpu_source_up", "1 while the GPU health source answers, 0 "
+                                   "while it cannot be read (dcgm-exporter down): GPU faults go unseen meanwhile.",
+                                   registry=r)
         self.attach_refused = Counter("fleetward_agent_attach_commands_refused", "Restart commands of adopted "
                                       "servers this agent refused to run: their attach/ record was not signed "
                                       "with the admin token (unsigned or forged).", registry=r)
@@ -102,7 +108,8 @@ class NodeAgent:
                  log_dir: Path, lease_ttl: int = 10, clock: Clock = SYSTEM_CLOCK,
                  worker_env: Mapping[str, str] | None = None, supervisor: SupervisorConfig | None = None,
                  gpu: GpuHealthSource | None = None, worker_host: str = "127.0.0.1", admin_token: str = "",
-                 advertise_host: str | None = None) -> None:
+                 advertise_host: str | None = None, gpu_policy: GpuPolicy | None = None,
+                 gpu_choice: GpuChoice | None = None, gpus_per_worker: int = 1) -> None:
         self.store = store
         self.bus = bus
         self.keys = keys
@@ -115,6 +122,11 @@ class NodeAgent:
         self.worker_env = dict(worker_env or {})
         self.config = supervisor or SupervisorConfig()
         self.gpu = gpu  # a GpuHealthSource, when this node has GPUs (or a fake one)
+        # What it is and why (gpu: auto may choose none): logged once, in agents/<node> for `fleetward status`.
+        self.gpu_choice = gpu_choice or (GpuChoice(type(gpu).__name__, "a source given to the agent",
+                                                   tuple(gpu.gpus()))
+                                         if gpu is not None else GpuChoice("off", "no GPU health source"))
+        self.gpus_per_worker = gpus_per_worker  # GPUs of each worker this agent starts (a start action)
         self.worker_host = worker_host  # where workers started by a ``start`` action bind
         # Where other hosts reach what listens here on loopback or every address (fleet.procs.advertised_host);
         # None: as it listens.
@@ -146,7 +158,10 @@ class NodeAgent:
         # Its parts, each a job of its own.
         self.exits = ExitWatch(self)  # the process detector
         self.engines = EngineWatch(self, self.exits)  # the engine-frozen detector
-        self.gpus = GpuWatch(self, gpu) if gpu is not None else None  # the gpu detector
+        self.gpus = GpuWatch(self, gpu, gpu_policy or GpuPolicy()) if gpu is not None else None  # the gpu detector
+        self.metrics.gpus.labels(self.gpu_choice.source).set(len(self.gpu_choice.gpus) if gpu is not None else 0)
+        if gpu is not None:
+            self.metrics.gpu_source_up.set(1)
         self.lifecycle = Lifecycle(self)  # starts, restarts, stops
         self.actions = ActionFollower(self)  # the leader's actions, carried out
         self.adopter = Adopter(self)  # servers this node protects but did not start (``attach/``)
@@ -154,9 +169,12 @@ class NodeAgent:
     # -- life -------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        log.info("node %s: %s", self.node, self.gpu_choice.line)
         self._lease = await LeaseKeeper(self.store, self.lease_ttl, clock=self.clock).start()
         if self.config.agent_metrics_port is not None:
             await self._serve_metrics(self.config.agent_metrics_port)
+        else:
+            await self._announce()
         loops = self.loops.start()
         loops.run("lease", self._renew_lost_lease)
         loops.run("actions", self.actions.follow)
@@ -202,11 +220,11 @@ class NodeAgent:
         await self._announce()
 
     async def _announce(self) -> None:
-        if self.metrics_url and self._lease is not None:
+        """``agents/<node>``: where its /metrics is (none: ""), and what watches this host's GPUs."""
+        if self._lease is not None:
+            body = {"node": self.node, "url": self.metrics_url, "gpu": self.gpu_choice.to_json()}
             with contextlib.suppress(UnavailableError):
-                await self.store.put(self.keys.agent(self.node), orjson.dumps({"node": self.node,
-                                                                               "url": self.metrics_url}),
-                                     lease=self._lease.id)
+                await self.store.put(self.keys.agent(self.node), orjson.dumps(body), lease=self._lease.id)
 
     async def aclose(self, *, grace: float = 10.0) -> None:
         """Stop every worker (ordered), revoke the lease (keys vanish now), publish ``worker.down``."""
@@ -341,10 +359,16 @@ class NodeAgent:
         # quarantined and has passed the self-test since, it failed to start) was acted on by this restart.
         # Left standing in etcd, a leader that takes over would read it again and act twice. A GPU that is
         # still throttled stays degraded.
-        degraded = self.gpus.degraded if self.gpus is not None else set()
-        for detector in sorted(self._raised.get(spec.id, set())):
-            if detector != "gpu" or not degraded & set(spec.gpus):
-                await self.signal(spec.id, detector, Severity.OK, f"a fresh process (pid {handle.process.pid})")
+        degraded = self.gpus.degraded & set(spec.gpus) if self.gpus is not None else set()
+        if self.gpus is not None:
+            self.gpus.said.pop(spec.id, None)  # written below: what the detector said before is gone
+        for detector in sorted(self._raised.get(spec.id, set()) - {"gpu"}):
+            await self.signal(spec.id, detector, Severity.OK, f"a fresh process (pid {handle.process.pid})")
+        if self.gpus is not None and spec.gpus and not degraded:
+            await self.signal(spec.id, "gpu", Severity.OK, f"GPU(s) {list(spec.gpus)} watched by "
+                              f"{self.gpu_choice.source}: nothing against them by the policy", gpus=list(spec.gpus))
+        elif "gpu" in self._raised.get(spec.id, set()) and not degraded:
+            await self.signal(spec.id, "gpu", Severity.OK, f"a fresh process (pid {handle.process.pid})")
         self._identity[spec.id] = (await self._engine_of(handle), self._device_of(spec))
         await self._put_record(handle)
         await self.bus.publish("worker.up", worker=spec.id, url=spec.url, node=self.node, role=spec.role)

@@ -31,6 +31,7 @@ from fleetward.fleet.errors import FleetwardError, UnavailableError
 from fleetward.fleet.external import LeftForOperator
 from fleetward.fleet.procs import free_port, last_log_line, port_is_free, spread_cores
 from fleetward.fleet.worker import ROLES, WorkerSpec
+from fleetward.supervisor.gpuhost import assign
 from fleetward.supervisor.signals import Severity
 
 if TYPE_CHECKING:
@@ -146,9 +147,17 @@ class Lifecycle:
         if worker_id in agent.handles:
             return True, "running already"
         own = [s for s in agent.specs.values() if s.cpus]  # its cores: as if this host had started one more
+        gpus: tuple[int, ...] = ()
+        if agent.gpu is not None and agent.gpus_per_worker:
+            taken = {g for s in agent.specs.values() for g in s.gpus}
+            gpus = assign(1, agent.gpus_per_worker, gpus=len(agent.gpu.gpus()), taken=taken)[0]
+            if not gpus and not agent.backend.simulated:
+                return False, (f"no {agent.gpus_per_worker} free GPU(s) on node {agent.node}: GPUs "
+                               f"{sorted(taken)} are in use by its workers")
         spec = WorkerSpec(id=worker_id, host=agent.worker_host, port=free_port(agent.worker_host),
                           model=agent.backend.model_name, role=role if role in ROLES else "aggregated",
-                          node=agent.node, advertise_host=agent.advertise_host, cpus=spread_cores(len(own) + 1)[-1])
+                          node=agent.node, advertise_host=agent.advertise_host, cpus=spread_cores(len(own) + 1)[-1],
+                          gpus=gpus)
         await agent.start_workers([spec])
         failed = agent.failed.get(worker_id)
         return (False, failed.splitlines()[0]) if failed else (True, f"started on port {spec.port}")

@@ -30,7 +30,7 @@ import psutil
 from fleetward.fleet.backends import WorkerHandle
 from fleetward.fleet.errors import UnavailableError
 from fleetward.supervisor.detectors import RUNNING, EngineFrozenDetector, EngineSample, parse_prometheus
-from fleetward.supervisor.gpu import GpuHealthSource
+from fleetward.supervisor.gpu import Action, GpuEvent, GpuEventKind, GpuHealthSource, GpuPolicy, GpuSourceError
 from fleetward.supervisor.signals import Severity
 
 if TYPE_CHECKING:
@@ -337,42 +337,69 @@ class EngineWatch:
 
 
 class GpuWatch:
-    """The *gpu* detector: the host's GPU events, classified, signalled for the workers on that GPU."""
+    """The *gpu* detector: the host's GPU events, classified by the policy, signalled for the workers on that GPU.
 
-    def __init__(self, agent: NodeAgent, source: GpuHealthSource) -> None:
+    A source that cannot be read for a while (dcgm-exporter down) is logged when it fails and when it is back,
+    and ``fleetward_agent_gpu_source_up`` says so meanwhile; its events resume with the next good poll.
+    """
+
+    def __init__(self, agent: NodeAgent, source: GpuHealthSource, policy: GpuPolicy) -> None:
         self.agent = agent
         self.source = source
+        self.policy = policy
         self.degraded: set[int] = set()  # GPUs throttled right now
+        self.failing: str | None = None  # why the source cannot be read now
+        # What this detector last said of each worker: a level (a lost GPU, reported on every poll) is
+        # written once, not once a poll. Forgotten when someone else writes the key (a fresh process).
+        self.said: dict[str, tuple[Severity, str]] = {}
+
+    async def poll(self) -> list[GpuEvent]:
+        """One poll of the source (in a thread: NVML calls and HTTP block briefly); [] while it fails."""
+        agent = self.agent
+        try:
+            events = await asyncio.to_thread(self.source.poll)
+        except GpuSourceError as exc:
+            if self.failing is None:
+                log.error("GPU health cannot be read, GPU faults go unseen until it can: %s", exc)
+            self.failing = str(exc)
+            agent.metrics.gpu_source_up.set(0)
+            return []
+        if self.failing is not None:
+            log.warning("GPU health can be read again (it could not: %s)", self.failing)
+            self.failing = None
+        agent.metrics.gpu_source_up.set(1)
+        return events
 
     async def monitor(self) -> None:
-        from fleetward.supervisor.gpu import Action, GpuEventKind, GpuPolicy
-
         agent = self.agent
-        policy = GpuPolicy()
-        source = self.source
         while True:
             await agent.clock.sleep(agent.config.gpu_poll_interval_s)
-            for event in await asyncio.to_thread(source.poll):  # NVML calls block briefly
-                action: Action | None
-                action, reason = policy.classify(event)
-                if event.kind is GpuEventKind.THROTTLE_STOPPED:
-                    action = None  # clears the degraded mark below
-                    self.degraded.discard(event.gpu)
-                elif action is Action.IGNORE:
-                    continue
-                elif action is Action.DEGRADED:
-                    self.degraded.add(event.gpu)
-                for wid, spec in agent.specs.items():
-                    if event.gpu not in spec.gpus:
-                        continue
-                    if action is Action.DRAIN_AND_QUARANTINE:
-                        await agent.signal(wid, "gpu", Severity.FATAL, reason, action="quarantine", gpu=event.gpu)
-                    elif action is Action.RESTART_WORKER:
-                        await agent.signal(wid, "gpu", Severity.FATAL, reason, action="restart", gpu=event.gpu)
-                    elif action is Action.DEGRADED:
-                        await agent.signal(wid, "gpu", Severity.DEGRADED, reason, gpu=event.gpu)
-                    else:
-                        await agent.signal(wid, "gpu", Severity.OK, reason, gpu=event.gpu)
+            for event in await self.poll():
+                await self.classify(event)
+
+    async def classify(self, event: GpuEvent) -> None:
+        agent = self.agent
+        action: Action | None
+        action, reason = self.policy.classify(event)
+        if event.kind is GpuEventKind.THROTTLE_STOPPED:
+            action = None  # clears the degraded mark below
+            self.degraded.discard(event.gpu)
+        elif action is Action.IGNORE:
+            return
+        elif action is Action.DEGRADED:
+            self.degraded.add(event.gpu)
+        severity, extra = Severity.OK, {}
+        if action is Action.DRAIN_AND_QUARANTINE:
+            severity, extra = Severity.FATAL, {"action": "quarantine"}
+        elif action is Action.RESTART_WORKER:
+            severity, extra = Severity.FATAL, {"action": "restart"}
+        elif action is Action.DEGRADED:
+            severity = Severity.DEGRADED
+        for wid, spec in list(agent.specs.items()):
+            if event.gpu not in spec.gpus or self.said.get(wid) == (severity, reason):
+                continue
+            self.said[wid] = (severity, reason)
+            await agent.signal(wid, "gpu", severity, reason, gpu=event.gpu, **extra)
 
 
 _PF_EXITING = 0x4  # include/linux/sched.h: getting shut down
