@@ -46,6 +46,13 @@ def fleet_file(args: argparse.Namespace, *, system: bool = False) -> FleetConfig
     return load_fleet_config(path) if path is not None else None
 
 
+def _state_path(args: argparse.Namespace, config: FleetConfig | None) -> Path:
+    """The local fleet's state file: ``--run-dir`` and ``--cluster``, else the fleet file's (the one ``up`` ran)."""
+    run_dir = getattr(args, "run_dir", None) or (config.run_dir if config is not None else None)
+    cluster = getattr(args, "cluster", None) or (config.cluster if config is not None else None)
+    return state_file(run_dir, cluster)
+
+
 def local_endpoint(args: argparse.Namespace, kind: str) -> tuple[str, str]:
     """(endpoint, cluster) of ``kind`` (etcd or mqtt), first found: the flag (``--etcd``), the environment
     (``FLEETWARD_ETCD``), the fleet file (``--config``, ``$FLEETWARD_CONFIG``), the local fleet's state file,
@@ -59,7 +66,7 @@ def local_endpoint(args: argparse.Namespace, kind: str) -> tuple[str, str]:
     config = fleet_file(args)
     if config is not None and getattr(config, kind):
         return str(getattr(config, kind)), given_cluster or config.cluster
-    path = state_file(getattr(args, "run_dir", None), getattr(args, "cluster", None))
+    path = _state_path(args, config)
     if not path.exists():
         system = fleet_file(args, system=True)
         if system is not None and getattr(system, kind):
@@ -75,10 +82,12 @@ def local_access(args: argparse.Namespace, kind: str, endpoint: str) -> Access:
     names the files, never a password), else /etc/fleetward/fleet.yaml's when ``endpoint`` is its, else none."""
     field = f"{kind}_access"
     config = fleet_file(args)
-    if config is not None:
-        return resolve_access(getattr(config, field), field=field)
-    path = state_file(getattr(args, "run_dir", None), getattr(args, "cluster", None))
+    path = _state_path(args, config)
     data = json.loads(path.read_text()) if path.exists() else {}
+    # A fleet file that names the endpoint says how to reach it; one that `up` ran (no endpoint: it started
+    # its own) leaves that to the state file, which names what `up` made (--tls).
+    if config is not None and (getattr(config, kind) or data.get(kind) != endpoint):
+        return resolve_access(getattr(config, field), field=field)
     if data.get(field) and data.get(kind) == endpoint:
         return resolve_access(AccessConfig.model_validate(data[field]), field=field)
     system = fleet_file(args, system=True) if not data else None

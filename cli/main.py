@@ -8,6 +8,7 @@
     fleetward autoscaler [--policy P] [--interval S] [--min N] [--max N]   the leader-elected autoscaler daemon
     fleetward bench router|migration|restart|checkpoints ...             benchmarks (docs/benchmarks.md)
     fleetward profile [--backend sim|vllm | --url URL] [--out FILE]      one worker's capacity (autoscaler model)
+    fleetward gpu [--self-test] [--json]                                  this host's GPUs, their health and workers
     fleetward replay TRACE [--simulate] [--json] ...                     a trace live, or every policy simulated
     fleetward chaos run|check|faults|validate ...                        chaos experiments (docs/chaos.md)
 
@@ -62,14 +63,14 @@ _AUTOSCALE_FLAGS = (("autoscale_enabled", "autoscale.enabled"), ("policy", "auto
                     ("itl_s", "autoscale.itl_s"), ("ttft_per_1k_s", "autoscale.ttft_per_1k_s"),
                     ("capacity", "autoscale.capacity"),
                     ("per_worker_rps", "autoscale.per_worker_rps"), ("autoscaler_port", "autoscale.port"),
-                    ("prometheus_enabled", "prometheus.enabled"))
+                    ("prometheus_enabled", "prometheus.enabled"), ("gpu_source", "gpu.source"))
 
 
 # What each command that reads a fleet file takes as flags: only what it uses (`up` runs everything). The
 # daemons of a production install attach to the cluster's etcd and broker; they start neither.
 _DAEMON = ("config", "cluster", "run_dir", "etcd", "mqtt", "admin_token_file")
 _AGENT = (*_DAEMON, "workers", "prefill_workers", "backend", "model", "host", "worker_base_port", "lease_ttl_s",
-          "node", "advertise_host")
+          "node", "advertise_host", "gpu_source")
 _CONTROLLER = (*_DAEMON, "host")
 _FLAGS_OF = {"agent": _AGENT, "controller": _CONTROLLER, "supervisor": tuple(dict.fromkeys(_AGENT + _CONTROLLER)),
              "autoscaler": (*_DAEMON, "host", "backend")}
@@ -115,6 +116,9 @@ def _add_fleet_flags(p: argparse.ArgumentParser, command: str = "up") -> None:
                                                    "address; default this host's address on its route to etcd"}),
         ("admin_token_file", ("--admin-token-file",), {"type": Path, "help": "a file holding the admin token (mode "
                                                        "0600); FLEETWARD_ADMIN_TOKEN wins over it"}),
+        ("gpu_source", ("--gpu",), {"choices": ("auto", "nvml", "dcgm", "off"), "help": "where the agent reads GPU "
+                                    "health (gpu.source): auto (default: NVML when it sees a GPU, else off), nvml, "
+                                    "dcgm (gpu.dcgm_url) or off"}),
     ]
     for dest, names, kw in flags:
         if wanted is None or dest in wanted:
@@ -277,11 +281,13 @@ def _parser() -> argparse.ArgumentParser:
             op.add_argument("--then", choices=["cordon", "stop", "restart"], default="cordon",
                             help="after the drain: stay cordoned (default), stop the worker, or restart it")
 
+    from fleetward.cli.gpu import add_parser as add_gpu
     from fleetward.cli.profile import add_parser as add_profile
     from fleetward.cli.replay import add_parser as add_replay
 
     add_replay(sub)
     add_profile(sub)
+    add_gpu(sub)
 
     # Parsed by fleetward.chaos.bench itself, imported only when asked for.
     bench = sub.add_parser("bench", add_help=False, help="benchmarks: router, migration, restart, checkpoints "
@@ -340,6 +346,12 @@ def _print_status(status: dict[str, Any]) -> None:
               else "supervisor: [red]no controller leads this cluster[/] (drain/restart need one)")
     if status["routers"]:
         out.print("routers: " + ", ".join(f"{r['id']} {r['url']}" for r in status["routers"]))
+    for agent in status.get("agents", []):
+        gpu = agent.get("gpu") or {}
+        if gpu:
+            style = "green" if gpu.get("source") not in ("off", None) else "yellow"
+            detail = escape(str(gpu.get("detail")))
+            out.print(f"GPU health on {agent['node']}: [{style}]{gpu.get('source')}[/] ({detail})")
     if status.get("dashboard"):
         out.print(f"fleet page: {status['dashboard']}")
     if status.get("prometheus"):
@@ -452,11 +464,19 @@ async def _cmd_status(args: argparse.Namespace) -> int:
     endpoint, cluster = local_endpoint(args, "etcd")
     store = EtcdStore(endpoint, attempts=3, retry_budget_s=5.0, timeout_s=3.0,
                       access=local_access(args, "etcd", endpoint))
+    keys = Keys(cluster)
     try:
-        fleet = await read_fleet(store, Keys(cluster), leader=True, phases=True)
+        fleet = await read_fleet(store, keys, leader=True, phases=True)
+        agents = await store.get_prefix(keys.agents)
     finally:
         await store.aclose()
     status = fleet.to_status()
+    status["agents"] = []
+    for kv in agents.items:
+        with contextlib.suppress(ValueError, AttributeError):
+            body = json.loads(kv.value)
+            status["agents"].append({"node": body.get("node"), "url": body.get("url") or None,
+                                     "gpu": body.get("gpu")})
     path = state_file(args.run_dir, cluster)  # what a local fleet started beside the key space (Prometheus)
     local: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
     status["prometheus"] = local.get("prometheus") if local.get("cluster") == cluster else None
@@ -708,6 +728,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from fleetward.cli.profile import run as run_profile
 
             return run_profile(args, out, err)
+        if args.command == "gpu":
+            from fleetward.cli.gpu import run as run_gpu
+
+            return run_gpu(args, out, err)
         if args.command == "replay":
             from fleetward.cli.replay import run as run_replay
 
