@@ -59,6 +59,30 @@ def test_dev_setup_with_fewer_extras_than_installed_changes_nothing_and_says_not
     assert stamp.read_text() == before
 
 
+@pytest.mark.parametrize(("smi", "args", "extras"), [
+    ("GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-5e1c8f3a-0000-4000-8000-000000000000)", ["--backend", "vllm"],
+     "model,gpu,vllm"),
+    ("GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-5e1c8f3a-0000-4000-8000-000000000000)", [], "model,gpu"),
+    (None, ["--backend=vllm"], "model,vllm-cpu"),
+    ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.", ["--backend", "vllm"],
+     "model,vllm-cpu"),
+])
+def test_dev_up_installs_vllms_cuda_build_only_where_nvidia_smi_lists_a_gpu(
+        tmp_path: Path, smi: str | None, args: list[str], extras: str) -> None:
+    """What `./dev up ARGS` installs (`./dev extras` says it without installing): on a GPU host NVML's bindings,
+    and for --backend vllm vLLM's CUDA build; elsewhere its CPU build."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if smi is not None:
+        (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\necho '{smi}'\n")
+        (bin_dir / "nvidia-smi").chmod(0o755)
+    others = [p for p in os.environ["PATH"].split(":") if not (Path(p) / "nvidia-smi").exists()]
+    path = ":".join([str(bin_dir), *others])
+    r = subprocess.run([str(ROOT / "dev"), "extras", "up", *args], capture_output=True, text=True, timeout=30,
+                       env={**os.environ, "PATH": path})
+    assert (r.returncode, r.stdout.strip()) == (0, extras), r.stderr
+
+
 def test_the_shipped_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
