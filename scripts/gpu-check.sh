@@ -38,7 +38,9 @@ nvidia_ml_py triton"
 
 if [ -n "$download" ]; then
     mkdir -p "$download"
+    had_build=$([ -d "$root/build" ] && echo 1 || true)
     "$PY" -m pip wheel --quiet --no-deps --wheel-dir "$download" "$root"
+    [ -n "$had_build" ] || rm -rf "$root/build"  # setuptools' scratch folder, in the checkout
     "$PY" -m pip download --quiet --dest "$download" --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
         --platform linux_x86_64 --platform any \
