@@ -95,9 +95,10 @@ class _Metrics:
                                "out: not signed by the leader, addressed elsewhere, stale, or replayed.", registry=r)
         self.gpus = Gauge("fleetward_agent_gpus", "GPUs this agent watches, by the health source it reads them "
                           "from (nvml, dcgm; off: none, with 0).", ["source"], registry=r)
+        # Labelled, so that an agent without a GPU source exports no sample at all (not a 0 that reads as blind).
         self.gpu_source_up = Gauge("fleetward_agent_gpu_source_up", "1 while the GPU health source answers, 0 "
-                                   "while it cannot be read (dcgm-exporter down): GPU faults go unseen meanwhile.",
-                                   registry=r)
+                                   "while it cannot be read (dcgm-exporter down): GPU faults go unseen meanwhile. "
+                                   "No sample without a source.", ["source"], registry=r)
         self.attach_refused = Counter("fleetward_agent_attach_commands_refused", "Restart commands of adopted "
                                       "servers this agent refused to run: their attach/ record was not signed "
                                       "with the admin token (unsigned or forged).", registry=r)
@@ -161,7 +162,7 @@ class NodeAgent:
         self.gpus = GpuWatch(self, gpu, gpu_policy or GpuPolicy()) if gpu is not None else None  # the gpu detector
         self.metrics.gpus.labels(self.gpu_choice.source).set(len(self.gpu_choice.gpus) if gpu is not None else 0)
         if gpu is not None:
-            self.metrics.gpu_source_up.set(1)
+            self.metrics.gpu_source_up.labels(self.gpu_choice.source).set(1)
         self.lifecycle = Lifecycle(self)  # starts, restarts, stops
         self.actions = ActionFollower(self)  # the leader's actions, carried out
         self.adopter = Adopter(self)  # servers this node protects but did not start (``attach/``)

@@ -362,12 +362,12 @@ class GpuWatch:
             if self.failing is None:
                 log.error("GPU health cannot be read, GPU faults go unseen until it can: %s", exc)
             self.failing = str(exc)
-            agent.metrics.gpu_source_up.set(0)
+            agent.metrics.gpu_source_up.labels(agent.gpu_choice.source).set(0)
             return []
         if self.failing is not None:
             log.warning("GPU health can be read again (it could not: %s)", self.failing)
             self.failing = None
-        agent.metrics.gpu_source_up.set(1)
+        agent.metrics.gpu_source_up.labels(agent.gpu_choice.source).set(1)
         return events
 
     async def monitor(self) -> None:
