@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 from gpufakes import HEALTHY, FakeDcgmExporter, FakeNvml
 from testkit import metric
@@ -120,61 +121,70 @@ async def _reason_has(store: EtcdStore, keys: Keys, worker: str, text: str) -> b
     return text in (await health_of(store, keys)).get(worker, ("", ""))[1]
 
 
-async def test_an_agent_reading_dcgm_exporter_quarantines_the_server_on_the_faulty_gpu(
-        tmp_path: Path, etcd_endpoint: str, broker_endpoint: str, cluster: str, outside_servers: Any,
+@pytest.mark.parametrize("source", ["dcgm", "nvml"])
+async def test_an_agent_quarantines_the_server_on_the_faulty_gpu_whichever_source_it_reads(
+        source: str, tmp_path: Path, etcd_endpoint: str, broker_endpoint: str, cluster: str, outside_servers: Any,
         wait_until: Any) -> None:
     servers = outside_servers(2, SIM)
+    nvml = FakeNvml(tmp_path / "nvml.json", gpus=3)
+    nvml.run_process(1, servers[0].process.pid)
     with FakeDcgmExporter() as exporter:
         exporter.set({0: HEALTHY, 1: HEALTHY, 2: HEALTHY})
         token = tmp_path / "admin-token"
         token.write_text("gpu-test-token\n")
         token.chmod(0o600)
         control = free_port()
+        # dcgm-exporter names no processes: there the first server says its GPU; NVML finds it by its process.
+        found = ({"gpus": [1]} if source == "dcgm" else {"process": {"pidfile": str(servers[0].pidfile)}})
         conf = tmp_path / "fleet.yaml"
         conf.write_text(yaml.safe_dump({
             "cluster": cluster, "etcd": etcd_endpoint, "mqtt": broker_endpoint, "admin_token_file": str(token),
-            "run_dir": str(tmp_path / "state"), "workers": 1, "node": "dcgmhost", "sim": SIM.model_dump(mode="json"),
-            "gpu": {"source": "dcgm", "dcgm_url": exporter.url},
+            "run_dir": str(tmp_path / "state"), "workers": 1, "node": "gpuhost", "sim": SIM.model_dump(mode="json"),
+            "gpu": {"source": "dcgm", "dcgm_url": exporter.url} if source == "dcgm" else "nvml",
             "supervisor": {"port": control, "gpu_poll_interval_s": 0.2},
-            "attach": [{"url": s.url, "id": f"server{i}", "gpus": [i + 1]} for i, s in enumerate(servers)]}))
+            "attach": [{"url": servers[0].url, "id": "server0", **found},
+                       {"url": servers[1].url, "id": "server1", "gpus": [2]}]}))
         controller = await start_service("controller", fleetward_argv("controller", "--config", str(conf)),
                                          url=f"http://127.0.0.1:{control}", log_path=tmp_path / "controller.log",
                                          env=ENV)
-        agent = ManagedProcess("agent", fleetward_argv("agent", "--config", str(conf)),
-                               log_path=tmp_path / "agent.log", env=ENV).start()
+        agent = ManagedProcess("agent", fleetward_argv("agent", "--config", str(conf)), log_path=tmp_path / "agent.log",
+                               env={**ENV, **(nvml.env if source == "nvml" else {})}).start()
         keys = Keys(cluster)
         try:
             async with EtcdStore(etcd_endpoint) as store:
                 async def all_ready() -> bool:
                     h = await health_of(store, keys)
-                    return {w for w, (s, _) in h.items() if s == "ready"} == {"dcgmhost-w0", "server0", "server1"}
+                    return {w for w, (s, _) in h.items() if s == "ready"} == {"gpuhost-w0", "server0", "server1"}
 
                 await wait_until(all_ready, timeout=90, interval=0.5, message="the agent's worker and 2 servers")
                 fleet = await read_fleet(store, keys)
                 assert {w: r.gpus for w, r in fleet.workers.items()} == {
-                    "dcgmhost-w0": (0,), "server0": (1,), "server1": (2,)}
+                    "gpuhost-w0": (0,), "server0": (1,), "server1": (2,)}
                 status = json.loads(cli("status", "--json", "--etcd", etcd_endpoint, "--cluster", cluster).stdout)
-                (ours,) = [a for a in status["agents"] if a["node"] == "dcgmhost"]
-                assert ours["gpu"]["source"] == "dcgm" and exporter.url in ours["gpu"]["detail"]
+                (ours,) = [a for a in status["agents"] if a["node"] == "gpuhost"]
+                assert ours["gpu"]["source"] == source and "3 GPUs" in ours["gpu"]["detail"]
 
-                # The exporter stops answering: the agent says it is blind, and sees again when it is back.
-                async def source_up() -> float:
-                    async with httpx.AsyncClient(timeout=5) as client:
-                        return metric((await client.get(f"{ours['url']}/metrics")).text,
-                                      "fleetward_agent_gpu_source_up")
+                if source == "dcgm":  # the exporter stops answering: the agent says it is blind, then sees again
+                    async def source_up() -> float:
+                        async with httpx.AsyncClient(timeout=5) as client:
+                            return metric((await client.get(f"{ours['url']}/metrics")).text,
+                                          "fleetward_agent_gpu_source_up")
 
-                exporter.status = 503
-                await wait_until(lambda: _is(source_up(), 0.0), timeout=20)
-                exporter.status = 200
-                await wait_until(lambda: _is(source_up(), 1.0), timeout=20)
+                    exporter.status = 503
+                    await wait_until(lambda: _is(source_up(), 0.0), timeout=20)
+                    exporter.status = 200
+                    await wait_until(lambda: _is(source_up(), 1.0), timeout=20)
 
-                # GPU 2 (server1's) falls off the bus: its rows say Xid 79, then they are gone.
-                exporter.set({0: HEALTHY, 1: HEALTHY, 2: {**HEALTHY, "DCGM_FI_DEV_XID_ERRORS": 79}})
+                # GPU 2 (server1's) falls off the bus (dcgm-exporter: its rows say Xid 79, then they are gone).
+                if source == "dcgm":
+                    exporter.set({0: HEALTHY, 1: HEALTHY, 2: {**HEALTHY, "DCGM_FI_DEV_XID_ERRORS": 79}})
+                else:
+                    nvml.xid(2, 79)
                 await wait_until(lambda: _state_is(store, keys, "server1", "quarantined"), timeout=30)
                 exporter.set({0: HEALTHY, 1: HEALTHY})
                 await wait_until(lambda: _signal_has(store, keys, "server1", "GPU lost"), timeout=20)
                 health = await health_of(store, keys)
-                assert health["dcgmhost-w0"][0] == "ready" and health["server0"][0] == "ready", health
+                assert health["gpuhost-w0"][0] == "ready" and health["server0"][0] == "ready", health
                 assert "Xid 79" in health["server1"][1]
         finally:
             await agent.stop(grace=30)
