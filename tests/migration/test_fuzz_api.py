@@ -116,13 +116,16 @@ def _fuzz_one(operation: Any, mode: GenerationMode, base_url: str, headers: dict
     return statuses
 
 
-def fuzz_links(schema: Any, base_url: str, headers: dict[str, str], *, examples: int = EXAMPLES) -> int:
+def fuzz_links(schema: Any, base_url: str, headers: dict[str, str], *,
+               examples: int = EXAMPLES) -> tuple[int, Counter[str]]:
     """The spec's links, followed by schemathesis' state machine (raises on the first failure).
 
-    Returns how many requests used what an earlier answer gave (a request id, a started worker's id).
+    Returns how many requests used what an earlier answer gave (a request id, a started worker's id), and
+    every answer's operation and status (what to look at when none did).
     """
     machine: Any = schema.as_state_machine()
     given_out: set[str] = set()
+    answers: Counter[str] = Counter()
     followed = 0
 
     class Links(machine):
@@ -134,7 +137,8 @@ def fuzz_links(schema: Any, base_url: str, headers: dict[str, str], *, examples:
             headers: Mapping[str, Any] = case.headers or {}
             resumed = str(headers.get("Last-Event-ID", "")).rpartition(":")[0]
             worker = str((case.path_parameters or {}).get("worker", ""))
-            followed += bool({resumed, worker} & given_out)
+            followed += bool(({resumed, worker} - {""}) & given_out)  # an empty header is nobody's id
+            answers[f"{case.operation.label} {response.status_code}"] += 1
             if response.status_code == 200:
                 answered = {k.lower(): v for k, v in response.headers.items()}
                 given_out.add((answered.get("x-request-id") or [""])[0])
@@ -143,7 +147,7 @@ def fuzz_links(schema: Any, base_url: str, headers: dict[str, str], *, examples:
             check_answer(case, response)
 
     Links.run(settings=_settings(examples, stateful_step_count=6))
-    return followed
+    return followed, answers
 
 
 def load_spec(url: str, edit: Callable[[dict[str, Any]], None] | None = None) -> Any:
@@ -216,7 +220,10 @@ async def test_the_router_answers_any_request_its_spec_allows_or_forbids_without
 async def test_the_router_survives_resumes_along_its_specs_links(fleet: TestFleet) -> None:
     url = fleet.routers[0].url
     schema = load_spec(url, _router_spec_for(SIM.model_name, only_generations=True))
-    assert await asyncio.to_thread(fuzz_links, schema, url, {}) > 0  # resumes of requests the router answered
+    for worker in fleet.worker_ids:  # back to serving after the fuzzing before (a worker it broke, restarted)
+        await fleet.ensure_serving(worker)
+    followed, answers = await asyncio.to_thread(fuzz_links, schema, url, {})
+    assert followed > 0, f"no resume of a request the router answered; its answers: {dict(answers)}"
 
 
 async def test_a_keyed_router_answers_with_or_without_its_key_without_a_server_error(fleet: TestFleet) -> None:
@@ -239,7 +246,8 @@ async def test_a_keyed_router_answers_with_or_without_its_key_without_a_server_e
         assert "POST /v1/completions" in labels
         assert not failures, "\n\n".join(failures)
         linked = load_spec(router.url, _router_spec_for(SIM.model_name, only_generations=True))
-        assert await asyncio.to_thread(fuzz_links, linked, router.url, key) > 0  # resumes under the same key
+        followed, answers = await asyncio.to_thread(fuzz_links, linked, router.url, key)
+        assert followed > 0, f"no resume under the same key; the router's answers: {dict(answers)}"
     finally:
         await fleet.stop_router(router)
 
@@ -274,7 +282,8 @@ async def test_the_controller_answers_any_request_with_or_without_the_token_with
 async def test_the_controller_survives_commands_along_its_specs_links(fleet: TestFleet) -> None:
     url = await _controller_url(fleet)
     # Commands on workers it was asked to start (on nodes no agent runs: never started, so refused).
-    assert await asyncio.to_thread(fuzz_links, load_spec(url), url, {"authorization": f"Bearer {TOKEN}"}) > 0
+    followed, answers = await asyncio.to_thread(fuzz_links, load_spec(url), url, {"authorization": f"Bearer {TOKEN}"})
+    assert followed > 0, f"no command on a worker it was asked to start; its answers: {dict(answers)}"
 
 
 @pytest.mark.parametrize("body", [b"[]", b'"cordon"', b"3", b'{"deadline_s": "nan"}', b'{"deadline_s": NaN}',
