@@ -145,11 +145,12 @@ class KvOffer:
     tokens: int  # prompt tokens the KV covers (whole blocks)
     blocks: int
     digest: str
+    nbytes: int = 0  # the blocks' bytes (fleetward's own field: what a move or a transfer carries)
 
     def params(self) -> dict[str, Any]:
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_url": self.remote_url,
                 "transfer_id": self.transfer_id, "num_tokens": self.tokens, "num_blocks": self.blocks,
-                "digest": self.digest}
+                "digest": self.digest, "num_bytes": self.nbytes}
 
     @classmethod
     def of(cls, params: object) -> KvOffer | None:
@@ -158,7 +159,7 @@ class KvOffer:
             return None
         try:
             return cls(str(params["remote_url"]).rstrip("/"), str(params["transfer_id"]), int(params["num_tokens"]),
-                       int(params["num_blocks"]), str(params["digest"]))
+                       int(params["num_blocks"]), str(params["digest"]), int(params.get("num_bytes") or 0))
         except (KeyError, TypeError, ValueError):
             return None
 

@@ -89,6 +89,7 @@ from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import SimConfig
 from fleetward.fleet.errors import ConfigError, FleetwardError, WorkerError
 from fleetward.fleet.vocab import Detokenizer, Vocabulary, load_vocabulary
+from fleetward.sim.heldkv import StreamKv
 from fleetward.sim.model import SimModel
 from fleetward.sim.tokenizer import EOS_ID, IncrementalDecoder
 
@@ -414,6 +415,7 @@ class SimScheduler:
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.steps = 0
+        self.streams = StreamKv(config.kv_block_size, config.kv_lease_s)  # the KV a planned move hands over
 
     # -- requests in and out ----------------------------------------------------------------------------
 
@@ -427,12 +429,13 @@ class SimScheduler:
         """
         req = SimRequest(request_id, prompt_ids, params, arrival=now,
                          state=self.model.state(prompt_ids) if kv is None else kv[1], vocab=self.vocab)
-        if kv is not None:
-            req.kv_cached = kv[0]
+        # KV loaded from another worker, or the KV of a stream held here that this prompt continues (.heldkv).
+        req.kv_cached = kv[0] if kv is not None else self.streams.covered(prompt_ids, now)
         return req
 
     def add(self, req: SimRequest) -> None:
         self.waiting.append(req)
+        self.streams.running(req)
 
     def abort(self, req: SimRequest, *, now: float, reason: str = "abort", error: str | None = None) -> bool:
         """Finish ``req`` early (``reason`` abort or error) and free its slot and blocks; False if done."""
@@ -631,6 +634,8 @@ class SimScheduler:
         req.stop_reason = stop_reason
         self.stats.finished[reason] += 1
         self.stats.e2e.observe(now - req.arrival)
+        # Stopped by its client mid-stream: its KV stays (a planned move asks for it next).
+        self.streams.finished(req, hold=reason == "abort" and req.error is None and req.cut_at is None, now=now)
 
     def _cut(self, req: SimRequest, now: float) -> None:
         """End ``req`` as cut by ``reset_after_tokens``: its consumer gets what it has, then RequestCut."""

@@ -77,7 +77,8 @@ class KvTransfer:
         tid = f"kv-{secrets.token_hex(8)}"
         store[tid] = _StoredKv(frames_of(tid, blocks, bs), now + self._config.kv_lease_s)
         self.stats["offered"] += 1
-        return KvOffer(base_url, tid, covered, len(blocks), digest(prompt_ids[:covered], blocks))
+        return KvOffer(base_url, tid, covered, len(blocks), digest(prompt_ids[:covered], blocks),
+                       sum(len(b) for b in blocks))
 
     async def endpoint(self, request: Request) -> Response:
         """``GET /kv/{transfer_id}``: the offered KV, framed, once; 404 when unknown or its lease ran out."""
