@@ -34,6 +34,7 @@ __all__ = [
     "Frozen",
     "GpuConfig",
     "GpuPolicyConfig",
+    "MovesConfig",
     "ProcessRef",
     "PrometheusConfig",
     "RouterConfig",
@@ -142,6 +143,28 @@ class VllmConfig(Frozen):
     start_max_s: float = Field(3600.0, gt=0, description="the longest a progressing start is waited for")
 
 
+class MovesConfig(Frozen):
+    """Planned moves of streams (drains, scale-downs, ``fleetward move``, rebalancing): the router carries a
+    stream's KV from the worker it leaves to the one it moves to instead of computing it again (docs/pd.md,
+    "Planned moves")."""
+
+    kv: bool = Field(True, description="a planned move carries the stream's KV (false: the destination computes "
+                     "prompt and emitted tokens again, as a crash needs; kept to measure the difference)")
+    concurrency: int = Field(4, ge=1, description="moves one router has in flight at once; the others wait their "
+                             "turn, still streaming from the worker they are on (longest context first)")
+    budget_tokens_s: int = Field(2_000_000, ge=0, description="KV tokens one router moves per second at most, so "
+                                 "planned moves leave the link to live prefill/decode transfers (0: no limit)")
+    timeout_s: float = Field(10.0, gt=0, description="how long the worker a stream leaves may take to hand over "
+                             "its KV before the stream is computed again on the destination instead")
+    rebalance: bool = Field(False, description="move streams off a worker whose load is far above the others' "
+                            "(rebalance_ratio), longest context first")
+    rebalance_ratio: float = Field(2.0, gt=1, description="rebalance: a worker with more than this times the mean "
+                                   "load of the model's other workers gives streams away")
+    rebalance_min_streams: int = Field(8, ge=1, description="rebalance: a worker with fewer of this router's "
+                                       "streams is never rebalanced")
+    rebalance_interval_s: float = Field(5.0, gt=0, description="rebalance: how often loads are compared")
+
+
 class RouterConfig(Frozen):
     """The router (``fleetward router``, also started by ``fleetward up``)."""
 
@@ -171,6 +194,7 @@ class RouterConfig(Frozen):
     checkpoint_ttl_s: int = Field(30, ge=2, description="how long a dead router's checkpoints stay resumable")
     detached_grace_s: float = Field(30.0, ge=0, description="how long a disconnected client may resume")
     stall_floor_s: float = Field(1.0, gt=0, description="least silence, with work in flight, that counts as a stall")
+    moves: MovesConfig = Field(default_factory=MovesConfig, description="planned moves of streams with their KV")
     prefill_timeout_s: float = Field(30.0, gt=0, description="prefill/decode: how long the prefill step may take "
                                      "before the decode worker computes the prompt itself")
     kv_failure_policy: Literal["retry", "recompute", "aggregated", "fail"] = Field(
@@ -251,6 +275,9 @@ class SupervisorConfig(Frozen):
     backoff_max_s: float = Field(30.0, ge=0, description="agent: longest wait between start attempts")
     drain_timeout_s: float = Field(60.0, ge=0, description="`fleetward drain`'s default deadline before open "
                                    "streams move")
+    drain_move_s: float = Field(15.0, ge=0, description="after a drain's deadline, how long the routers have to "
+                                "move the streams still open with their KV (routing.moves) before the rest are "
+                                "moved by computing them again; 0: at once, as a failure is")
 
 
 class AutoscaleConfig(Frozen):

@@ -92,6 +92,13 @@ class Keys:
         return f"{self.quarantine}{node}/{gpu}"
 
     @property
+    def moves(self) -> str:
+        return self.root + "moves/"
+
+    def move(self, order_id: str) -> str:
+        return self.moves + order_id
+
+    @property
     def scale(self) -> str:
         return self.root + "scale/"
 

@@ -79,6 +79,24 @@ class RouterMetrics:
                                           ["reason"], registry=r)
         for reason in ("limit", "not_resumable", "deadline", "no_worker"):  # at 0, so increase() sees the first
             self.migration_failures.labels(reason)
+        self.moves = Counter("fleetward_router_moves",
+                             "Planned moves of streams (drain, scale-down, operator, rebalance), by trigger and "
+                             "outcome (kv: continued from the KV it carried; reprefill: the KV path failed and the "
+                             "stream was computed again; failed: it could not continue).",
+                             ["trigger", "outcome"], registry=r)
+        for trigger in ("drain", "scale-down", "operator", "rebalance"):  # at 0, so increase() sees the first
+            for outcome in ("kv", "reprefill", "failed"):
+                self.moves.labels(trigger, outcome)
+        self.move_stall = Histogram("fleetward_router_move_stall_seconds",
+                                    "A planned move's stall: from the stream's last token on the worker it left "
+                                    "to its first on the next, by outcome.", ["outcome"],
+                                    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r)
+        self.move_bytes = Counter("fleetward_router_move_kv_bytes",
+                                  "KV bytes planned moves carried (as the worker that handed them over counted "
+                                  "them; a connector that moves KV as files reports none).", registry=r)
+        self.move_tokens = Counter("fleetward_router_move_kv_tokens",
+                                   "Tokens whose KV planned moves carried instead of computing them again.",
+                                   registry=r)
         self.checkpoint_flushes = Counter("fleetward_router_checkpoint_flushes",
                                           "Checkpoint flushes that wrote something.", registry=r)
         self.checkpoint_txns = Counter("fleetward_router_checkpoint_txns", "etcd transactions for checkpoints.",

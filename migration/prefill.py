@@ -27,7 +27,7 @@ from fleetward.migration.metrics import RouterMetrics
 from fleetward.migration.upstream import Upstream, UpstreamError
 from fleetward.migration.wire import RouterError
 
-__all__ = ["KvTries", "Prefill"]
+__all__ = ["KvTries", "Prefill", "kv_refusal"]
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +63,9 @@ class Prefill:
         if not prefill:
             return body, None
         worker = min(prefill, key=lambda w: load.get(w, 0))
-        ask = {**body, "stream": False, "max_tokens": 1, "min_tokens": 0,
-               "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
-        ask.pop("stream_options", None)
         started = self.clock.monotonic()
         try:
-            answer = await self.upstream.call(fleet.workers[worker].url, path, ask,
-                                              timeout=self.config.prefill_timeout_s)
+            kv = await self.ask(fleet.workers[worker].url, path, body, timeout=self.config.prefill_timeout_s)
         except UpstreamError as exc:
             self.metrics.prefills.labels("failed").inc()
             log.warning("%s: prefill on %s failed (%s); the decode worker computes the prompt itself", j.id,
@@ -77,12 +73,22 @@ class Prefill:
             return body, None
         self.metrics.prefills.labels("ok").inc()
         self.metrics.prefill_seconds.observe(self.clock.monotonic() - started)
-        kv = answer.get("kv_transfer_params")
-        if not isinstance(kv, dict):
+        if kv is None:
             return body, worker
         policy = "recompute" if self.config.kv_failure_policy == "recompute" else "fail"
         return {**body, "kv_transfer_params": {**kv, "verify": self.config.kv_verify,
                                                "kv_load_failure_policy": policy}}, worker
+
+    async def ask(self, url: str, path: str, body: dict[str, Any], *, timeout: float) -> dict[str, Any] | None:
+        """Have the worker at ``url`` compute (or find) the KV of ``body``'s prompt and keep it for a decode
+        worker: one token, unstreamed, ``do_remote_decode``. Its answer's ``kv_transfer_params`` (None: a
+        connector that finds KV by prompt answers with none). Raises :class:`UpstreamError`."""
+        ask = {**body, "stream": False, "max_tokens": 1, "min_tokens": 0,
+               "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+        ask.pop("stream_options", None)
+        answer = await self.upstream.call(url, path, ask, timeout=timeout)
+        kv = answer.get("kv_transfer_params")
+        return kv if isinstance(kv, dict) else None
 
     def refused(self, j: Journal, exc: UpstreamError, prefilled_on: str | None, worker: str, kv: KvTries) -> bool:
         """Whether the attempt failed because ``worker`` refused the KV from ``prefilled_on``; if so ``kv`` says
@@ -90,7 +96,7 @@ class Prefill:
         ``j.attempts`` no longer counts this one. Raises :class:`RouterError` under ``kv_failure_policy: fail``."""
         if prefilled_on is None:
             return False
-        kind = _kv_refusal(exc)
+        kind = kv_refusal(exc)
         if kind is None:
             return False
         kv.excluded.add(prefilled_on)
@@ -114,7 +120,7 @@ class Prefill:
         return policy == "retry" and retries < self.config.kv_retries
 
 
-def _kv_refusal(exc: UpstreamError) -> str | None:
+def kv_refusal(exc: UpstreamError) -> str | None:
     """The kind of KV failure when a decode worker refused the KV it was given (a 502 of error type
     ``KVTransferError``, the kind in ``param``), else None."""
     err = exc.body.get("error") if exc.status == 502 and isinstance(exc.body, dict) else None

@@ -42,6 +42,7 @@ from fleetward.fleet.worker import HealthState
 from fleetward.migration.checkpoint import Checkpointer
 from fleetward.migration.journal import Journal, Kind
 from fleetward.migration.metrics import RouterMetrics
+from fleetward.migration.moves import MoveOrder, Moves
 from fleetward.migration.passthrough import Passthrough
 from fleetward.migration.placement import Placement
 from fleetward.migration.policy import RoutingPolicy, make_policy, prefix_key
@@ -79,6 +80,7 @@ class Active:
     stream: UpstreamStream | None = None
     detached_at: float | None = None
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    move: MoveOrder | None = None  # a planned move about to stop its stream (.moves)
 
 
 @dataclass(slots=True)
@@ -91,6 +93,8 @@ class _Tries:
     failed_at: float | None = None  # when the client got its last token before the current failure
     last_token_at: float | None = None
     kv: KvTries = field(default_factory=KvTries)
+    move: MoveOrder | None = None  # the planned move under way (.moves): from its stop to its next first token
+    planned: int = 0  # planned moves so far (they do not count against migration_limit)
 
 
 class Router:
@@ -130,6 +134,9 @@ class Router:
                                    relayed=lambda: self.passthrough.load())
         self.passthrough = Passthrough(self.placement, lambda: self.upstream.session, metrics=self.metrics,
                                        attempts=config.migration_limit + 1)
+        self.moves = Moves(config.moves, active=self.active, placement=self.placement, view=self.view,
+                           prefill=self.prefill, store=store, keys=keys, bus=bus, metrics=self.metrics, clock=clock,
+                           router_id=self.id)
         self.metrics.checkpoint_lag.set_function(lambda: self.checkpointer.lag_s)
         self.checkpointer.on_flush = self.metrics.checkpoint_flush.observe
         self.checkpointer.on_slice = self.metrics.checkpoint_slice.observe
@@ -156,6 +163,8 @@ class Router:
         if self.config.checkpoints:
             self._run("checkpoints", self.checkpointer.run)
         self._run("monitor", self._monitor)
+        self._run("moves", self.moves.run)
+        self._run("move-orders", self.moves.watch)
         await self.registration.start()
         self._run("registration", self.registration.run)
         # Everything loaded so far (modules, the fleet) lives as long as the process: keep it out of the
@@ -236,12 +245,18 @@ class Router:
                 t.cancel()
 
     async def _monitor(self) -> None:
-        """Abort streams on stalled workers; forget detached requests whose clients did not come back."""
+        """Abort streams on stalled workers; forget detached requests whose clients did not come back;
+        rebalance (``routing.moves.rebalance``)."""
+        balanced = self.clock.monotonic()
         while True:
             await self.clock.sleep(0.05)
             self._abort_stalled()
             self._forget_detached()
             self._mirror_checkpoint_counters()
+            moves = self.config.moves
+            if moves.rebalance and self.clock.monotonic() - balanced >= moves.rebalance_interval_s:
+                balanced = self.clock.monotonic()
+                self.moves.rebalance()
 
     def _abort_stalled(self) -> None:
         for worker, silent, allowed in self.progress.stalled():
@@ -344,31 +359,64 @@ class Router:
         t = _Tries()
         if j.vocab is None and self.config.detokenize:
             j.vocab = await self.texts.get(j.model)
-        while not j.is_done:
-            self._check_limits(j, t.reason)
-            worker, url, load = self._choose(j, t.failed, t.reason)
-            path, body = j.upstream_request()
-            prefilled_on: str | None = None
-            if t.kv.use_prefill:
-                body, prefilled_on = await self.prefill.run(j, path, body, load, t.kv.excluded)
-            await self._begin(j, worker, t)
-            try:
-                await self._attempt(j, worker, url, path, body, emit, t)
-            except UpstreamError as exc:
-                # A decode worker that refused its KV is fine: tried again, not as a migration (.prefill).
-                if not self.prefill.refused(j, exc, prefilled_on, worker, t.kv):
-                    self._failed(j, worker, exc, t)
+        try:
+            while not j.is_done:
+                self._check_limits(j, t.reason, t.planned)
+                move = t.move
+                worker, url, load = self._choose(j, t.failed, t.reason, move)
+                path, body = j.upstream_request()
+                prefilled_on: str | None = None
+                if move is not None:  # a planned move: the KV comes from the worker the stream left (.moves)
+                    body = await self.moves.carry(j, move, path, body)
+                elif t.kv.use_prefill:
+                    body, prefilled_on = await self.prefill.run(j, path, body, load, t.kv.excluded)
+                await self._begin(j, worker, t)
+                try:
+                    await self._attempt(j, worker, url, path, body, emit, t)
+                except UpstreamError as exc:
+                    await self._attempt_failed(j, worker, exc, t, prefilled_on)
+        finally:
+            a = self.active.get(j.id)
+            if a is not None and a.move is not None:  # it ended before the move could stop it
+                self.moves.release(a.move)
+                a.move = None
+            if t.move is not None:
+                await self.moves.done(t.move, "failed", None, request=j.id)
 
-    def _check_limits(self, j: Journal, reason: str) -> None:
+    async def _attempt_failed(self, j: Journal, worker: str, exc: UpstreamError, t: _Tries,
+                              prefilled_on: str | None) -> None:
+        """Why the attempt on ``worker`` ended, and what the next one is: a planned move (stopped for it, or
+        its KV refused: computed again on the same worker), a P/D retry, or a migration."""
+        move, a = t.move, self.active[j.id]
+        if move is not None:
+            if self.moves.refused(j, move, exc, worker):
+                j.attempts -= 1
+                t.kv.retry = True  # the same move goes on: not another migration
+                return
+            t.move = None
+            await self.moves.done(move, "reprefill", None, request=j.id)
+        elif a.move is not None:
+            order = await self.moves.stopped(a, exc)
+            if order is not None:
+                t.move, t.planned = order, t.planned + 1
+                t.reason = f"move: {order.trigger}"
+                if t.failed_at is None:
+                    t.failed_at = t.last_token_at if t.last_token_at is not None else self.clock.monotonic()
+                return
+        # A decode worker that refused its KV is fine: tried again, not as a migration (.prefill).
+        if not self.prefill.refused(j, exc, prefilled_on, worker, t.kv):
+            self._failed(j, worker, exc, t)
+
+    def _check_limits(self, j: Journal, reason: str, planned: int = 0) -> None:
         """Raises :class:`RouterError` when the request may not have another attempt: it cannot be resumed
-        exactly, it used up ``migration_limit``, or its deadline passed."""
+        exactly, it used up ``migration_limit`` (``planned`` moves do not count), or its deadline passed."""
         if j.attempts > 0:
             why_not = j.resumable()
             if why_not is not None:
                 self.metrics.migration_failures.labels("not_resumable").inc()
                 raise RouterError(502, f"the worker failed mid-stream ({reason}) and this request cannot be "
                                   f"resumed exactly: {why_not}")
-            if j.attempts > self.config.migration_limit:
+            if j.attempts - planned > self.config.migration_limit:
                 self.metrics.migration_failures.labels("limit").inc()
                 raise RouterError(503 if not j.emitted else 502,
                                   f"gave up after {j.attempts} attempts (migration_limit="
@@ -380,11 +428,22 @@ class Router:
             raise RouterError(504, f"request deadline passed after {j.attempts} attempt(s); last failure: "
                               f"{reason}")
 
-    def _choose(self, j: Journal, failed: list[str], reason: str) -> tuple[str, str, dict[str, int]]:
+    def _choose(self, j: Journal, failed: list[str], reason: str,
+                move: MoveOrder | None = None) -> tuple[str, str, dict[str, int]]:
         """The worker for the next attempt, its URL, and the load it was chosen by; raises
-        :class:`RouterError` when there is none (404: a model no worker ever served; 503: none can now)."""
+        :class:`RouterError` when there is none (404: a model no worker ever served; 503: none can now).
+        A planned ``move`` goes to the worker it names, else anywhere but the worker it leaves, else (none
+        left meanwhile) back to that one, which computes only the stream's tail from the KV it holds."""
         placement = self.placement
-        candidates, known = placement.candidates(j.model, failed)
+        candidates, known = placement.candidates(j.model, failed if move is None else [*failed, move.source])
+        if move is not None:
+            fleet = self.view.fleet
+            if move.to in candidates:
+                return move.to, fleet.workers[move.to].url, placement.load()
+            candidates = [w for w in candidates if w != move.source]
+            if not candidates and move.source in fleet.workers:
+                move.kv = False
+                return move.source, fleet.workers[move.source].url, placement.load()
         if not candidates:
             if not known and not failed and placement.models() and j.model not in placement.seen_models:
                 valid = ", ".join(placement.models())
@@ -456,6 +515,10 @@ class Router:
                     last_token_at = self.clock.monotonic()
                     if failed_at is not None:
                         self.metrics.stall.observe(last_token_at - failed_at)
+                        if t.move is not None:
+                            await self.moves.done(t.move, None, last_token_at - failed_at, request=j.id,
+                                                  worker=worker)
+                            t.move = None
                         failed_at = None
                     tokens, text, finish = j.record(chunk.token_ids, chunk.text, chunk.finish_reason,
                                                     chunk.stop_reason)

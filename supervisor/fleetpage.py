@@ -62,6 +62,14 @@ def _describe(kind: str, d: dict[str, Any]) -> str:
         case "migration":
             return (f"stream {str(d.get('request', '?'))[:16]} moved {d.get('from_worker') or '?'} → "
                     f"{d.get('worker') or '?'} after {d.get('tokens', '?')} tokens ({d.get('reason') or ''})")
+        case "move":
+            kv = int(d.get("kv_bytes") or 0)
+            carried = (f"with its KV ({d.get('kv_tokens', 0)} tokens" + (f", {kv / 1e6:.1f} MB)" if kv else ")")
+                       if d.get("outcome") == "kv" else "computed again" if d.get("outcome") == "reprefill"
+                       else "failed")
+            stall = f", stall {float(d['stall_s']) * 1000:.0f} ms" if d.get("stall_s") is not None else ""
+            return (f"planned move ({d.get('trigger', '?')}) of stream {str(d.get('request', '?'))[:16]} "
+                    f"{d.get('from_worker') or '?'} → {d.get('worker') or '?'}: {carried}{stall}")
         case "action":
             return f"agent {d.get('action_kind', '?')} {d.get('status', '')}: {d.get('reason') or ''}"
         case "scale":
@@ -83,8 +91,8 @@ class Timeline:
 
     def add(self, event: Event) -> None:
         d = event.data
-        # A migration belongs on the row of the worker the stream left; the rest on their worker's.
-        worker = d.get("from_worker") if event.kind == "migration" else event.worker
+        # A migration or a move belongs on the row of the worker the stream left; the rest on their worker's.
+        worker = d.get("from_worker") if event.kind in ("migration", "move") else event.worker
         self.events.append({"ts": event.ts, "kind": event.kind, "worker": worker, "text": describe(event)})
         if event.kind in ("fault.start", "fault.stop"):
             key = (str(d.get("activity")), str(d.get("fault")), tuple(str(t) for t in d.get("targets") or ()))

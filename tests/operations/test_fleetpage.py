@@ -60,6 +60,8 @@ def test_every_event_kind_reads_as_a_sentence_not_a_dump() -> None:
                "restart": {"attempt": 1, "delay_s": 0.5, "reason": "z"}, "quarantine": {"gpus": [0], "reason": "xid"},
                "action": {"action_kind": "restart", "status": "done", "reason": ""},
                "scale": {"pool": "aggregated", "desired": 3, "serving": 2, "starting": 1, "reason": "load"},
+               "move": {"request": "r", "from_worker": "a", "worker": "b", "trigger": "drain", "outcome": "kv",
+                        "kv_tokens": 8192, "kv_bytes": 2097152, "stall_s": 0.012},
                "fault.start": {"fault": "process.hang", "targets": ["w"], "activity": "h"},
                "fault.stop": {"fault": "process.hang", "targets": ["w"], "activity": "h"}}
     assert set(samples) == set(EVENT_KINDS)
