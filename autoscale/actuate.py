@@ -98,7 +98,8 @@ class LocalActuator:
 
     async def retire(self, pool: str, workers: Sequence[str], deadline_s: float, reason: str) -> None:
         for wid in workers:
-            r = await self._post(f"/v1/workers/{wid}/drain", {"deadline_s": deadline_s, "then": "stop"})
+            r = await self._post(f"/v1/workers/{wid}/drain", {"deadline_s": deadline_s, "then": "stop",
+                                                              "by": "autoscaler"})
             # 409: being drained already, or not running: either way it is on its way out.
             self._check(r, f"retiring {wid}", fine=(409,))
             log.info("%s: retiring %s within %.0f s (%s)", pool, wid, deadline_s, reason)

@@ -188,17 +188,15 @@ class TestFleet(AgentWorkers, FleetClient, StartedInContext):
     async def wait_leader(self, timeout: float = 30.0) -> Leader:
         return await wait_leader(self.store, self.keys, timeout=timeout)
 
-    async def supervisor_command(self, worker: str, what: str,
-                                 body: Mapping[str, Any] | None = None) -> httpx.Response:
-        """``POST /v1/workers/<worker>/<what>`` on the leader's control API (``drain``, ``undrain``,
-        ``restart``, ``quarantine/clear``), as an operator would; an in-process leader is called in process."""
+    async def supervisor_post(self, path: str, body: Mapping[str, Any] | None = None) -> httpx.Response:
+        """``POST <path>`` on the leader's control API (``/v1/workers/<id>/drain``, ``/v1/moves``, ...), as an
+        operator would; an in-process leader is called in process."""
         for ctl, _ in self.controllers:
             if ctl.leading.is_set():
                 transport = httpx.ASGITransport(app=ctl.app())
                 async with httpx.AsyncClient(transport=transport, base_url="http://controller") as client:
-                    return await client.post(f"/v1/workers/{worker}/{what}", json=dict(body or {}),
-                                             headers=self._headers())
-        return await super().supervisor_command(worker, what, body)
+                    return await client.post(path, json=dict(body or {}), headers=self._headers())
+        return await super().supervisor_post(path, body)
 
     def supervisor_control(self) -> HarnessSupervisor:
         """The ``supervisor`` service of :class:`~fleetward.chaos.faults.control.SupervisorControl`."""

@@ -267,9 +267,17 @@ def _parser() -> argparse.ArgumentParser:
                        ("undrain", "take a drained worker back into routing (a stopped one is started again)"),
                        ("restart", "restart a worker gracefully: its streams migrate first (a stopped one is "
                                    "simply started)"),
-                       ("unquarantine", "clear a worker's quarantine (a self-test runs first)")):
+                       ("unquarantine", "clear a worker's quarantine (a self-test runs first)"),
+                       ("move", "move a stream (its request id), or every stream off a worker (--from), to another "
+                                "worker with its KV; the client sees one stream")):
         op = sub.add_parser(verb, help=what)
-        op.add_argument("worker")
+        if verb == "move":
+            op.add_argument("request", nargs="?", default=None, help="the request to move (its response id)")
+            op.add_argument("--from", dest="source", default=None, help="move every stream on this worker")
+            op.add_argument("--to", default=None, help="the worker to move to (default: where the router would "
+                            "place it)")
+        else:
+            op.add_argument("worker")
         op.add_argument("--cluster", default=None)
         op.add_argument("--etcd", help="etcd host:port (default: the local fleet's)")
         op.add_argument("--run-dir", dest="run_dir", type=Path, default=None)
@@ -595,15 +603,25 @@ async def _cmd_operate(args: argparse.Namespace) -> int:
     body: dict[str, Any] = {}
     if args.command == "drain":
         body = {"then": args.then, **({"deadline_s": args.deadline} if args.deadline is not None else {})}
+    if args.command == "move":
+        if (args.request is None) == (args.source is None):
+            raise ConfigError("move: name a request, or --from WORKER to move every stream off it", field="request")
+        body = {k: v for k, v in (("request", args.request), ("from", args.source), ("to", args.to)) if v}
+        args.worker = args.request or args.source
+    url = f"{leader.url}/v1/moves" if args.command == "move" else \
+        f"{leader.url}/v1/workers/{args.worker}/{path[args.command]}"
     async with httpx.AsyncClient(timeout=10) as client:
-        r = await client.post(f"{leader.url}/v1/workers/{args.worker}/{path[args.command]}", json=body,
-                              headers={"Authorization": f"Bearer {token}"})
+        r = await client.post(url, json=body, headers={"Authorization": f"Bearer {token}"})
     try:
         answer: dict[str, Any] = r.json()
     except ValueError:
         answer = {"error": r.text}
     if r.status_code != 200:
         raise FleetwardError(f"{args.command} {args.worker}: {answer.get('error') or r.text} (HTTP {r.status_code})")
+    if args.command == "move":
+        out.print(f"move: {escape(str(answer.get('what', 'accepted')))}.\nOrder {answer.get('order')} accepted by "
+                  f"{leader.id}; each move shows on the fleet page and in `fleetward events`.")
+        return 0
     out.print(f"{args.command} {escape(args.worker)} (was {answer.get('state', '?')}): "
               f"{escape(str(answer.get('what', 'accepted')))}.\nAccepted by {leader.id}; watch it with "
               f"`fleetward status`.")
@@ -722,7 +740,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from fleetward.cli.workers import add_worker, remove_worker
 
             return asyncio.run(add_worker(args) if args.worker_command == "add" else remove_worker(args))
-        if args.command in ("drain", "undrain", "restart", "unquarantine"):
+        if args.command in ("drain", "undrain", "restart", "unquarantine", "move"):
             return asyncio.run(_cmd_operate(args))
         if args.command == "profile":
             from fleetward.cli.profile import run as run_profile

@@ -184,6 +184,10 @@ class Fleet(Protocol):
         """``POST /v1/workers/<worker>/<what>`` on the leader's control API, as an operator would."""
         ...
 
+    async def supervisor_post(self, path: str, body: Mapping[str, Any] | None = None) -> httpx.Response:
+        """``POST <path>`` on the leader's control API (``/v1/moves``, ...), as an operator would."""
+        ...
+
     # -- the whole
 
     async def fleet_status(self) -> dict[str, Any]:
@@ -262,11 +266,14 @@ class FleetClient:
     async def supervisor_command(self, worker: str, what: str,
                                  body: Mapping[str, Any] | None = None) -> httpx.Response:
         """``POST /v1/workers/<worker>/<what>`` on the leader's control API, as an operator would."""
+        return await self.supervisor_post(f"/v1/workers/{worker}/{what}", body)
+
+    async def supervisor_post(self, path: str, body: Mapping[str, Any] | None = None) -> httpx.Response:
+        """``POST <path>`` on the leader's control API, as an operator would."""
         leader = await self.leader()
         if leader is None or not leader.url:
-            raise RuntimeError(f"no supervisor leader with a control API to {what} {worker}")
-        return await self._http.post(f"{leader.url}/v1/workers/{worker}/{what}", json=dict(body or {}),
-                                     headers=self._headers())
+            raise RuntimeError(f"no supervisor leader with a control API for {path}")
+        return await self._http.post(f"{leader.url}{path}", json=dict(body or {}), headers=self._headers())
 
     async def fleet_status(self) -> dict[str, Any]:
         return (await read_fleet(self.store, self.keys, leader=True, phases=True)).to_status()

@@ -4,9 +4,11 @@
 With the bearer token (operators, the autoscaler):
 
 - ``GET /v1/workers``;
-- ``POST /v1/workers/<id>/drain`` (``{"deadline_s", "then": "stop"|"restart"}``), ``.../undrain``,
+- ``POST /v1/workers/<id>/drain`` (``{"deadline_s", "then": "stop"|"restart", "by"}``), ``.../undrain``,
   ``.../restart``;
 - ``POST /v1/workers/<id>/quarantine/clear``;
+- ``POST /v1/moves`` (``{"request"}`` or ``{"from"}``, and ``"to"`` if wanted): a planned move of a stream, or
+  of every stream on a worker, with its KV (the routers carry it out: :mod:`fleetward.migration.moves`);
 - ``POST /v1/workers`` (``{"id", "node", "role", "reason"}``): start a new worker on a node (its agent
   carries it out; the autoscaler's scale-up). Idempotent per id: asking again is answered, not repeated.
 
@@ -38,7 +40,7 @@ from fleetward.fleet.config import ID_PATTERN
 from fleetward.fleet.errors import StoreError
 from fleetward.fleet.worker import ROLES, HealthState
 from fleetward.supervisor.fleetpage import page_html, parse_alerts, runbook_html
-from fleetward.supervisor.health import Command, DrainRequested, QuarantineCleared, RestartRequested, Undrain
+from fleetward.supervisor.health import Command, DrainRequested, Load, QuarantineCleared, RestartRequested, Undrain
 
 if TYPE_CHECKING:
     from fleetward.supervisor.controller import Controller
@@ -127,6 +129,9 @@ def build_app(controller: Controller) -> FastAPI:
         why = machine.admit(event)
         if why is not None:
             return JSONResponse({"error": f"{event.worker}: {why}", "state": ws.state.value}, status_code=409)
+        if isinstance(event, DrainRequested | RestartRequested):
+            # What runs on it now, as the routers last said: a drain ends at once only when nothing does.
+            controller.submit(Load(event.worker, controller.progress.in_flight(event.worker)))
         controller.submit(event)
         return JSONResponse({"accepted": True, "leader": controller.id, "state": ws.state.value,
                              "what": _what(event, ws.state)})
@@ -203,9 +208,41 @@ def build_app(controller: Controller) -> FastAPI:
                 raise ValueError(f"deadline_s must be a finite number of seconds, 0 or more, not {deadline}")
             if then not in ("cordon", "stop", "restart"):
                 raise ValueError("then must be cordon, stop or restart")
+            by = body.get("by", "operator")
+            if by not in ("operator", "autoscaler"):
+                raise ValueError("by must be operator or autoscaler")
         except (ValueError, TypeError) as exc:
             return JSONResponse({"error": f"bad drain request: {exc}"}, status_code=400)
-        return await command(request, DrainRequested(worker, deadline, then))
+        return await command(request, DrainRequested(worker, deadline, then, by))
+
+    @app.post("/v1/moves", operation_id="move", openapi_extra=_openapi_move())
+    async def move(request: Request) -> Response:
+        if not authorised(request):
+            return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
+        try:
+            body = await request.json() if await request.body() else {}
+            if not isinstance(body, dict) or set(body) - {"request", "from", "to"}:
+                raise ValueError("the body is a JSON object with request or from, and to if wanted")
+            rid, source, to = body.get("request"), body.get("from"), body.get("to")
+            if (rid is None) == (source is None):
+                raise ValueError("name either a request (its id) or the worker to move streams from")
+            if not all(v is None or (isinstance(v, str) and v) for v in (rid, source, to)):
+                raise ValueError("request, from and to are non-empty strings")
+        except ValueError as exc:  # JSONDecodeError is a ValueError
+            return JSONResponse({"error": f"bad move request: {exc}"}, status_code=400)
+        machine = controller.machine
+        if not controller.leading.is_set() or machine is None:
+            return JSONResponse({"error": "not the leader", "leader": await controller.leader()}, status_code=409)
+        for wid in (source, to):
+            if wid is not None and wid not in machine.workers:
+                known = sorted(machine.workers)
+                return JSONResponse({"error": f"no worker {wid!r} in this cluster (workers: "
+                                              f"{', '.join(known) or 'none'})", "workers": known}, status_code=404)
+        order = await controller.order_move("operator", request=rid, source=source, to=to)
+        what = f"moving request {rid}" if rid else f"moving every stream off {source}"
+        return JSONResponse({"accepted": True, "leader": controller.id, "order": order,
+                             "what": what + (f" to {to}" if to else "") + ", with its KV; routers that hold "
+                             "none of them do nothing"})
 
     @app.post("/v1/workers/{worker}/undrain", operation_id="undrain", openapi_extra=_ADMIN)
     async def undrain(worker: str, request: Request) -> Response:
@@ -248,7 +285,17 @@ def _with_body(schema: dict[str, Any], *, required: bool,
 def _openapi_drain() -> dict[str, Any]:
     return _with_body({"type": "object", "additionalProperties": False, "properties": {
         "deadline_s": {"type": "number", "minimum": 0, "description": "open streams move elsewhere after it"},
-        "then": {"type": "string", "enum": ["cordon", "stop", "restart"]}}}, required=False)
+        "then": {"type": "string", "enum": ["cordon", "stop", "restart"]},
+        "by": {"type": "string", "enum": ["operator", "autoscaler"],
+               "description": "who drains: an autoscaler's drain is a scale-down"}}}, required=False)
+
+
+def _openapi_move() -> dict[str, Any]:
+    name = {"type": "string", "minLength": 1}
+    return _with_body({"type": "object", "additionalProperties": False, "properties": {
+        "request": {**name, "description": "the request to move (the response's id)"},
+        "from": {**name, "description": "move every stream on this worker"},
+        "to": {**name, "description": "where to (default: wherever the router would place it)"}}}, required=True)
 
 
 def _openapi_start() -> dict[str, Any]:
@@ -267,8 +314,8 @@ def _what(command: Command, state: HealthState) -> str:
         case DrainRequested(deadline_s=deadline, then=then):
             after = {"cordon": "it then stays out of routing (cordoned) until `fleetward undrain`",
                      "stop": "it is then stopped", "restart": "it is then restarted"}[then]
-            return (f"draining: no new work goes to it; its open streams finish, or move to other workers after "
-                    f"{deadline:g} s; {after}")
+            return (f"draining: no new work goes to it; its open streams finish, or move to other workers with "
+                    f"their KV after {deadline:g} s; {after}")
         case RestartRequested():
             if state is HealthState.DEAD:
                 return "starting it again"

@@ -42,6 +42,7 @@ from fleetward.fleet.etcd import Compare, Delete, Put, StateStore
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.lease import LeaseKeeper
 from fleetward.fleet.loops import LoopMetrics, Loops
+from fleetward.fleet.moveorders import MoveOrderRecord
 from fleetward.fleet.registry import read_leader
 from fleetward.fleet.signing import ActionSigner
 from fleetward.fleet.telemetry import link_gauges
@@ -66,6 +67,7 @@ from fleetward.supervisor.health import (
     HealthPolicy,
     LiftQuarantine,
     Load,
+    MoveStreams,
     Publish,
     Quarantine,
     Registered,
@@ -139,6 +141,7 @@ class Controller(LeaderElected):
         self._signer = ActionSigner(admin_token) if admin_token else None
         self.clock = clock
         self.policy = HealthPolicy(recover_canaries=config.recover_canaries, suspect_timeout_s=config.suspect_timeout_s,
+                                   drain_move_s=config.drain_move_s,
                                    restart_budget=config.restart_budget, restart_window_s=config.restart_window_s,
                                    backoff_initial_s=config.backoff_initial_s, backoff_max_s=config.backoff_max_s)
         self.machine: HealthMachine | None = None
@@ -419,6 +422,18 @@ class Controller(LeaderElected):
             self.metrics.actions.labels("start").inc()
         return created
 
+    async def order_move(self, trigger: str, *, request: str | None = None, source: str | None = None,
+                         to: str | None = None) -> str:
+        """Write a ``moves/<id>`` order for the routers (fenced; it lives for a minute): move ``request``, or
+        every stream on ``source``, with its KV (:mod:`fleetward.migration.moves`). Returns its id."""
+        order = MoveOrderRecord(trigger, request, source, to, issued_by=self.id, issued_at=self.clock.wall())
+        order_id = order.new_id()
+        lease = await self.store.grant(60)
+        await self._fenced([], [Put(self.keys.move(order_id), order.to_json(), lease)])
+        log.info("move order %s: %s%s", order_id, f"request {request}" if request else f"every stream off {source}",
+                 f" to {to}" if to else "")
+        return order_id
+
     async def _apply(self, actions: list[Any]) -> None:
         for action in actions:
             if self.on_action is not None:
@@ -458,6 +473,8 @@ class Controller(LeaderElected):
                 case LiftQuarantine():
                     gpus = action.gpus or (f"worker-{action.worker}",)
                     await self._fenced([], [Delete(self.keys.quarantine_of(action.node, g)) for g in gpus])
+                case MoveStreams():
+                    await self.order_move(action.trigger, source=action.worker)
                 case Publish():
                     if action.kind == "hang.detected":
                         self.metrics.hangs.inc()

@@ -49,6 +49,7 @@ __all__ = [
     "HealthPolicy",
     "LiftQuarantine",
     "Load",
+    "MoveStreams",
     "Publish",
     "Quarantine",
     "QuarantineCleared",
@@ -116,6 +117,7 @@ class DrainRequested:
     worker: str
     deadline_s: float = 60.0
     then: Literal["cordon", "stop", "restart"] = "cordon"
+    by: Literal["operator", "autoscaler"] = "operator"  # who asked: an autoscaler's drain is a scale-down
 
 
 @dataclass(frozen=True)
@@ -201,12 +203,21 @@ class Publish:
     data: dict[str, Any]
 
 
-Action = SetHealth | RunCanary | AgentAction | Quarantine | LiftQuarantine | Publish
+@dataclass(frozen=True)
+class MoveStreams:
+    """A drain's deadline passed with streams open: the routers move them, with their KV (``moves/``)."""
+
+    worker: str
+    trigger: Literal["drain", "scale-down"]
+
+
+Action = SetHealth | RunCanary | AgentAction | Quarantine | LiftQuarantine | Publish | MoveStreams
 
 
 @dataclass(frozen=True)
 class HealthPolicy:
     recover_canaries: int = 2  # good canaries in a row to leave suspect
+    drain_move_s: float = 15.0  # after a drain's deadline: the routers' time to move its streams with their KV
     start_canary_failures: int = 5  # failed canaries of a starting worker before it is unhealthy
     suspect_timeout_s: float = 30.0  # suspicion that nothing resolves becomes unhealthy
     restart_budget: int = 3  # restarts allowed within the window; one more is a crash loop
@@ -241,6 +252,8 @@ class WorkerState:
     pending: str | None = None  # action id the agent has not finished
     drain_deadline: float | None = None
     drain_then: str = "cordon"
+    drain_by: str = "operator"
+    moving_until: float | None = None  # wall: past a drain's deadline, the routers move its streams until then
     draining_stop: bool = False  # a stop action that ends a drain is pending
     cordoned: bool = False  # an operator took it out of routing until undrained (kept across restarts)
     in_flight: int = 0
@@ -256,7 +269,8 @@ class WorkerState:
         if self.cordoned:
             extra["cordoned"] = True
         if self.drain_deadline is not None or self.state is S.DRAINING:
-            extra["drain"] = {"deadline": self.drain_deadline, "then": self.drain_then}
+            extra["drain"] = {"deadline": self.drain_deadline, "then": self.drain_then, "by": self.drain_by,
+                              "moving_until": self.moving_until}
         return HealthRecord(self.state, reason=self.reason, detector=self.detector, since=self.since, extra=extra)
 
     @classmethod
@@ -272,6 +286,9 @@ class WorkerState:
             deadline = drain.get("deadline")
             ws.drain_deadline = float(deadline) if deadline is not None else None
             ws.drain_then = str(drain.get("then", "cordon"))
+            ws.drain_by = str(drain.get("by", "operator"))
+            moving = drain.get("moving_until")
+            ws.moving_until = float(moving) if moving is not None else None
         return ws
 
 
@@ -551,7 +568,7 @@ class HealthMachine:
         if ws.state in (S.DEAD, S.QUARANTINED):
             return []
         ws.drain_deadline = self.clock.wall() + e.deadline_s
-        ws.drain_then = e.then
+        ws.drain_then, ws.drain_by, ws.moving_until = e.then, e.by, None
         ws.cordoned = ws.cordoned or e.then == "cordon"
         out = self._set(ws, S.DRAINING, f"draining (then {e.then}) within {e.deadline_s:.0f}s", "operator")
         if ws.in_flight == 0:
@@ -559,7 +576,7 @@ class HealthMachine:
         return out
 
     def _finish_drain(self, ws: WorkerState, reason: str) -> list[Action]:
-        ws.drain_deadline = None
+        ws.drain_deadline = ws.moving_until = None
         if ws.drain_then == "cordon":
             return self._set(ws, S.DRAINING, f"cordoned until undrained ({reason})", "operator")
         if ws.drain_then == "restart":
@@ -580,11 +597,22 @@ class HealthMachine:
                                        ws.detector or "supervisor")
             elif ws.state is S.DRAINING and ws.drain_deadline is not None and wall > ws.drain_deadline \
                     and ws.pending is None:
-                # Past the deadline: tell routers to move what is left (unhealthy evacuates), then stop.
-                out += self._set(ws, S.UNHEALTHY, "drain deadline passed: migrating the remaining streams",
-                                 "supervisor")
-                out += self._finish_drain(ws, "drain deadline passed")
+                out += self._past_deadline(ws, wall)
         return out
+
+    def _past_deadline(self, ws: WorkerState, wall: float) -> list[Action]:
+        """A drain's deadline passed: the routers move what is left with its KV (for ``drain_move_s``), then
+        whatever is still there is moved by computing it again (unhealthy evacuates), and the drain ends."""
+        if ws.moving_until is None and ws.in_flight > 0 and self.policy.drain_move_s > 0:
+            ws.moving_until = wall + self.policy.drain_move_s
+            trigger: Literal["drain", "scale-down"] = "scale-down" if ws.drain_by == "autoscaler" else "drain"
+            return [*self._set(ws, S.DRAINING, f"drain deadline passed: moving {ws.in_flight} stream(s) with their "
+                               f"KV (then {ws.drain_then})", "supervisor"), MoveStreams(ws.id, trigger)]
+        if ws.moving_until is not None and wall <= ws.moving_until:
+            return []
+        # Tell routers to move what is left (unhealthy evacuates), then stop.
+        return [*self._set(ws, S.UNHEALTHY, "drain deadline passed: migrating the remaining streams", "supervisor"),
+                *self._finish_drain(ws, "drain deadline passed")]
 
     def states(self) -> dict[str, HealthState]:
         return {w: ws.state for w, ws in self.workers.items()}

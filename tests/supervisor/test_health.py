@@ -18,6 +18,7 @@ from fleetward.supervisor.health import (
     HealthPolicy,
     LiftQuarantine,
     Load,
+    MoveStreams,
     Publish,
     Quarantine,
     QuarantineCleared,
@@ -255,14 +256,43 @@ def test_a_drain_then_stop_waits_for_streams_then_stops(machine: HealthMachine) 
     assert machine.observe(Deregistered("w")) == []
 
 
-def test_a_drain_past_its_deadline_migrates_what_is_left(machine: HealthMachine, clock: ManualClock) -> None:
+def test_a_drain_past_its_deadline_moves_what_is_left_with_its_kv_then_migrates_the_rest(
+        machine: HealthMachine, clock: ManualClock) -> None:
     ready(machine)
     machine.observe(Load("w", 2))
     machine.observe(DrainRequested("w", deadline_s=5, then="restart"))
     clock.advance(6)
     out = machine.observe(Tick())
-    assert states(out) == [S.UNHEALTHY, S.RESTARTING], "unhealthy first: routers move the streams"
+    assert of(out, MoveStreams) == [MoveStreams("w", "drain")], "the routers move its streams with their KV"
+    assert states(out) == [S.DRAINING] and not of(out, AgentAction), "still serving them while they move"
+    assert of(out, SetHealth)[0].record.extra["drain"]["moving_until"] == clock.wall() + machine.policy.drain_move_s
+    clock.advance(machine.policy.drain_move_s / 2)
+    assert machine.observe(Tick()) == []
+    clock.advance(machine.policy.drain_move_s)
+    out = machine.observe(Tick())
+    assert states(out) == [S.UNHEALTHY, S.RESTARTING], "what did not move: unhealthy first, routers migrate it"
     assert of(out, AgentAction)[0].kind == "restart"
+
+
+def test_a_drain_whose_streams_all_moved_ends_at_once_and_an_autoscalers_is_a_scale_down(
+        machine: HealthMachine, clock: ManualClock) -> None:
+    ready(machine)
+    machine.observe(Load("w", 3))
+    machine.observe(DrainRequested("w", deadline_s=1, then="stop", by="autoscaler"))
+    clock.advance(2)
+    assert of(machine.observe(Tick()), MoveStreams) == [MoveStreams("w", "scale-down")]
+    out = machine.observe(Load("w", 0))
+    assert of(out, AgentAction)[0].kind == "stop" and S.UNHEALTHY not in states(out), "moved: stopped, not failed"
+
+
+def test_with_drain_move_s_0_a_drain_past_its_deadline_migrates_at_once(clock: ManualClock) -> None:
+    machine = HealthMachine(HealthPolicy(drain_move_s=0), clock=clock)
+    ready(machine)
+    machine.observe(Load("w", 2))
+    machine.observe(DrainRequested("w", deadline_s=5, then="restart"))
+    clock.advance(6)
+    out = machine.observe(Tick())
+    assert states(out) == [S.UNHEALTHY, S.RESTARTING] and not of(out, MoveStreams)
 
 
 def test_a_new_leader_replays_into_the_same_actions(clock: ManualClock) -> None:
