@@ -19,6 +19,16 @@ at the drain deadline migrate, as the router migrates them); worker failures at 
 streams migrate (re-prefill of prompt + tokens so far on another worker) or, with ``migration=False``,
 fail. Every planning interval the policy gets an :class:`~.planner.Observation` and the actuator makes
 the healthy count match its decision.
+
+A drain is planned, so its streams keep their KV (``kv_moves=True``, the default): a stream decoding at the
+drain deadline moves with the whole KV blocks (``kv_block_size`` tokens) of its prompt and the tokens emitted
+so far, all but the last token. The transfer takes ``kv_latency_ms / 1000 + the blocks' tokens x
+kv_bytes_per_token / (kv_bandwidth_gbps x 1.25e8)`` seconds; the stream is routed when the transfer ends
+(holding no worker's slot meanwhile: the worker it left has stopped), and the worker it lands on computes only
+the tokens the blocks do not hold (fewer than a block plus one), so its first token there comes no earlier
+than the move plus the transfer plus that tail's prefill. A stream whose KV fills no whole block, or that is
+still in its prefill at the deadline, re-prefills as before. A failure loses the KV: its streams always
+re-prefill. ``kv_moves=False`` makes a drain re-prefill too, as before this model.
 """
 
 from __future__ import annotations
@@ -56,6 +66,7 @@ class _Req:
     finish: float | None = None
     failed: bool = False
     migrations: int = 0
+    covered: int = 0  # prompt tokens that arrive as KV with the move: not computed at the next admission
 
 
 @dataclass(slots=True)
@@ -146,7 +157,8 @@ class _Worker:
             if (self.attempts or self.pf) and self.kv_used + kv > c.kv_capacity_tokens:
                 break
             self.queue.popleft()
-            prompt = req.input + req.generated
+            prompt = req.input + req.generated - req.covered
+            req.covered = 0  # the blocks have landed: a later move or failure starts from this worker's state
             self.kv_used += kv
             if c.chunked_prefill_tokens:
                 self.pf.append([req, float(prompt), kv])
@@ -225,6 +237,7 @@ class FleetResult:
     scale_events: int
     ttft_p99: float | None = None  # over every request that got a first token
     itl_p99: float | None = None  # of the requests' mean ITL, over every finished request
+    kv_moves: int = 0  # of the migrated streams, those that took their KV along (a drain's)
     timeline: list[IntervalRecord] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
 
@@ -240,7 +253,7 @@ class FleetResult:
         return {"sla_attainment": round(self.sla_attainment, 5), "worker_hours": round(self.worker_hours, 3),
                 "cut_streams": self.cut_streams, "goodput_per_worker_hour": round(self.goodput_per_worker_hour, 1),
                 "scale_events": self.scale_events, "requests": self.requests, "failed": self.failed,
-                "migrated": self.migrated}
+                "migrated": self.migrated, "kv_moves": self.kv_moves}
 
 
 def p99(values: list[float]) -> float | None:
@@ -264,10 +277,12 @@ class FleetSim:
     def __init__(self, requests: Sequence[TraceRequest], *, sla: Sla, startup_s: float,
                  config: SimConfig = DEFAULT_WORKER, interval_s: float = 30.0, initial_workers: int = 1,
                  failures_per_worker_hour: float = 0.0, migration: bool = True, drain_deadline_s: float = 300.0,
-                 seed: int = 0) -> None:
+                 kv_moves: bool = True, seed: int = 0) -> None:
         self.requests, self.sla, self.startup_s, self.config = requests, sla, startup_s, config
         self.interval_s = interval_s
         self.failure_rate, self.migration, self.drain_deadline_s = failures_per_worker_hour, migration, drain_deadline_s
+        self.kv_moves = kv_moves
+        self.moving: dict[int, _Req] = {}  # streams whose KV is on the wire, by request id
         self.rng = random.Random(seed)
         self.events: list[tuple[float, int, str, int]] = []
         self._seq = 0
@@ -277,7 +292,7 @@ class FleetSim:
         self.reqs: list[_Req] = []  # every request that arrived (in a clone: since it was made)
         self.next_index = 0  # the next request of ``requests`` to arrive
         self.open = 0  # arrived and not finished
-        self.failed = self.migrated = self.scale_events = 0
+        self.failed = self.migrated = self.moved_kv = self.scale_events = 0
         self.done_in_interval: list[_Req] = []
         self.arrivals_in_interval: list[_Req] = []
         self.timeline: list[IntervalRecord] = []
@@ -319,11 +334,12 @@ class FleetSim:
             c = memo.get(r.id)
             if c is None:
                 c = memo[r.id] = _Req(r.id, r.arrival, r.input, r.output, r.generated, r.first_token, r.finish,
-                                      r.failed, r.migrations)
+                                      r.failed, r.migrations, r.covered)
             return c
 
         new.workers = {wid: w.clone(copy_req) for wid, w in self.workers.items()}
         new.pending = deque(copy_req(r) for r in self.pending)
+        new.moving = {rid: copy_req(r) for rid, r in self.moving.items()}
         new.events = list(self.events)
         new.rng = random.Random()
         new.rng.setstate(self.rng.getstate())
@@ -378,8 +394,13 @@ class FleetSim:
 
     def _displace(self, t: float, w: _Worker, *, failure: bool) -> None:
         w.advance(t)
+        keeps_kv = self.kv_moves and not failure
+        decoding = {rid for rid, a in w.attempts.items() if t >= a.first_at} if keeps_kv else set()
         moved = w.take_all(t)
         self._stop(t, w)
+        if failure:
+            for r in moved:
+                r.covered = 0  # KV that had come here for a request still queued is lost with the worker
         if failure and not self.migration:
             for r in moved:
                 if r.first_token is not None:
@@ -393,7 +414,22 @@ class FleetSim:
             if r.first_token is not None:
                 r.migrations += 1
                 self.migrated += 1
+        if decoding:
+            moved = [r for r in moved if not (r.id in decoding and self._move_kv(t, r))]
         self._route(t, moved)
+
+    def _move_kv(self, t: float, r: _Req) -> bool:
+        """Send ``r``'s whole KV blocks on the wire, to be routed when they arrive; False when it fills no block."""
+        c = self.config
+        covered = (r.input + r.generated - 1) // c.kv_block_size * c.kv_block_size
+        if covered <= 0:
+            return False
+        r.covered = covered
+        self.moved_kv += 1
+        self.moving[r.id] = r
+        self._push(t + c.kv_latency_ms / 1000.0 + covered * c.kv_bytes_per_token / (c.kv_bandwidth_gbps * 1.25e8),
+                   "kv", r.id)
+        return True
 
     def actuate(self, t: float, desired: int) -> None:
         """Make the serving and starting workers ``desired``: undrain, then start (ready after ``startup_s``);
@@ -486,6 +522,8 @@ class FleetSim:
                 w = self.workers[ref]
                 if w.state == "draining":
                     self._displace(t, w, failure=False)  # still running at the deadline: migrate, never cut
+            elif kind == "kv":
+                self._route(t, [self.moving.pop(ref)])  # its KV arrived: on to a worker
             elif kind == "fail":
                 ready = self.serving()
                 if ready:
@@ -544,17 +582,17 @@ class FleetSim:
         return FleetResult(name, len(self.reqs), sum(1 for r in served if self.met(r)), self.failed, 0,
                            self.migrated, worker_hours, self.scale_events,
                            p99([r.first_token - r.arrival for r in served]),  # type: ignore[operator]
-                           p99([_mean_itl(r) for r in served]), self.timeline, self.reasons)
+                           p99([_mean_itl(r) for r in served]), self.moved_kv, self.timeline, self.reasons)
 
 
 def simulate(requests: Sequence[TraceRequest], policy: Policy, *, sla: Sla, startup_s: float,
              config: SimConfig = DEFAULT_WORKER, interval_s: float = 30.0, initial_workers: int = 1,
              failures_per_worker_hour: float = 0.0, migration: bool = True, drain_deadline_s: float = 300.0,
-             seed: int = 0, on_progress: Callable[[float], None] | None = None) -> FleetResult:
+             kv_moves: bool = True, seed: int = 0, on_progress: Callable[[float], None] | None = None) -> FleetResult:
     """Run ``requests`` through a fleet that ``policy`` scales; see the module docstring."""
     sim = FleetSim(requests, sla=sla, startup_s=startup_s, config=config, interval_s=interval_s,
                    initial_workers=initial_workers, failures_per_worker_hour=failures_per_worker_hour,
-                   migration=migration, drain_deadline_s=drain_deadline_s, seed=seed)
+                   migration=migration, drain_deadline_s=drain_deadline_s, kv_moves=kv_moves, seed=seed)
     sim.run(policy, on_progress=on_progress)
     return sim.result(policy.name)
 

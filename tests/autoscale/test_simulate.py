@@ -1,6 +1,6 @@
-"""The fleet simulator: conservation, drain without a cut, failures with and without migration, clones, the
-oracle's search, SLAs per prompt token and the work model, on small synthetic traces (seeded, so every run is
-the same)."""
+"""The fleet simulator: conservation, drain without a cut, failures with and without migration, drains that move
+streams with their KV, clones, the oracle's search, SLAs per prompt token and the work model, on small synthetic
+traces (seeded, so every run is the same)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import pytest
 from fleetward.autoscale.capacity import CapacityModel, Sla
 from fleetward.autoscale.evaluate import evaluate
 from fleetward.autoscale.oracle import search
-from fleetward.autoscale.planner import StaticPeak
+from fleetward.autoscale.planner import Reactive, StaticPeak
 from fleetward.autoscale.simulate import DEFAULT_WORKER, FleetSim, measure_work, profile_capacity, simulate
 from fleetward.autoscale.traces import Trace, TraceRequest
+from fleetward.fleet.config import SimConfig
 from fleetward.fleet.errors import ConfigError
 
 SLA = Sla(ttft_s=2.0, itl_s=0.05)
@@ -178,3 +179,99 @@ def test_replay_reports_every_policy_against_the_oracle() -> None:
                                                             "oracle"}
     assert policies["oracle"]["worker_hours_x_oracle"] == 1.0
     assert all("worker_hours_x_oracle" in p for p in policies.values())
+
+
+LONG_STREAMS = [TraceRequest(2.0 * k, 20_000 + 1000 * k, 3000) for k in range(8)]
+LONG_SLA = Sla(ttft_s=2.0, itl_s=0.05, ttft_per_1k_s=0.25)
+
+
+def drained_at_35s(*, kv_moves: bool, config: SimConfig = DEFAULT_WORKER) -> FleetSim:
+    """Eight long-context streams on two workers; at 30 s one worker drains, and at its deadline (35 s) its four
+    streams, each a few hundred tokens past its 20,000-token prompt, are still running."""
+    sim = FleetSim(LONG_STREAMS, sla=LONG_SLA, startup_s=0, initial_workers=2, interval_s=30, drain_deadline_s=5,
+                   config=config, kv_moves=kv_moves)
+    sim.run(StaticPeak(1))
+    return sim
+
+
+def test_a_drain_moves_its_long_streams_with_their_kv_and_they_stall_less_than_re_prefilled() -> None:
+    kv, prefill = drained_at_35s(kv_moves=True), drained_at_35s(kv_moves=False)
+    with_kv, without = kv.result("kv"), prefill.result("prefill")
+    assert with_kv.cut_streams == without.cut_streams == 0 and with_kv.failed == without.failed == 0
+    assert with_kv.migrated == with_kv.kv_moves == 4 and without.migrated == 4 and without.kv_moves == 0
+    assert with_kv.summary()["kv_moves"] == 4
+    moved = [r.id for r in kv.reqs if r.migrations]
+    assert moved == [r.id for r in prefill.reqs if r.migrations] and len(moved) == 4
+    for rid in moved:  # the same streams, moved at the same token: with their KV each finishes seconds sooner
+        a, b = kv.reqs[rid], prefill.reqs[rid]
+        assert a.generated == b.generated > 0
+        assert a.finish is not None and b.finish is not None and a.finish + 2.0 < b.finish
+    assert with_kv.itl_p99 is not None and without.itl_p99 is not None and with_kv.itl_p99 < without.itl_p99
+
+
+def test_a_moved_stream_resumes_no_sooner_than_its_kv_transfer_allows() -> None:
+    """On a 10 Mbit/s link the blocks of a 20,000-token context take seconds: each moved stream finishes after
+    the deadline plus its transfer plus its remaining tokens at the fastest step there is."""
+    slow = DEFAULT_WORKER.model_copy(update={"kv_bandwidth_gbps": 0.01})
+    sim = drained_at_35s(kv_moves=True, config=slow)
+    fast = drained_at_35s(kv_moves=True)
+    assert sim.result("slow").kv_moves == 4
+    for r in (r for r in sim.reqs if r.migrations):
+        covered = (r.input + r.generated - 1) // slow.kv_block_size * slow.kv_block_size
+        transfer = slow.kv_latency_ms / 1000 + covered * slow.kv_bytes_per_token / (slow.kv_bandwidth_gbps * 1.25e8)
+        assert transfer > 3.0
+        rest = r.output - r.generated - 1
+        assert r.finish is not None and r.finish >= 35.0 + transfer + rest * slow.step_seconds(1)
+        done_fast = fast.reqs[r.id].finish
+        assert done_fast is not None and r.finish > done_fast + 3.0
+
+
+def test_a_clone_made_while_kv_is_on_the_wire_finishes_the_moved_streams_as_the_fleet_does() -> None:
+    slow = DEFAULT_WORKER.model_copy(update={"kv_bandwidth_gbps": 0.01})
+    whole = drained_at_35s(kv_moves=True, config=slow)
+    split = FleetSim(LONG_STREAMS, sla=LONG_SLA, startup_s=0, initial_workers=2, interval_s=30, drain_deadline_s=5,
+                     config=slow)
+    split.run(StaticPeak(1), until=36.0)  # the deadline has passed; the blocks are still on the wire
+    assert len(split.moving) == 4
+    other = split.clone()
+    other.run(StaticPeak(1))
+    moved = {r.id: r.finish for r in whole.reqs if r.migrations}
+    assert len(moved) == 4 and {r.id: r.finish for r in other.carried if r.migrations} == moved
+
+
+def test_without_kv_moves_the_fleet_runs_exactly_as_before_them() -> None:
+    """Scale-ups and drains with a 2 s deadline, and failures: the numbers this scenario gave before drains kept
+    their KV (re-prefill everywhere). With KV moves, the streams still running at a drain deadline keep theirs."""
+    reqs = poisson([(2.0, 120), (20.0, 240), (2.0, 300)], seed=4)
+
+    def run(kv_moves: bool) -> FleetSim:
+        sim = FleetSim(reqs, sla=SLA, startup_s=45, initial_workers=2, failures_per_worker_hour=20.0,
+                       drain_deadline_s=2.0, seed=3, kv_moves=kv_moves)
+        sim.run(Reactive(min_workers=1, max_workers=16))
+        return sim
+
+    before, after = run(False), run(True)
+    r = before.result("reactive")
+    assert r.summary() == {"sla_attainment": 0.95651, "worker_hours": 2.28, "cut_streams": 0,
+                           "goodput_per_worker_hour": 2373.1, "scale_events": 14, "requests": 5657, "failed": 0,
+                           "migrated": 112, "kv_moves": 0}
+    assert (r.ttft_p99, r.itl_p99) == pytest.approx((48.66632898424859, 0.053505079627403626), rel=1e-12)
+    assert sum(x.first_token or 0.0 for x in before.reqs) == pytest.approx(1485375.8242235286, rel=1e-12)
+    assert sum(x.finish or 0.0 for x in before.reqs) == pytest.approx(1506886.4841660487, rel=1e-12)
+    moved = after.result("reactive")
+    assert moved.kv_moves > 0 and moved.migrated == r.migrated and moved.cut_streams == 0
+    assert sum(x.finish or 0.0 for x in after.reqs) < sum(x.finish or 0.0 for x in before.reqs)
+
+
+def test_a_failure_re_prefills_its_streams_whether_or_not_drains_move_kv() -> None:
+    """No scale-down here, only failures: the KV died with the worker, so KV moves change nothing."""
+    def run(kv_moves: bool) -> FleetSim:
+        sim = FleetSim(LONG_STREAMS, sla=LONG_SLA, startup_s=10, initial_workers=2, failures_per_worker_hour=60,
+                       seed=1, kv_moves=kv_moves)
+        sim.run(StaticPeak(2))
+        return sim
+
+    kv, prefill = run(True), run(False)
+    assert kv.result("x").migrated > 0 and kv.result("x").kv_moves == 0
+    assert kv.result("x").summary() == prefill.result("x").summary()
+    assert [(r.first_token, r.finish) for r in kv.reqs] == [(r.first_token, r.finish) for r in prefill.reqs]
