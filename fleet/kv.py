@@ -196,18 +196,22 @@ class PassThrough:
 async def send(transfer_id: str, frames: Sequence[KvFrame], hook: KvSendHook, link: KvLink) -> AsyncIterator[bytes]:
     """The bytes of a transfer as the sender puts them on the wire: through ``hook``, paced by ``link``.
 
-    Pacing sleeps once at least a millisecond of transfer time has built up, not per frame.
+    Pacing holds each frame until the link would have carried everything before it (latency, then the bytes
+    at its bandwidth, from the first frame on), sleeping only when that is a millisecond or more ahead: a
+    running deadline, so sleeping late once does not slow every frame after it.
     """
-    debt = link.latency_s
+    clock = asyncio.get_running_loop().time
+    due = clock() + link.latency_s
     async for f in hook.send(transfer_id, frames):
         data = f.encode()
-        debt += link.seconds(len(data))
-        if debt >= 0.001:
-            await asyncio.sleep(debt)
-            debt = 0.0
+        due += link.seconds(len(data))
+        ahead = due - clock()
+        if ahead >= 0.001:
+            await asyncio.sleep(ahead)
         yield data
-    if debt > 0:
-        await asyncio.sleep(debt)
+    ahead = due - clock()
+    if ahead > 0:
+        await asyncio.sleep(ahead)
 
 
 @dataclass(frozen=True, slots=True)
