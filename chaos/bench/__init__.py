@@ -1,4 +1,4 @@
-"""Benchmarks (``fleetward bench router|migration|restart|checkpoints|detect|pd``).
+"""Benchmarks (``fleetward bench router|migration|restart|checkpoints|detect|pd|moves``).
 
 Each benchmark starts what it measures (etcd, an MQTT broker, simulated workers, routers, client
 processes), measures its baseline in the same run, interleaved with the candidate, prints ratios, writes
@@ -129,12 +129,20 @@ def _parser() -> argparse.ArgumentParser:
     pd.add_argument("--duration", type=float, default=8.0, help="measured seconds per run (default 8)")
     pd.add_argument("--warmup", type=float, default=2.0, help="seconds before measuring (default 2)")
     pd.add_argument("--no-policies", dest="policies", action="store_false", help="skip the recovery policies part")
+    mv = sub.add_parser("moves", help="a planned move's stall with the stream's KV carried vs computed again, "
+                        "by context length")
+    common(mv)
+    mv.add_argument("--contexts", type=_ints, default=(1024, 8192, 32768),
+                    help="prompt tokens of the moved streams (default 1024,8192,32768)")
+    mv.add_argument("--streams", type=int, default=6, help="streams moved at once per context and mode (default 6)")
+    mv.add_argument("--vllm", action="store_true", help="also move streams between real vLLM workers")
     return p
 
 
 def main(argv: Sequence[str]) -> int:
     """``fleetward bench ...`` (called lazily by the CLI)."""
     args = _parser().parse_args(list(argv))
+    status = 0
     out: Path = args.out or Path(".fleetward") / "bench" / f"{args.bench}-{time.strftime('%Y%m%d-%H%M%S')}"
     if args.bench == "router":
         from fleetward.chaos.bench._router import RouterBench, run_router_bench
@@ -186,6 +194,13 @@ def main(argv: Sequence[str]) -> int:
                        duration_s=1.5 if q else args.duration, policies=args.policies, plots=args.plots,
                        etcd=args.etcd, mqtt=args.mqtt)
         res = asyncio.run(run_pd_bench(pcfg))
+    elif args.bench == "moves":
+        from fleetward.chaos.bench._moves import MovesBench, run_moves_bench
+
+        vcfg = MovesBench(out=out, contexts=args.contexts, streams=2 if args.quick else args.streams,
+                          vllm=args.vllm, plots=args.plots, etcd=args.etcd, mqtt=args.mqtt)
+        res = asyncio.run(run_moves_bench(vcfg))
+        status = 0 if res.data["details"]["exact"] else 1  # a wrong stream fails the command, results written
     else:
         from fleetward.chaos.bench._checkpoints import CheckpointBench, run_checkpoint_bench
 
@@ -197,4 +212,4 @@ def main(argv: Sequence[str]) -> int:
                                mqtt=args.mqtt)
         res = asyncio.run(run_checkpoint_bench(ccfg))
     print(f"results: {res.json_path}")
-    return 0
+    return status
