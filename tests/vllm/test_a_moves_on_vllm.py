@@ -1,0 +1,227 @@
+"""Planned moves on real vLLM (CPU): a stream moved for a plan carries its KV from one vLLM server to another.
+
+Two vLLM servers, both ``kv_both`` with fleetward's connector (fleetward.fleet.kvconnector: vLLM's
+ExampleConnector with a manifest and a check before any load), adopted as aggregated workers behind the
+router, with the supervisor. A planned move stops the stream on its server (vLLM frees the request's blocks
+into its prefix cache), asks that server for the KV of prompt plus emitted tokens (one token, unstreamed,
+``do_remote_decode``: the prefix cache makes it a prefill of the tail only, and the connector saves the
+blocks with their manifest), and sends the stream on to the other server, whose connector finds the folder by
+prompt, checks it and loads it (docs/pd.md, "Planned moves").
+
+A drain under load moves every stream with its KV, each exact as ids and text; a KV file corrupted between
+the save and the load (the destination held still meanwhile) is refused by the destination's check, which
+computes the stream instead: exact, later.
+
+Named ``test_a_...`` to run before the session's shared vLLM servers start: two vLLM servers at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import psutil
+import pytest
+import pytest_asyncio
+from testkit import eventually, metric
+
+from fleetward.chaos.harness import TestFleet
+from fleetward.chaos.workload import sse_lines
+from fleetward.fleet.backends import VllmBackend
+from fleetward.fleet.config import RouterConfig, SupervisorConfig, VllmConfig
+from fleetward.fleet.kv import MANIFEST
+from fleetward.fleet.procs import kill_tree, pid_from_file, spread_cores, tree_of
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+WORKERS = ("mv-a", "mv-b")
+
+
+def connector(folder: Path) -> tuple[str, ...]:
+    config = {"kv_connector": "FleetwardExampleConnector", "kv_connector_module_path": "fleetward.fleet.kvconnector",
+              "kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": str(folder)}}
+    return ("--kv-transfer-config", json.dumps(config))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def moving(tiny_model: Path, etcd_endpoint: str, broker_endpoint: str, tmp_path_factory: pytest.TempPathFactory,
+                 start_vllm_server: Any) -> AsyncIterator[tuple[TestFleet, Path]]:
+    root = tmp_path_factory.mktemp("vllm-moves")
+    kv = root / "kv"
+    kv.mkdir()
+    backend = VllmBackend(VllmConfig(extra_args=connector(kv)), tiny_model)
+    servers = [start_vllm_server(backend, w, root, cores) for w, cores in zip(WORKERS, spread_cores(2), strict=True)]
+    fleet = TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="vllm-moves", workers=0, node="cpu",
+                      backend=VllmBackend(VllmConfig(), tiny_model), attach=servers, run_dir=root / "fleet",
+                      routing=RouterConfig(stall_floor_s=5.0, affinity_tokens=0),
+                      supervisor=SupervisorConfig(canary_timeout_s=5.0, canary_interval_s=30.0, drain_move_s=30.0))
+    try:
+        await fleet.start()
+        await fleet.restore(timeout=240)
+        await fleet.start_router("moves-router")
+        yield fleet, kv
+    finally:
+        await fleet.aclose()
+        for entry in servers:
+            assert entry.process is not None and entry.process.pidfile is not None
+            pid = pid_from_file(entry.process.pidfile)
+            if pid:
+                procs = tree_of(pid)
+                kill_tree(procs)
+                psutil.wait_procs(procs, timeout=60)  # gone before the next module starts servers of its own
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return [(i * 7 + seed * 13) % 4000 + 5 for i in range(length)]
+
+
+async def direct(fleet: TestFleet, ids: list[int], n: int) -> tuple[list[int], str]:
+    """What one vLLM server computes alone: the reference."""
+    async with httpx.AsyncClient(timeout=120) as client:
+        r = await client.post(fleet.url(WORKERS[0]) + "/v1/completions", json={
+            "model": fleet.spec(WORKERS[0]).model, "prompt": ids, "max_tokens": n, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True})
+    r.raise_for_status()
+    choice = r.json()["choices"][0]
+    return list(choice["token_ids"]), str(choice["text"])
+
+
+class Stream:
+    def __init__(self) -> None:
+        self.rid = ""
+        self.tokens: list[int] = []
+        self.text = ""
+        self.workers: list[str] = []
+        self.error: str | None = None
+        self.going = asyncio.Event()
+
+    async def read(self, fleet: TestFleet, ids: list[int], n: int, *, going_after: int = 20) -> Stream:
+        body = {"model": fleet.spec(WORKERS[0]).model, "prompt": ids, "max_tokens": n, "temperature": 0,
+                "ignore_eos": True, "stream": True, "return_token_ids": True}
+        async with httpx.AsyncClient(timeout=180) as client, client.stream(
+                "POST", fleet.routers[0].url + "/v1/completions", json=body, headers={"X-Fleetward-Trace": "1"}) as r:
+            assert r.status_code == 200, await r.aread()
+            self.rid = r.headers["x-request-id"]
+            async for line in sse_lines(r.aiter_bytes()):
+                if not line.startswith("data: {"):
+                    continue
+                data = orjson.loads(line[6:])
+                if "error" in data:
+                    self.error = data["error"]["message"]
+                    continue
+                for c in data.get("choices") or []:
+                    got = c.get("token_ids") or []
+                    self.tokens += got
+                    self.text += c.get("text") or ""
+                    self.workers += [data["fleetward"]["worker"]] * len(got)
+                if len(self.tokens) >= going_after:
+                    self.going.set()
+        self.going.set()
+        return self
+
+
+async def moves(fleet: TestFleet) -> dict[tuple[str, str], float]:
+    async with httpx.AsyncClient(timeout=10) as client:
+        text = (await client.get(fleet.routers[0].url + "/metrics")).text
+    return {(t, o): metric(text, "fleetward_router_moves_total", trigger=t, outcome=o)
+            for t in ("drain", "operator") for o in ("kv", "reprefill", "failed")}
+
+
+def log_of(fleet: TestFleet, worker: str) -> str:
+    return (fleet.run_dir.parent / f"{worker}.log").read_text(errors="replace")
+
+
+def loads(fleet: TestFleet, worker: str) -> int:
+    """KV loads the server's connector made (ExampleConnector logs each)."""
+    return log_of(fleet, worker).count("Inject KV cache of")
+
+
+async def test_a_drain_under_load_moves_every_stream_with_its_kv_exactly(moving: tuple[TestFleet, Path]) -> None:
+    fleet, _ = moving
+    # Lengths off vLLM's CPU block of 128 tokens: the connector saves whole blocks of the prompt it is asked for.
+    prompts = [prompt(s, 301 + 118 * s) for s in range(6)]
+    n = 640
+    want = [await direct(fleet, p, n) for p in prompts]
+    before = await moves(fleet)
+    streams = [Stream() for _ in prompts]
+    tasks = [asyncio.ensure_future(s.read(fleet, p, n)) for s, p in zip(streams, prompts, strict=True)]
+    for s in streams:
+        await s.going.wait()
+    source = max(WORKERS, key=lambda w: sum(s.workers[-1] == w for s in streams))
+    dest = next(w for w in WORKERS if w != source)
+    on_source = sum(s.workers[-1] == source for s in streams)
+    loaded = loads(fleet, dest)
+    r = await fleet.supervisor_command(source, "drain", {"deadline_s": 0, "then": "cordon"})
+    assert r.status_code == 200, r.text
+    try:
+        await asyncio.gather(*tasks)
+        for s, (ids, text) in zip(streams, want, strict=True):
+            assert s.error is None, s.error
+            assert s.tokens == ids, "exact ids"
+            assert s.text == text, "exact text"
+        moved = [s for s in streams if s.workers[0] == source and s.workers[-1] == dest]
+        paths = [(s.workers[0], s.workers[-1]) for s in streams]
+        # A stream on the drained server moved, or finished there before its move came (not cut, not failed).
+        assert moved and all(s in moved or s.workers[-1] == s.workers[0] for s in streams), paths
+        assert on_source >= len(moved)
+        delta = {k: v - before[k] for k, v in (await moves(fleet)).items()}
+        assert delta[("drain", "kv")] == len(moved) and sum(delta.values()) == len(moved), (delta, paths)
+        assert loads(fleet, dest) - loaded >= len(moved), "the destination loaded each moved stream's KV"
+    finally:
+        await fleet.supervisor_command(source, "undrain")
+        await fleet.restore(timeout=120)
+
+
+def corrupt(folder: Path) -> None:
+    """Values changed in a valid layer file: a load would give other tokens."""
+    from safetensors.torch import load_file, save_file
+
+    layer = sorted(folder.glob("*.safetensors"))[0]
+    tensors = load_file(str(layer))
+    tensors["kv_cache"].view(-1)[::97] += 3.0
+    save_file(tensors, str(layer))
+
+
+async def test_a_kv_file_corrupted_during_a_move_is_refused_and_the_stream_computed_again_exactly(
+        moving: tuple[TestFleet, Path]) -> None:
+    """The destination's API server is held still (SIGSTOP: its kernel still takes the connection) while the
+    source saves the KV; the saved folder is corrupted; the destination then goes on, checks, refuses."""
+    fleet, kv = moving
+    ids, n = prompt(40, 463), 300
+    want = await direct(fleet, ids, n)
+    s = Stream()
+    task = asyncio.ensure_future(s.read(fleet, ids, n))
+    await s.going.wait()
+    source = s.workers[-1]
+    dest = next(w for w in WORKERS if w != source)
+    refused = log_of(fleet, dest).count("failed its check (checksum")
+    saved = {p.parent for p in kv.glob(f"*/{MANIFEST}")}
+    pid = pid_from_file(fleet.run_dir.parent / f"{dest}.pid")
+    assert pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        r = await fleet.supervisor_post("/v1/moves", {"request": s.rid, "to": dest})
+        assert r.status_code == 200, r.text
+
+        def new() -> set[Path]:
+            return {p.parent for p in kv.glob(f"*/{MANIFEST}")} - saved
+
+        await eventually(new, within=30)
+        assert len(new()) == 1, new()
+        corrupt(new().pop())
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    await task
+    assert s.error is None and s.tokens == want[0] and s.text == want[1], "later, never wrong"
+    assert source in s.workers and dest in s.workers
+    assert log_of(fleet, dest).count("failed its check (checksum") == refused + 1, "the destination refused it"
+    await fleet.restore(timeout=120)
