@@ -4,7 +4,7 @@ vLLM's ``ExampleConnector`` moves a prompt's KV between a prefill server (``kv_p
 server (``kv_consumer``) as safetensors files, one per layer, in a folder named by the hash of the prompt's
 tokens under a shared path. Nothing checks what the decode side loads: corrupted, stale or zeroed files give
 HTTP 200 with wrong tokens, a truncated file or a missing layer kills the decode server, and a one-token
-prompt after a short one crashes it (docs/pd.md). This connector is the same with three changes:
+prompt after a short one crashes it (docs/pd.md). This connector is the same with four changes:
 
 - the producer writes a manifest beside the files once a request's KV is saved: the folder it belongs to,
   the number of tokens, and a BLAKE2b digest of every layer file;
@@ -14,7 +14,10 @@ prompt after a short one crashes it (docs/pd.md). This connector is the same wit
   it again. The log says ``fleetward: KV ... failed its check (<kind>: ...)``, kinds as in
   :mod:`fleetward.fleet.kv` (``incomplete``, ``truncated``, ``checksum``, ``digest``);
 - a prompt too short to cover a whole block never counts as a hit (vLLM's own connector answers a negative
-  count there and its engine dies).
+  count there and its engine dies);
+- a prompt whose prefill was chunked gets no manifest: ExampleConnector saves only the blocks of a request's
+  first chunk, under the folder of its whole prompt, and loading that folder kills the engine (a shape
+  mismatch in ``inject_kv_into_layer``).
 
 The check runs when the scheduler decides, the load a step later: a file changed in between is not seen.
 
@@ -60,6 +63,12 @@ class FleetwardExampleConnector(ExampleConnector):
             if request.is_store and len(request.token_ids) > 0:
                 folder = Path(self._generate_foldername_debug(request.token_ids, request.mm_hashes,
                                                               create_folder=True))
+                if len(request.slot_mapping) < len(request.token_ids):
+                    # A chunked prefill: ExampleConnector saves only the blocks of the request's first chunk,
+                    # under the folder of its whole prompt. No manifest: the folder is refused, not loaded.
+                    logger.info("fleetward: KV in %s holds %d of its %d tokens (a chunked prefill); not marking "
+                                "it loadable", folder, len(request.slot_mapping), len(request.token_ids))
+                    continue
                 write_manifest(folder, len(request.token_ids))
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -22,7 +22,7 @@ generates from the KV it loaded, so a wrong byte gives wrong tokens, and a wrong
 What a KV move's stall is made of here: two engine steps (the hand-over on the worker it leaves, the first token
 on the next), the link's time as the sender paces it, and the simulated workers' own Python work on the prompt
 and the bytes (about 0.2 s at 32k tokens on a 2-core host with an infinitely fast link), which real workers do
-not pay. ``--vllm`` (:func:`run_vllm_part`) is not written yet.
+not pay. ``--vllm`` adds the same on real vLLM (:mod:`._moves_vllm`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import re
 import statistics
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,7 @@ from fleetward.fleet.sse import sse_lines
 from fleetward.sim.model import SimModel
 from fleetward.sim.tokenizer import BYTE_OFFSET
 
-__all__ = ["MovesBench", "run_moves_bench", "run_vllm_part"]
+__all__ = ["MODES", "ROUTING", "MovesBench", "Stream", "run_context", "run_moves_bench", "stall_stats"]
 
 # An 8B model on one GPU: a prompt token costs 0.05 ms of prefill (~20k tokens/s, the sim's default, so a
 # 32k-token context costs 1.6 s to compute again), decode steps of 20 ms. Its KV is 128 KiB per token
@@ -132,8 +133,8 @@ class Stream:
         return out
 
 
-async def _read(client: httpx.AsyncClient, url: str, s: Stream, cfg: MovesBench) -> None:
-    body = {"model": SIM.model_name, "prompt": s.prompt, "max_tokens": cfg.max_tokens, "stream": True,
+async def _read(client: httpx.AsyncClient, url: str, s: Stream, cfg: MovesBench, model: str) -> None:
+    body = {"model": model, "prompt": s.prompt, "max_tokens": cfg.max_tokens, "stream": True,
             "return_token_ids": True, "ignore_eos": True, "temperature": 0}
     try:
         async with client.stream("POST", url + "/v1/completions", json=body,
@@ -180,20 +181,30 @@ def _delta(before: dict[str, float], after: dict[str, float], name: str, **label
     return sum(v - b.get(k, 0.0) for k, v in a.items() if want <= set(k))
 
 
-async def _run(fleet: TestFleet, url: str, cfg: MovesBench, context: int, mode: str) -> dict[str, Any]:
-    """One context through one router: the streams, their moves, what the router counted."""
-    await wait_idle(fleet)
+async def _sim_exact(prompt: list[int], tokens: list[int], n: int) -> bool:
+    return tokens == SimModel(seed=SIM.seed, eos_probability=SIM.eos_probability).continuation(prompt, n,
+                                                                                           ignore_eos=True)
+
+
+async def run_context(fleet: TestFleet, url: str, cfg: MovesBench, context: int, mode: str, *,
+                      model: str = SIM.model_name,
+                      exact: Callable[[list[int], list[int], int], Awaitable[bool]] = _sim_exact,
+                      deadline: float | None = None, simulated: bool = True) -> dict[str, Any]:
+    """One context through one router: the streams, their moves, what the router counted. ``exact``: whether
+    a stream's tokens are its prompt's uninterrupted continuation."""
+    if simulated:
+        await wait_idle(fleet)
     before = await scrape(url + "/metrics")
     streams = [Stream(_prompt(context, mode, i)) for i in range(cfg.streams)]
     ordered_at = None
     # Longer than the slowest case could take: every prompt computed on one worker, twice.
-    deadline = 60.0 + 2 * cfg.streams * (context + cfg.max_tokens) * SIM.prefill_ms_per_token / 1000
+    deadline = deadline or 60.0 + 2 * cfg.streams * (context + cfg.max_tokens) * SIM.prefill_ms_per_token / 1000
     async with httpx.AsyncClient(timeout=httpx.Timeout(deadline), trust_env=False,
                                  limits=httpx.Limits(max_connections=cfg.streams + 4)) as client, \
             asyncio.timeout(deadline):
         async with asyncio.TaskGroup() as tg:
             for s in streams:
-                tg.create_task(_read(client, url, s, cfg))
+                tg.create_task(_read(client, url, s, cfg, model))
             for s in streams:
                 await s.ready.wait()
             ordered_at = time.monotonic()
@@ -201,12 +212,11 @@ async def _run(fleet: TestFleet, url: str, cfg: MovesBench, context: int, mode: 
                 if s.rid and s.error is None and len(s.tokens) < cfg.max_tokens:
                     s.move_status = (await fleet.supervisor_post("/v1/moves", {"request": s.rid})).status_code
     after = await scrape(url + "/metrics")
-    model = SimModel(seed=SIM.seed, eos_probability=SIM.eos_probability)
     records = []
     for i, s in enumerate(streams):
         sw = s.switches()
-        exact = s.error is None and s.tokens == model.continuation(s.prompt, cfg.max_tokens, ignore_eos=True)
-        records.append({"stream": i, "request": s.rid, "tokens": len(s.tokens), "exact": exact, "error": s.error,
+        same = s.error is None and await exact(s.prompt, s.tokens, cfg.max_tokens)
+        records.append({"stream": i, "request": s.rid, "tokens": len(s.tokens), "exact": same, "error": s.error,
                         "move_status": s.move_status, "switches": sw,
                         "stall_ms": sw[0]["stall_s"] * 1000 if sw else None,
                         "tokens_at_order": sum(1 for t, _ in s.chunks if ordered_at is not None and t <= ordered_at)})
@@ -220,11 +230,6 @@ async def _run(fleet: TestFleet, url: str, cfg: MovesBench, context: int, mode: 
             "router_stall_mean_ms": total / count * 1000 if count else None,
             "other_migrations": _delta(before, after, "fleetward_router_migrations_total")
             - _delta(before, after, "fleetward_router_migrations_total", reason="move")}
-
-
-async def run_vllm_part(cfg: MovesBench, res: Results) -> None:
-    """``--vllm``: the same moves on real vLLM workers. STUB: not written yet (issue 31)."""
-    raise NotImplementedError("--vllm: see issue 31")
 
 
 async def run_moves_bench(cfg: MovesBench) -> Results:
@@ -246,7 +251,7 @@ async def run_moves_bench(cfg: MovesBench) -> Results:
                 for n, context in enumerate(cfg.contexts):
                     for mode in MODES if n % 2 == 0 else MODES[::-1]:
                         bar.update(task, description=f"{context} tokens: {mode}")
-                        res.data["runs"].append(await _run(fleet, urls[mode], cfg, context, mode))
+                        res.data["runs"].append(await run_context(fleet, urls[mode], cfg, context, mode))
                         bar.advance(task)
             with contextlib.suppress(Exception):
                 await fleet.restore()
@@ -255,12 +260,14 @@ async def run_moves_bench(cfg: MovesBench) -> Results:
     if cfg.plots:
         _plot(res, cfg)
     if cfg.vllm:
+        from fleetward.chaos.bench._moves_vllm import run_vllm_part
+
         await run_vllm_part(cfg, res)
         res.write()
     return res
 
 
-def _stats(values: list[float]) -> dict[str, float | None]:
+def stall_stats(values: list[float]) -> dict[str, float | None]:
     return {"n": len(values), "p50_ms": quantile(values, 0.5), "p99_ms": quantile(values, 0.99),
             "mean_ms": statistics.fmean(values) if values else None, "max_ms": max(values) if values else None}
 
@@ -277,7 +284,7 @@ def _summarize(res: Results, cfg: MovesBench) -> None:
         for run in (r for r in res.data["runs"] if r["context"] == context):
             mode, recs = run["mode"], run["streams"]
             stalls = [r["stall_ms"] for r in recs if r["stall_ms"] is not None]
-            modes[mode] = {"stall": _stats(stalls), "streams": len(recs), "moved": len(stalls),
+            modes[mode] = {"stall": stall_stats(stalls), "streams": len(recs), "moved": len(stalls),
                            "moved_twice": sum(1 for r in recs if len(r["switches"]) > 1),
                            "exact": all(r["exact"] for r in recs), "outcomes": run["outcomes"],
                            "kv_bytes": run["kv_bytes"], "kv_tokens": run["kv_tokens"],
