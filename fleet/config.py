@@ -155,7 +155,8 @@ class MovesConfig(Frozen):
     budget_tokens_s: int = Field(2_000_000, ge=0, description="KV tokens one router moves per second at most, so "
                                  "planned moves leave the link to live prefill/decode transfers (0: no limit)")
     timeout_s: float = Field(10.0, gt=0, description="how long the worker a stream leaves may take to hand over "
-                             "its KV before the stream is computed again on the destination instead")
+                             "its KV before the stream is computed again on the destination instead; also how "
+                             "long a move waits for another worker that can take the stream")
     rebalance: bool = Field(False, description="move streams off a worker whose load is far above the others' "
                             "(rebalance_ratio), longest context first")
     rebalance_ratio: float = Field(2.0, gt=1, description="rebalance: a worker with more than this times the mean "

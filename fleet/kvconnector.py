@@ -66,7 +66,7 @@ class FleetwardExampleConnector(ExampleConnector):
                 if len(request.slot_mapping) < len(request.token_ids):
                     # A chunked prefill: ExampleConnector saves only the blocks of the request's first chunk,
                     # under the folder of its whole prompt. No manifest: the folder is refused, not loaded.
-                    logger.info("fleetward: KV in %s holds %d of its %d tokens (a chunked prefill); not marking "
+                    logger.warning("fleetward: KV in %s holds %d of its %d tokens (a chunked prefill); not marking "
                                 "it loadable", folder, len(request.slot_mapping), len(request.token_ids))
                     continue
                 write_manifest(folder, len(request.token_ids))

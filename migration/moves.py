@@ -68,6 +68,7 @@ class MoveOrder:
     kv: bool = True  # carry its KV (off once the KV path failed, or for a stream with no token yet)
     stopped_at: float | None = None  # monotonic: when it was stopped on ``source``
     tokens: int = 0  # the context it had when queued (the budget's measure)
+    queued_at: float = 0.0  # monotonic
     carried_tokens: int = 0
     carried_bytes: int = 0
     outcome: str = "kv"
@@ -110,7 +111,7 @@ class Moves:
                 continue
             context = len(j.prompt_ids or ()) + len(j.emitted)
             picked.append((context, rid, MoveOrder(trigger, a.worker, to, kv=bool(j.emitted) and self.config.kv,
-                                                   tokens=context)))
+                                                   tokens=context, queued_at=self.clock.monotonic())))
         picked.sort(key=lambda p: -p[0])
         self._queue.extend((rid, order) for _, rid, order in picked)
         if picked:
@@ -160,15 +161,31 @@ class Moves:
     # -- the loops ------------------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Start queued moves within the concurrency limit and the token budget, one at a time."""
+        """Start queued moves within the concurrency limit and the token budget, one at a time. A move whose
+        stream has no other worker to go to right now (none routable, or all silent) waits for one, for
+        ``timeout_s`` from its order; the stream streams on where it is meanwhile."""
         while True:
             await self._wake.wait()
             self._wake.clear()
+            waiting: list[tuple[str, MoveOrder]] = []
             while self._queue and self.in_flight < self.config.concurrency:
-                rid, order = self._queue[0]
+                rid, order = self._queue.popleft()
+                where = self._destinations(rid, order)
+                if where is None:
+                    continue  # it finished, failed or moved meanwhile
+                if not where:
+                    if self.clock.monotonic() - order.queued_at < self.config.timeout_s:
+                        waiting.append((rid, order))
+                    else:
+                        log.warning("request %s stays on %s: no other worker could take it within %.0f s", rid,
+                                    order.source, self.config.timeout_s)
+                    continue
                 await self._budget(order.tokens if order.kv else 0)
-                self._queue.popleft()
                 self._start(rid, order)
+            if waiting:
+                self._queue.extendleft(reversed(waiting))
+                await self.clock.sleep(0.1)
+                self._wake.set()
 
     async def _budget(self, tokens: int) -> None:
         rate = self.config.budget_tokens_s
@@ -184,16 +201,21 @@ class Moves:
                 return
             await self.clock.sleep((need - self._allowance) / rate)
 
-    def _start(self, rid: str, order: MoveOrder) -> None:
+    def _destinations(self, rid: str, order: MoveOrder) -> list[str] | None:
+        """The workers the stream could move to now (None: it is no longer streaming on its source)."""
         a = self.active.get(rid)
         if a is None or a.stream is None or a.worker != order.source or a.move is not None:
-            return  # it finished, failed or moved meanwhile
-        model = a.journal.model
-        elsewhere = [w for w in self.placement.candidates(model, [order.source])[0] if w != order.source]
-        if not elsewhere:
-            log.info("request %s stays on %s: no other worker can take it now", rid, order.source)
+            return None
+        return [w for w in self.placement.candidates(a.journal.model, [order.source])[0] if w != order.source]
+
+    def _start(self, rid: str, order: MoveOrder) -> None:
+        where = self._destinations(rid, order)  # again: the budget may have made it wait
+        a = self.active.get(rid)
+        if not where or a is None or a.stream is None:
+            if where == []:
+                self._queue.appendleft((rid, order))
             return
-        if order.to is not None and order.to not in elsewhere:
+        if order.to is not None and order.to not in where:
             order.to = None
         a.move = order
         self.in_flight += 1

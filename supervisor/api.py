@@ -130,7 +130,8 @@ def build_app(controller: Controller) -> FastAPI:
         if why is not None:
             return JSONResponse({"error": f"{event.worker}: {why}", "state": ws.state.value}, status_code=409)
         if isinstance(event, DrainRequested | RestartRequested):
-            # What runs on it now, as the routers last said: a drain ends at once only when nothing does.
+            # What runs on it now, as the routers say: a drain ends at once only when nothing does.
+            await controller.read_progress()
             controller.submit(Load(event.worker, controller.progress.in_flight(event.worker)))
         controller.submit(event)
         return JSONResponse({"accepted": True, "leader": controller.id, "state": ws.state.value,

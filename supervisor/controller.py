@@ -482,20 +482,22 @@ class Controller(LeaderElected):
 
     # -- detectors that run here ------------------------------------------------------------------------
 
+    async def read_progress(self) -> None:
+        """Ask every router for its streams' progress now (``progress``: in flight and silent per worker)."""
+        async def one(rid: str, url: str) -> None:
+            try:
+                status, body = await self.fetch("GET", f"{url}/fleetward/v1/progress", timeout=1.0)
+                if status == 200:
+                    self.progress.observe(rid, orjson.loads(body))
+            except (*_HTTP_ERRORS, ValueError):
+                pass  # a router that does not answer ages out of the view
+
+        await asyncio.gather(*(one(rid, url) for rid, url in list(self.routers.items()) if url))
+
     async def _poll_progress(self) -> None:
         while True:
             await self.clock.sleep(self.config.progress_interval_s)
-            routers = list(self.routers.items())
-
-            async def one(rid: str, url: str) -> None:
-                try:
-                    status, body = await self.fetch("GET", f"{url}/fleetward/v1/progress", timeout=1.0)
-                    if status == 200:
-                        self.progress.observe(rid, orjson.loads(body))
-                except (*_HTTP_ERRORS, ValueError):
-                    pass  # a router that does not answer ages out of the view
-
-            await asyncio.gather(*(one(rid, url) for rid, url in routers if url))
+            await self.read_progress()
             for sig in self.progress.check():
                 self.metrics.signals.labels(sig.detector, sig.severity.value).inc()
                 self.submit(SignalSeen(sig))
