@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from testkit import metric
 
 from fleetward.autoscale.actuate import LocalActuator, NewWorker
 from fleetward.autoscale.capacity import CapacityModel, CapacityPoint
@@ -150,6 +151,13 @@ async def stream(url: str, prompt: list[int], max_tokens: int) -> tuple[list[int
     return tokens, workers, error
 
 
+async def scale_down_moves(router: str) -> dict[str, float]:
+    async with httpx.AsyncClient(timeout=10) as client:
+        text = (await client.get(router + "/metrics")).text
+    return {o: metric(text, "fleetward_router_moves_total", trigger="scale-down", outcome=o)
+            for o in ("kv", "reprefill", "failed")}
+
+
 async def serving(fleet: TestFleet) -> list[str]:
     snap = await read_fleet(fleet.store, fleet.keys)
     return sorted(w.id for w in snap.routable())
@@ -197,6 +205,7 @@ async def test_scales_up_under_load_and_down_by_draining_without_cutting_a_strea
             # The load stops and long streams start, spread over the three workers: the planner wants 1 again.
             pressing.set()
             await load
+            moves_before = await scale_down_moves(router)
             prompts = [encode(f"a long answer {i}: ") for i in range(6)]
             longs = [asyncio.create_task(stream(router, p, 400)) for p in prompts]
             results = await asyncio.gather(*longs)
@@ -208,6 +217,8 @@ async def test_scales_up_under_load_and_down_by_draining_without_cutting_a_strea
         assert error is None and exact(tokens, MODEL.continuation(prompt, 400)), "no stream cut by scale-down"
     moved = [workers for _, workers, _ in results if len(workers) > 1]
     assert moved, "some stream outlived its worker's drain deadline and moved to the survivor"
+    moves = {k: v - moves_before[k] for k, v in (await scale_down_moves(router)).items()}
+    assert moves == {"kv": len(moved), "reprefill": 0, "failed": 0}, "each moved with its KV, as a scale-down"
     rec = await record(fleet)
     seen = seen_under_load[0]
     rate, mean_output, mean_input = seen["arrival_rate"], seen["mean_output"], seen["mean_input"]
