@@ -592,6 +592,8 @@ async def _cmd_operate(args: argparse.Namespace) -> int:
     from fleetward.fleet.keys import Keys
     from fleetward.fleet.registry import read_leader
 
+    if args.command == "move" and (args.request is None) == (args.source is None):
+        raise ConfigError("move: name a request, or --from WORKER to move every stream off it", field="request")
     endpoint, cluster = local_endpoint(args, "etcd")
     token = operator_token(args)
     access = local_access(args, "etcd", endpoint)
@@ -604,8 +606,6 @@ async def _cmd_operate(args: argparse.Namespace) -> int:
     if args.command == "drain":
         body = {"then": args.then, **({"deadline_s": args.deadline} if args.deadline is not None else {})}
     if args.command == "move":
-        if (args.request is None) == (args.source is None):
-            raise ConfigError("move: name a request, or --from WORKER to move every stream off it", field="request")
         body = {k: v for k, v in (("request", args.request), ("from", args.source), ("to", args.to)) if v}
         args.worker = args.request or args.source
     url = f"{leader.url}/v1/moves" if args.command == "move" else \

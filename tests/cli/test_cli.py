@@ -135,6 +135,12 @@ async def _operator_commands_mean_what_they_say(run_dir: Path, workers: list[str
     back = run("undrain", target, *where)
     assert back.returncode == 0 and "back into routing" in back.stdout, back.stderr
     await wait_until(lambda: (h := health(target)) and h["health"] == "ready", timeout=30)
+    # `move`: a request or a worker, not both, not neither; a worker the cluster does not know is a 404.
+    neither = run("move", *where)
+    assert neither.returncode == 2 and "name a request, or --from WORKER" in neither.stderr, neither.stderr
+    assert run("move", "--from", "wokrer-0", *where).returncode == 1
+    ordered = run("move", "--from", target, "--to", workers[1], *where)
+    assert ordered.returncode == 0 and f"moving every stream off {target} to {workers[1]}" in ordered.stdout
 
 
 def test_status_without_a_fleet_says_how_to_start_one(tmp_path: Path) -> None:
