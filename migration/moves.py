@@ -132,8 +132,10 @@ class Moves:
     def rebalance(self) -> list[str]:
         """Queue moves off any worker whose load is above ``rebalance_ratio`` times the mean of the other
         workers of its model (and at least ``rebalance_min_streams`` of this router's streams): as many of its
-        longest streams as bring it to the mean of all."""
+        longest streams as bring it to the mean of all. Not while moves are under way."""
         cfg = self.config
+        if self.in_flight or self._queue:
+            return []  # the loads settle first: a stream being moved counts on neither worker meanwhile
         mine: dict[str, list[str]] = {}
         for rid, a in self.active.items():
             if a.worker is not None and a.stream is not None:

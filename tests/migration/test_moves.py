@@ -232,3 +232,47 @@ def test_property_any_move_at_any_point_under_any_kv_fault_is_exact(mf: MoveFlee
             await mf.restore()
 
     mf.run(go())
+
+
+def test_a_router_rebalances_a_crowded_worker_by_moving_its_longest_streams_with_their_kv(mf: MoveFleet) -> None:
+    """Every stream lands on one worker while the other is cordoned; once it is back, a router with
+    ``moves.rebalance`` moves the longest of them over, with their KV, until both carry about as many."""
+    async def go() -> None:
+        rebalancer = await mf.fleet.start_router("rebalancer", moves=MovesConfig(
+            rebalance=True, rebalance_ratio=1.5, rebalance_min_streams=3, rebalance_interval_s=0.2))
+        url = rebalancer.url
+        crowded, empty = mf.fleet.worker_ids
+        try:
+            r = await mf.fleet.supervisor_command(empty, "drain", {"deadline_s": 60, "then": "cordon"})
+            assert r.status_code == 200, r.text
+            await mf.fleet.wait_workers_routable(1)
+            prompts = [prompt_of(50 + i, 200 + 250 * i) for i in range(4)]
+            refs = [await reference(url, p, 400) for p in prompts]
+            reads = [Read() for _ in prompts]
+            tasks = [asyncio.ensure_future(read(url, p, 400, g)) for p, g in zip(prompts, reads, strict=True)]
+            for g in reads:
+                await g.started.wait()
+            before = await moves_of(url, "rebalance")
+            assert (await mf.fleet.supervisor_command(empty, "undrain")).status_code == 200
+            got = await asyncio.gather(*tasks)
+            for g, want in zip(got, refs, strict=True):
+                assert g.error is None and g.tokens == want.tokens and g.text == want.text
+            moved = [i for i, g in enumerate(got) if g.workers[0] == crowded and g.workers[-1] == empty]
+            paths = [[w for k, w in enumerate(g.workers) if k == 0 or g.workers[k - 1] != w] for g in got]
+            # (rebalance_min_streams 3: once the short streams end on one worker, the 2 on the other stay put)
+            assert moved == [2, 3], ("the longest two, to even the load: 4 against 0 becomes 2 and 2", paths)
+            after = await moves_of(url, "rebalance")
+            assert after["kv"] - before["kv"] == 2 and after["reprefill"] == before["reprefill"]
+        finally:
+            await mf.fleet.supervisor_command(empty, "undrain")
+            await mf.fleet.stop_router(rebalancer)
+            await mf.restore()
+
+    mf.run(go())
+
+
+async def moves_of(router: str, trigger: str) -> dict[str, float]:
+    async with httpx.AsyncClient(timeout=10) as client:
+        text = (await client.get(router + "/metrics")).text
+    return {o: metric(text, "fleetward_router_moves_total", trigger=trigger, outcome=o)
+            for o in ("kv", "reprefill", "failed")}
