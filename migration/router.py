@@ -395,7 +395,7 @@ class Router:
                 return
             t.move = None
             await self.moves.done(move, "reprefill", None, request=j.id)
-        elif a.move is not None:
+        if a.move is not None:  # stopped for a planned move (another one, if the one before fell back)
             order = await self.moves.stopped(a, exc)
             if order is not None:
                 t.move, t.planned = order, t.planned + 1
