@@ -26,6 +26,10 @@ reason, detector and restart history, then publishes ``health.changed``. Remedia
 deterministic (``<worker>.restart.<n>``), so a new leader that replays the same decision writes the same
 action and nothing is done twice. A quarantine is written to ``quarantine/<node>/<gpu>`` (:class:`Quarantine`)
 and lifted (:class:`LiftQuarantine`) once an operator cleared it and the GPU passed its self-test.
+
+A drain whose deadline passes with streams still open first asks the routers to move them with their KV
+(:class:`MoveStreams`, for ``drain_move_s``); what is still there after that is moved as after a failure
+(the worker turns unhealthy), and the drain ends. It ends earlier the moment nothing is left in flight.
 """
 
 from __future__ import annotations
