@@ -132,10 +132,10 @@ def test_a_drained_workers_streams_move_with_their_kv_exactly(mf: MoveFleet) -> 
     each is the model's continuation, ids and text, and the destination loaded KV for each."""
     async def go() -> None:
         prompts = [prompt_of(s, 300 + 200 * s) for s in range(4)]
-        refs = [await reference(mf.kv, p, 120) for p in prompts]
+        refs = [await reference(mf.kv, p, 400) for p in prompts]
         before, stats = await moves(mf.kv), await mf.kv_stats()
         reads = [Read() for _ in prompts]
-        tasks = [asyncio.ensure_future(read(mf.kv, p, 120, g)) for p, g in zip(prompts, reads, strict=True)]
+        tasks = [asyncio.ensure_future(read(mf.kv, p, 400, g)) for p, g in zip(prompts, reads, strict=True)]
         for g in reads:
             await g.started.wait()
         source = max(set(mf.fleet.worker_ids), key=lambda w: sum(g.workers[-1] == w for g in reads if g.workers))
@@ -148,11 +148,14 @@ def test_a_drained_workers_streams_move_with_their_kv_exactly(mf: MoveFleet) -> 
                 assert g.error is None, g.error
                 assert g.tokens == want.tokens and g.text == want.text, "one exact stream, ids and text"
             moved = [g for g in got if g.workers[0] == source and g.workers[-1] != source]
-            assert len(moved) == on_source, [(g.workers[0], g.workers[-1]) for g in got]
+            paths = [(g.workers[0], g.workers[-1]) for g in got]
+            # Each stream on the drained worker moved, or finished there before its move came.
+            assert moved and all(g in moved or g.workers[0] == g.workers[-1] for g in got), paths
+            assert len(moved) <= on_source
             after, kv = await moves(mf.kv), await mf.kv_stats()
-            assert after[("drain", "kv")] - before[("drain", "kv")] == on_source
+            assert after[("drain", "kv")] - before[("drain", "kv")] == len(moved)
             dest = next(w for w in mf.fleet.worker_ids if w != source)
-            assert kv[dest]["loaded"] - stats[dest]["loaded"] == on_source, "the destination loaded each one's KV"
+            assert kv[dest]["loaded"] - stats[dest]["loaded"] == len(moved), "the destination loaded each one's KV"
         finally:
             await mf.fleet.supervisor_command(source, "undrain")
             await mf.restore()
@@ -179,7 +182,7 @@ async def _operator_move(mf: MoveFleet, router: str, prompt: list[int], *, after
 
 def test_an_operator_moves_one_stream_with_its_kv(mf: MoveFleet) -> None:
     async def go() -> None:
-        g, want, delta = await _operator_move(mf, mf.kv, prompt_of(7, 900), after=15)
+        g, want, delta = await _operator_move(mf, mf.kv, prompt_of(7, 900), after=15, n=400)
         assert g.error is None and g.tokens == want.tokens and g.text == want.text
         assert len(set(g.workers)) == 2, "it moved"
         assert delta[("operator", "kv")] == 1 and sum(delta.values()) == 1
@@ -193,7 +196,8 @@ def test_a_kv_handover_that_fails_its_check_falls_back_to_computing_the_stream_a
     async def go() -> None:
         try:
             # A prompt of its own: ``stale`` sends the previous transfer's blocks, right if they were this one's.
-            g, want, delta = await _operator_move(mf, mf.kv, prompt_of(11 + len(fault), 700), after=12, fault=fault)
+            g, want, delta = await _operator_move(mf, mf.kv, prompt_of(11 + len(fault), 700), after=12, fault=fault,
+                                                  n=400)
             assert g.error is None and g.tokens == want.tokens and g.text == want.text, "later, never wrong"
             assert delta[("operator", "reprefill")] == 1 and sum(delta.values()) == 1
         finally:
@@ -205,7 +209,7 @@ def test_a_kv_handover_that_fails_its_check_falls_back_to_computing_the_stream_a
 def test_with_moves_kv_off_a_planned_move_computes_the_stream_again(mf: MoveFleet) -> None:
     async def go() -> None:
         stats = await mf.kv_stats()
-        g, want, delta = await _operator_move(mf, mf.recompute, prompt_of(13, 600), after=12)
+        g, want, delta = await _operator_move(mf, mf.recompute, prompt_of(13, 600), after=12, n=400)
         assert g.error is None and g.tokens == want.tokens and g.text == want.text
         assert delta[("operator", "reprefill")] == 1 and sum(delta.values()) == 1
         kv = await mf.kv_stats()
@@ -247,9 +251,9 @@ def test_a_router_rebalances_a_crowded_worker_by_moving_its_longest_streams_with
             assert r.status_code == 200, r.text
             await mf.fleet.wait_workers_routable(1)
             prompts = [prompt_of(50 + i, 200 + 250 * i) for i in range(4)]
-            refs = [await reference(url, p, 400) for p in prompts]
+            refs = [await reference(url, p, 800) for p in prompts]
             reads = [Read() for _ in prompts]
-            tasks = [asyncio.ensure_future(read(url, p, 400, g)) for p, g in zip(prompts, reads, strict=True)]
+            tasks = [asyncio.ensure_future(read(url, p, 800, g)) for p, g in zip(prompts, reads, strict=True)]
             for g in reads:
                 await g.started.wait()
             before = await moves_of(url, "rebalance")
