@@ -132,7 +132,7 @@ def build_app(controller: Controller) -> FastAPI:
         if isinstance(event, DrainRequested | RestartRequested):
             # What runs on it now, as the routers say: a drain ends at once only when nothing does.
             await controller.read_progress()
-            controller.submit(Load(event.worker, controller.progress.in_flight(event.worker)))
+            controller.submit(Load(event.worker, controller.progress.in_flight_now(event.worker)))
         controller.submit(event)
         return JSONResponse({"accepted": True, "leader": controller.id, "state": ws.state.value,
                              "what": _what(event, ws.state)})

@@ -173,6 +173,13 @@ class StreamProgressDetector:
         m = self.workers.get(worker)
         return m.in_flight if m else 0
 
+    def in_flight_now(self, worker: str) -> int:
+        """Requests in flight on ``worker`` as the routers' latest views say (stale ones left out), summed:
+        without waiting for the next :meth:`check`."""
+        now = self.clock.monotonic()
+        return sum(int(((view.get("workers") or {}).get(worker) or {}).get("in_flight", 0))
+                   for seen, view in self._views.values() if now - seen <= self.stale_after_s)
+
     def allowance(self, worker: str) -> float | None:
         m = self.workers.get(worker)
         return m.allowed_silence_s if m and m.allowed_silence_s else None

@@ -95,6 +95,19 @@ def test_stale_router_views_age_out() -> None:
     assert detector.check()[0].severity is Severity.OK
 
 
+def test_in_flight_now_sums_the_routers_latest_views_without_waiting_for_a_check() -> None:
+    """What a drain asks at the moment it is ordered (a worker with nothing in flight ends its drain at once)."""
+    clock = ManualClock()
+    detector = StreamProgressDetector(clock=clock, stale_after_s=5)
+    detector.observe("r1", {"workers": {"w1": {"in_flight": 2}}})
+    clock.advance(3)
+    detector.observe("r2", {"workers": {"w1": {"in_flight": 1}, "w2": {"in_flight": 4}}})
+    assert detector.in_flight("w1") == 0, "check() has not merged them yet"
+    assert (detector.in_flight_now("w1"), detector.in_flight_now("w2"), detector.in_flight_now("w3")) == (3, 4, 0)
+    clock.advance(3)
+    assert detector.in_flight_now("w1") == 1, "r1's view is stale"
+
+
 def test_metrics_counters_that_freeze_while_requests_run_are_suspect() -> None:
     clock = ManualClock()
     d = MetricsDetector(clock=clock, frozen_after_s=10)
