@@ -108,6 +108,8 @@ class Moves:
         for rid, a in self._streams(source, request):
             j = a.journal
             if rid in queued or a.move is not None or a.worker is None or j.resumable() is not None:
+                log.info("request %s is not moved: %s", rid, "queued or moving already" if rid in queued or a.move
+                         else j.resumable() or "not placed")
                 continue
             context = len(j.prompt_ids or ()) + len(j.emitted)
             picked.append((context, rid, MoveOrder(trigger, a.worker, to, kv=bool(j.emitted) and self.config.kv,
@@ -124,6 +126,9 @@ class Moves:
             a = self.active.get(request)
             if a is not None and a.stream is not None and (source is None or a.worker == source):
                 yield request, a
+            elif a is not None:
+                log.info("request %s is not moved: %s", request, "not streaming now (between attempts)"
+                         if a.stream is None else f"it is on {a.worker}, not {source}")
             return
         for rid, a in list(self.active.items()):
             if a.worker == source and a.stream is not None:
@@ -234,7 +239,9 @@ class Moves:
             except ValueError:
                 log.warning("ignoring a malformed move order %s", ev.key)
                 continue
-            self.plan(order.trigger, source=order.source, request=order.request, to=order.to)
+            moving = self.plan(order.trigger, source=order.source, request=order.request, to=order.to)
+            log.info("move order %s (%s): %d stream(s) of this router", ev.key[len(self.keys.moves):], order.trigger,
+                     len(moving))
 
     # -- one move, as the attempt loop goes through it ------------------------------------------------------
 

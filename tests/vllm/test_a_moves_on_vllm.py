@@ -64,7 +64,7 @@ async def moving(tiny_model: Path, etcd_endpoint: str, broker_endpoint: str, tmp
     # mid-drain orders no move, and a router whose record lapses is not asked what runs where.
     fleet = TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="vllm-moves", workers=0, node="cpu",
                       backend=VllmBackend(VllmConfig(), tiny_model), attach=servers, run_dir=root / "fleet",
-                      routing=RouterConfig(stall_floor_s=5.0, affinity_tokens=0, lease_ttl_s=15), lease_ttl=15,
+                      routing=RouterConfig(stall_floor_s=15.0, affinity_tokens=0, lease_ttl_s=15), lease_ttl=15,
                       supervisor=SupervisorConfig(canary_timeout_s=5.0, canary_interval_s=30.0, drain_move_s=30.0,
                                                   lease_ttl_s=15))
     try:
@@ -185,7 +185,8 @@ async def test_a_drain_under_load_moves_every_stream_with_its_kv_exactly(moving:
 
 
 def corrupt(folder: Path) -> None:
-    """Values changed in a valid layer file: a load would give other tokens."""
+    """Values changed in a valid layer file: a load would give other tokens. (safetensors.torch is imported
+    before the destination is held still: importing torch on a busy machine takes seconds.)"""
     from safetensors.torch import load_file, save_file
 
     layer = sorted(folder.glob("*.safetensors"))[0]
@@ -199,8 +200,12 @@ async def test_a_kv_file_corrupted_during_a_move_is_refused_and_the_stream_compu
     """The destination's API server is held still (SIGSTOP: its kernel still takes the connection) while the
     source saves the KV; the saved folder is corrupted; the destination then goes on, checks, refuses."""
     fleet, kv = moving
-    for attempt in range(3):  # a stream that ended before its move came is tried again with another prompt
-        ids, n = prompt(40 + attempt, 463), 1400
+    import safetensors.torch  # noqa: F401 - now, not while the destination is held still (see corrupt)
+
+    # A stream that ended before its move came (this process can be starved for seconds by the two servers) is
+    # tried again with another prompt; each is as long as the model allows.
+    for attempt in range(5):
+        ids, n = prompt(40 + attempt, 201), 1800
         want = await direct(fleet, ids, n)
         s = Stream()
         task = asyncio.ensure_future(s.read(fleet, ids, n))
