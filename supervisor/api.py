@@ -40,7 +40,7 @@ from fleetward.fleet.config import ID_PATTERN
 from fleetward.fleet.errors import StoreError
 from fleetward.fleet.worker import ROLES, HealthState
 from fleetward.supervisor.fleetpage import page_html, parse_alerts, runbook_html
-from fleetward.supervisor.health import Command, DrainRequested, Load, QuarantineCleared, RestartRequested, Undrain
+from fleetward.supervisor.health import Command, DrainRequested, QuarantineCleared, RestartRequested, Undrain
 
 if TYPE_CHECKING:
     from fleetward.supervisor.controller import Controller
@@ -132,7 +132,9 @@ def build_app(controller: Controller) -> FastAPI:
         if isinstance(event, DrainRequested | RestartRequested):
             # What runs on it now, as the routers say: a drain ends at once only when nothing does.
             await controller.read_progress()
-            controller.submit(Load(event.worker, controller.progress.in_flight_now(event.worker)))
+            progress = controller.progress
+            controller.submit(controller.load_of(event.worker, progress.in_flight_now(event.worker),
+                                                 progress.answered(controller.polled_routers())))
         controller.submit(event)
         return JSONResponse({"accepted": True, "leader": controller.id, "state": ws.state.value,
                              "what": _what(event, ws.state)})

@@ -494,6 +494,16 @@ class Controller(LeaderElected):
 
         await asyncio.gather(*(one(rid, url) for rid, url in list(self.routers.items()) if url))
 
+    def polled_routers(self) -> list[str]:
+        """The routers whose progress is read (those that published an address)."""
+        return [rid for rid, url in self.routers.items() if url]
+
+    @staticmethod
+    def load_of(worker: str, in_flight: int, known: bool) -> Load:
+        """What the routers say runs on ``worker``; while one of them has not answered, at least one request (a
+        drain ends only once every router said nothing runs there)."""
+        return Load(worker, in_flight if known else max(in_flight, 1))
+
     async def _poll_progress(self) -> None:
         while True:
             await self.clock.sleep(self.config.progress_interval_s)
@@ -502,9 +512,10 @@ class Controller(LeaderElected):
                 self.metrics.signals.labels(sig.detector, sig.severity.value).inc()
                 self.submit(SignalSeen(sig))
             if self.machine is not None:
+                known = self.progress.answered(self.polled_routers())
                 for wid, ws in self.machine.workers.items():
                     if ws.state is HealthState.DRAINING:
-                        self.submit(Load(wid, self.progress.in_flight(wid)))
+                        self.submit(self.load_of(wid, self.progress.in_flight(wid), known))
 
     async def _scrape_metrics(self) -> None:
         limit = asyncio.Semaphore(32)

@@ -173,6 +173,12 @@ class StreamProgressDetector:
         m = self.workers.get(worker)
         return m.in_flight if m else 0
 
+    def answered(self, routers: Iterable[str]) -> bool:
+        """Whether each of ``routers`` has a view here that is not stale: only then is a count of 0 in flight
+        known to be 0, and not a router that did not answer."""
+        now = self.clock.monotonic()
+        return all(r in self._views and now - self._views[r][0] <= self.stale_after_s for r in routers)
+
     def in_flight_now(self, worker: str) -> int:
         """Requests in flight on ``worker`` as the routers' latest views say (stale ones left out), summed:
         without waiting for the next :meth:`check`."""
