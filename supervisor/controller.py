@@ -507,12 +507,13 @@ class Controller(LeaderElected):
     async def _poll_progress(self) -> None:
         while True:
             await self.clock.sleep(self.config.progress_interval_s)
+            asked = self.clock.monotonic()
             await self.read_progress()
             for sig in self.progress.check():
                 self.metrics.signals.labels(sig.detector, sig.severity.value).inc()
                 self.submit(SignalSeen(sig))
             if self.machine is not None:
-                known = self.progress.answered(self.polled_routers())
+                known = self.progress.answered(self.polled_routers(), since=asked)
                 for wid, ws in self.machine.workers.items():
                     if ws.state is HealthState.DRAINING:
                         self.submit(self.load_of(wid, self.progress.in_flight(wid), known))

@@ -173,11 +173,11 @@ class StreamProgressDetector:
         m = self.workers.get(worker)
         return m.in_flight if m else 0
 
-    def answered(self, routers: Iterable[str]) -> bool:
-        """Whether each of ``routers`` has a view here that is not stale: only then is a count of 0 in flight
-        known to be 0, and not a router that did not answer."""
-        now = self.clock.monotonic()
-        return all(r in self._views and now - self._views[r][0] <= self.stale_after_s for r in routers)
+    def answered(self, routers: Iterable[str], since: float) -> bool:
+        """Whether each of ``routers`` gave its view at ``since`` (monotonic) or later: only then is a count of 0
+        in flight known to be 0, and not a router that did not answer (a view from before a busy router went
+        quiet still says what ran then)."""
+        return all(r in self._views and self._views[r][0] >= since for r in routers)
 
     def in_flight_now(self, worker: str) -> int:
         """Requests in flight on ``worker`` as the routers' latest views say (stale ones left out), summed:

@@ -104,10 +104,11 @@ def test_in_flight_now_sums_the_routers_latest_views_without_waiting_for_a_check
     detector.observe("r2", {"workers": {"w1": {"in_flight": 1}, "w2": {"in_flight": 4}}})
     assert detector.in_flight("w1") == 0, "check() has not merged them yet"
     assert (detector.in_flight_now("w1"), detector.in_flight_now("w2"), detector.in_flight_now("w3")) == (3, 4, 0)
-    assert detector.answered(["r1", "r2"]) and not detector.answered(["r1", "r2", "r3"]), "r3 never answered"
+    assert detector.answered(["r1", "r2"], since=0) and not detector.answered(["r1", "r2", "r3"], since=0)
+    assert detector.answered(["r2"], since=3) and not detector.answered(["r1", "r2"], since=3), "r1's is older"
     clock.advance(3)
     assert detector.in_flight_now("w1") == 1, "r1's view is stale"
-    assert not detector.answered(["r1", "r2"]) and detector.answered(["r2"]) and detector.answered([])
+    assert detector.answered([], since=6), "no router: nothing in flight"
 
 
 def test_metrics_counters_that_freeze_while_requests_run_are_suspect() -> None:
