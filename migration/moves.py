@@ -66,12 +66,10 @@ class MoveOrder:
     source: str  # the worker it leaves
     to: str | None = None  # where an operator asked it to go (when that worker can take it)
     kv: bool = True  # carry its KV (off once the KV path failed, or for a stream with no token yet)
-    stopped_at: float | None = None  # monotonic: when it was stopped on ``source``
     tokens: int = 0  # the context it had when queued (the budget's measure)
     queued_at: float = 0.0  # monotonic
     carried_tokens: int = 0
     carried_bytes: int = 0
-    outcome: str = "kv"
 
 
 class Moves:
@@ -245,14 +243,13 @@ class Moves:
 
     # -- one move, as the attempt loop goes through it ------------------------------------------------------
 
-    async def stopped(self, a: Active, exc: UpstreamError) -> MoveOrder | None:
+    def stopped(self, a: Active, exc: UpstreamError) -> MoveOrder | None:
         """The order, when the attempt that just failed with ``exc`` was stopped for a planned move."""
         order, a.move = a.move, None
         if order is None or exc.kind != "aborted":
             if order is not None:  # it failed on its own as it was about to move: an ordinary migration
                 self.release(order)
             return None
-        order.stopped_at = self.clock.monotonic()
         return order
 
     async def carry(self, j: Journal, order: MoveOrder, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -285,7 +282,7 @@ class Moves:
         self.metrics.kv_failures.labels(kind).inc()
         log.warning("request %s: %s refused the KV moved from %s (%s: %s); computing the stream again there",
                     j.id, worker, order.source, kind, exc.message)
-        order.kv, order.to, order.outcome = False, worker, "reprefill"
+        order.kv, order.to = False, worker
         order.carried_tokens = order.carried_bytes = 0
         return True
 

@@ -396,7 +396,7 @@ class Router:
             t.move = None
             await self.moves.done(move, "reprefill", None, request=j.id)
         if a.move is not None:  # stopped for a planned move (another one, if the one before fell back)
-            order = await self.moves.stopped(a, exc)
+            order = self.moves.stopped(a, exc)
             if order is not None:
                 t.move, t.planned = order, t.planned + 1
                 t.reason = f"move: {order.trigger}"
