@@ -29,7 +29,7 @@ async def test_a_crashing_router_loop_is_restarted_and_counted_and_aclose_reaps_
     before = set(asyncio.all_tasks())
     await router.start()
     try:
-        assert router.loops.names == {"fleet-view", "checkpoints", "monitor", "registration"}
+        assert router.loops.names == {"fleet-view", "checkpoints", "monitor", "registration", "moves", "move-orders"}
 
         def restarts(loop: str) -> float | None:
             return router.metrics.registry.get_sample_value("fleetward_loop_restarts_total",
