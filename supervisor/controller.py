@@ -95,8 +95,9 @@ class _Metrics:
                                    "Health transitions by new state and detector.", ["state", "detector"], registry=r)
         self.signals = Counter("fleetward_supervisor_signals", "Signals seen by detector and severity.",
                                ["detector", "severity"], registry=r)
-        self.canaries = Counter("fleetward_supervisor_canaries", "Canaries by result (ok, wrong, failed, unreachable: "
-                                "no TCP connection to the worker, which says nothing of the worker).", ["result"],
+        self.canaries = Counter("fleetward_supervisor_canaries", "Canaries by result (ok, wrong, failed; unreachable: "
+                                "no TCP connection to the worker, inconclusive: the controller's own loop ran late; "
+                                "neither says anything of the worker).", ["result"],
                                 registry=r)
         self.actions = Counter("fleetward_supervisor_actions", "Remediations issued to agents.", ["kind"],
                                registry=r)
@@ -580,10 +581,10 @@ class Controller(LeaderElected):
         allowance = self.progress.allowance(worker)
         if urgent and allowance:
             deadline = max(0.5, min(deadline, allowance))
-        started = self.clock.monotonic()
+        started, loop_started = self.clock.monotonic(), asyncio.get_running_loop().time()
         body = {"model": rec.model, "prompt": self.config.canary_prompt, "max_tokens": self.config.canary_max_tokens,
                 "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-        ok, reason, wrong, unreachable = False, "", False, False
+        ok, reason, wrong, unreachable, inconclusive = False, "", False, False, False
         try:
             async with asyncio.timeout(deadline):
                 status, answer = await self.fetch("POST", f"{rec.url}/v1/completions", body=body,
@@ -608,14 +609,21 @@ class Controller(LeaderElected):
             unreachable = True
         except TimeoutError:
             reason = f"no answer within {deadline:.2f}s"
+            late = asyncio.get_running_loop().time() - loop_started - deadline
+            if late > max(0.25, deadline / 4):
+                # The timeout fired that late because this process's own loop did not run (a starved or paused
+                # controller): the answer may sit unread in the socket. That measures the controller, not the
+                # worker: ask again rather than call a loaded worker hung.
+                reason += f", but the controller's own loop ran {late:.2f}s late: that says nothing of the worker"
+                inconclusive = True
         except (*_HTTP_ERRORS, ValueError, KeyError, IndexError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
         self.metrics.canaries.labels("ok" if ok else "wrong" if wrong else "unreachable" if unreachable
-                                     else "failed").inc()
-        if not ok and not unreachable and self.machine is not None:  # the canary was sent into the failure
+                                     else "inconclusive" if inconclusive else "failed").inc()
+        if not (ok or unreachable or inconclusive) and self.machine is not None:  # sent into the failure
             self._first_evidence(self.machine, worker, self.clock.wall() - (self.clock.monotonic() - started))
         self.submit(CanaryDone(worker, ok, reason, wrong_tokens=wrong, silent=self.progress.silent(worker),
-                               unreachable=unreachable))
+                               unreachable=unreachable, inconclusive=inconclusive))
 
     async def _confirm_wrong(self, worker: str, key: str, tokens: list[int], body: dict[str, Any],
                              deadline: float) -> str:

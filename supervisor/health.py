@@ -102,6 +102,7 @@ class CanaryDone:
     wrong_tokens: bool = False
     silent: bool | None = None  # the routers' view right now: is the worker emitting nothing while busy?
     unreachable: bool = False  # no TCP connection could be made: the network, not evidence about the worker
+    inconclusive: bool = False  # timed out while the controller's own loop ran late: not evidence either
 
 
 @dataclass(frozen=True)
@@ -446,7 +447,8 @@ class HealthMachine:
                     return self._set(ws, S.READY, f"{ws.canary_streak} canaries passed", "canary")
                 return [RunCanary(ws.id, urgent=True)]
             return []
-        if e.unreachable:  # decide nothing on a worker that cannot be reached: ask again (its lease decides)
+        if e.unreachable or e.inconclusive:  # decide nothing on a worker that cannot be reached (its lease
+            # decides) or on a measure the controller spoilt: ask again
             return [] if ws.state is S.READY else [RunCanary(ws.id, urgent=True)]
         if e.wrong_tokens and ws.state in (S.READY, S.SUSPECT, S.STARTING):
             return self._unhealthy(ws, e.reason, "canary")

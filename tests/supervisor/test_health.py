@@ -105,6 +105,19 @@ def test_a_worker_the_controller_cannot_reach_is_never_declared_dead_by_a_canary
     assert states(out) == [S.UNHEALTHY, S.RESTARTING], "a worker that accepts and does not answer is hung"
 
 
+def test_a_canary_the_controllers_late_loop_spoilt_decides_nothing(machine: HealthMachine) -> None:
+    """A timeout that fired late because the controller itself was starved measures the controller."""
+    ready(machine)
+    late = CanaryDone("w", ok=False, reason="no answer within 1.00s, but the controller's own loop ran 6.00s late",
+                      silent=None, inconclusive=True)
+    assert machine.observe(late) == [], "a routine canary the controller spoilt changes nothing"
+    machine.observe(sig("stream-progress", Severity.SUSPECT))
+    out = machine.observe(CanaryDone("w", ok=False, reason=late.reason, silent=True, inconclusive=True))
+    assert states(out) == [] and of(out, RunCanary) and not of(out, AgentAction), "ask again, decide nothing"
+    out = machine.observe(CanaryDone("w", ok=False, reason="no answer within 1.00s", silent=True))
+    assert states(out) == [S.UNHEALTHY, S.RESTARTING], "a canary measured in time still decides"
+
+
 def test_leaving_suspect_takes_several_good_canaries_and_no_active_suspicion(machine: HealthMachine) -> None:
     ready(machine)
     machine.observe(sig("metrics", Severity.SUSPECT))
