@@ -22,7 +22,7 @@ import contextlib
 import json
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from testkit import eventually, metric
 from fleetward.chaos.harness import TestFleet
 from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.backends import VllmBackend
+from fleetward.fleet.cgroups import CpuGroup, cgroups_available
 from fleetward.fleet.config import RouterConfig, SupervisorConfig, VllmConfig
 from fleetward.fleet.kv import MANIFEST
 from fleetward.fleet.procs import kill_tree, pid_from_file, spread_cores, tree_of
@@ -148,19 +149,45 @@ def loads(fleet: TestFleet, worker: str) -> int:
     return log_of(fleet, worker).count("Inject KV cache of")
 
 
+@contextlib.contextmanager
+def slowed(fleet: TestFleet, cpus: float = 0.25) -> Iterator[None]:
+    """Both servers held to ``cpus`` of a CPU each (a cgroup), as a throttled GPU host would be: the tiny model
+    otherwise streams hundreds of tokens a second, so a whole stream can end before a move reaches it, and two
+    servers at full speed starve this process (its client, controller and agent) for seconds at a time. Greedy
+    output does not change; the references are computed at full speed before. Without cgroups: unslowed."""
+    if not cgroups_available():
+        yield
+        return
+    groups = [CpuGroup(f"vllm-moves-{w}") for w in WORKERS]
+    try:
+        for w, group in zip(WORKERS, groups, strict=True):
+            group.limit(cpus)
+            pid = pid_from_file(fleet.run_dir.parent / f"{w}.pid")
+            assert pid, w
+            group.add_tree(pid)
+        yield
+    finally:
+        for group in groups:
+            group.remove()
+
+
 async def in_flight(fleet: TestFleet) -> dict[str, int]:
-    """Requests in flight per worker, as the router says (not as a client has read so far: a starved client
-    reads tokens the server sent seconds ago)."""
+    """Requests in flight per worker that have emitted a token, as the router says (not as a client has read so
+    far: a starved client reads tokens the server sent seconds ago); none while any still waits for its first
+    (a stream moved before its first token has no KV to carry, and its client could not tell it moved)."""
     async with httpx.AsyncClient(timeout=10) as client:
         view = (await client.get(fleet.routers[0].url + "/fleetward/v1/progress")).json()
-    return {w: int(v.get("in_flight", 0)) for w, v in (view.get("workers") or {}).items()}
+    workers = view.get("workers") or {}
+    if any(int(v.get("pending_prefill_tokens", 0)) for v in workers.values()):
+        return {}
+    return {w: int(v.get("in_flight", 0)) for w, v in workers.items()}
 
 
 async def test_a_drain_under_load_moves_every_stream_with_its_kv_exactly(moving: tuple[TestFleet, Path]) -> None:
     fleet, _ = moving
-    # The tiny model streams a token every few ms, so a stream can end before the drain's move comes (this
-    # process is starved by the two servers for seconds at a time): such a stream must have ended exactly on its
-    # server, and the drain is tried again with other prompts until one moves.
+    # The streams run on servers slowed to a sliver of a CPU (see slowed). A stream can still end before the
+    # drain's move comes: it must have ended exactly on its server, and the drain is tried again with other
+    # prompts until one moves.
     moved: list[Stream] = []
     for attempt in range(4):
         # Lengths off vLLM's CPU block of 128 tokens: the connector saves whole blocks of the prompt it is asked
@@ -170,19 +197,21 @@ async def test_a_drain_under_load_moves_every_stream_with_its_kv_exactly(moving:
         want = [await direct(fleet, p, n) for p in prompts]
         before = await moves(fleet)
         streams = [Stream() for _ in prompts]
-        tasks = [asyncio.ensure_future(s.read(fleet, p, n)) for s, p in zip(streams, prompts, strict=True)]
-        async with asyncio.timeout(60):  # every stream dispatched, as the router says (its state, over HTTP)
-            while sum((busy := await in_flight(fleet)).values()) < len(prompts):
-                if all(t.done() for t in tasks):
-                    break
-                await asyncio.sleep(0.01)
-        source = max(WORKERS, key=lambda w: busy.get(w, 0))
-        dest = next(w for w in WORKERS if w != source)
-        loaded = loads(fleet, dest)
-        r = await fleet.supervisor_command(source, "drain", {"deadline_s": 0, "then": "cordon"})
-        assert r.status_code == 200, r.text
+        with slowed(fleet):
+            tasks = [asyncio.ensure_future(s.read(fleet, p, n)) for s, p in zip(streams, prompts, strict=True)]
+            async with asyncio.timeout(60):  # every stream under way, as the router says (its state, over HTTP)
+                while sum((busy := await in_flight(fleet)).values()) < len(prompts):
+                    if all(t.done() for t in tasks):
+                        break
+                    await asyncio.sleep(0.01)
+            source = max(WORKERS, key=lambda w: busy.get(w, 0))
+            dest = next(w for w in WORKERS if w != source)
+            loaded = loads(fleet, dest)
+            r = await fleet.supervisor_command(source, "drain", {"deadline_s": 0, "then": "cordon"})
+            assert r.status_code == 200, r.text
+            done = await asyncio.gather(*tasks, return_exceptions=True)
         try:
-            await asyncio.gather(*tasks)
+            assert not [e for e in done if isinstance(e, BaseException)], done
             for s, (ids, text) in zip(streams, want, strict=True):
                 assert s.error is None, s.error
                 assert s.tokens == ids, "exact ids"
@@ -221,36 +250,39 @@ async def test_a_kv_file_corrupted_during_a_move_is_refused_and_the_stream_compu
     fleet, kv = moving
     import safetensors.torch  # noqa: F401 - now, not while the destination is held still (see corrupt)
 
-    # A stream that ended before its move came (this process can be starved for seconds by the two servers) is
+    # On servers slowed to a sliver of a CPU (see slowed); a stream that ended before its move came anyway is
     # tried again with another prompt; each is as long as the model allows.
     for attempt in range(5):
         ids, n = prompt(40 + attempt, 201), 1800
         want = await direct(fleet, ids, n)
         s = Stream()
-        task = asyncio.ensure_future(s.read(fleet, ids, n))
-        await s.going.wait()
-        source = s.workers[-1]
-        dest = next(w for w in WORKERS if w != source)
-        refused = log_of(fleet, dest).count("failed its check (checksum")
-        saved = {p.parent for p in kv.glob(f"*/{MANIFEST}")}
+        with slowed(fleet):
+            # Moved past the prompt's own blocks: the connector saved those at the stream's prefill (before
+            # ``saved``), and a move that early finds them stored and saves nothing new to corrupt.
+            task = asyncio.ensure_future(s.read(fleet, ids, n, going_after=300))
+            await s.going.wait()
+            source = s.workers[-1]
+            dest = next(w for w in WORKERS if w != source)
+            refused = log_of(fleet, dest).count("failed its check (checksum")
+            saved = {p.parent for p in kv.glob(f"*/{MANIFEST}")}
 
-        def new() -> set[Path]:
-            return {p.parent for p in kv.glob(f"*/{MANIFEST}")} - saved  # noqa: B023 - this attempt's
+            def new() -> set[Path]:
+                return {p.parent for p in kv.glob(f"*/{MANIFEST}")} - saved  # noqa: B023 - this attempt's
 
-        pid = pid_from_file(fleet.run_dir.parent / f"{dest}.pid")
-        assert pid
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            r = await fleet.supervisor_post("/v1/moves", {"request": s.rid, "to": dest})
-            assert r.status_code == 200, r.text
-            await eventually(lambda: new() or task.done(), within=30)  # noqa: B023
-            if new():
-                assert len(new()) == 1, new()
-                corrupt(new().pop())
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-        await task
+            pid = pid_from_file(fleet.run_dir.parent / f"{dest}.pid")
+            assert pid
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                r = await fleet.supervisor_post("/v1/moves", {"request": s.rid, "to": dest})
+                assert r.status_code == 200, r.text
+                await eventually(lambda: new() or task.done(), within=30)  # noqa: B023
+                if new():
+                    assert len(new()) == 1, new()
+                    corrupt(new().pop())
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+            await task
         if len(set(s.workers)) > 1:
             break
     assert s.error is None and s.tokens == want[0] and s.text == want[1], "later, never wrong"
