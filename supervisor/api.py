@@ -131,11 +131,9 @@ def build_app(controller: Controller) -> FastAPI:
             return JSONResponse({"error": f"{event.worker}: {why}", "state": ws.state.value}, status_code=409)
         if isinstance(event, DrainRequested | RestartRequested):
             # What runs on it now, as the routers say: a drain ends at once only when nothing does.
-            asked = controller.clock.monotonic()
-            await controller.read_progress()
-            progress = controller.progress
-            controller.submit(controller.load_of(event.worker, progress.in_flight_now(event.worker),
-                                                 progress.answered(controller.polled_routers(), since=asked)))
+            answered = await controller.read_progress()
+            in_flight = controller.progress.in_flight_now(event.worker)
+            controller.submit(controller.load_of(event.worker, in_flight, answered))
         controller.submit(event)
         return JSONResponse({"accepted": True, "leader": controller.id, "state": ws.state.value,
                              "what": _what(event, ws.state)})

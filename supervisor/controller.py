@@ -483,8 +483,9 @@ class Controller(LeaderElected):
 
     # -- detectors that run here ------------------------------------------------------------------------
 
-    async def read_progress(self) -> None:
-        """Ask every router for its streams' progress now (``progress``: in flight and silent per worker)."""
+    async def read_progress(self) -> bool:
+        """Ask every router for its streams' progress now (``progress``: in flight and silent per worker); whether
+        every router that published an address answered (only then is a count of 0 in flight known)."""
         async def one(rid: str, url: str) -> None:
             try:
                 status, body = await self.fetch("GET", f"{url}/fleetward/v1/progress", timeout=1.0)
@@ -493,11 +494,10 @@ class Controller(LeaderElected):
             except (*_HTTP_ERRORS, ValueError):
                 pass  # a router that does not answer ages out of the view
 
-        await asyncio.gather(*(one(rid, url) for rid, url in list(self.routers.items()) if url))
-
-    def polled_routers(self) -> list[str]:
-        """The routers whose progress is read (those that published an address)."""
-        return [rid for rid, url in self.routers.items() if url]
+        asked = self.clock.monotonic()
+        polled = [(rid, url) for rid, url in self.routers.items() if url]
+        await asyncio.gather(*(one(rid, url) for rid, url in polled))
+        return self.progress.answered([rid for rid, _ in polled], since=asked)
 
     @staticmethod
     def load_of(worker: str, in_flight: int, known: bool) -> Load:
@@ -508,13 +508,11 @@ class Controller(LeaderElected):
     async def _poll_progress(self) -> None:
         while True:
             await self.clock.sleep(self.config.progress_interval_s)
-            asked = self.clock.monotonic()
-            await self.read_progress()
+            known = await self.read_progress()
             for sig in self.progress.check():
                 self.metrics.signals.labels(sig.detector, sig.severity.value).inc()
                 self.submit(SignalSeen(sig))
             if self.machine is not None:
-                known = self.progress.answered(self.polled_routers(), since=asked)
                 for wid, ws in self.machine.workers.items():
                     if ws.state is HealthState.DRAINING:
                         self.submit(self.load_of(wid, self.progress.in_flight(wid), known))

@@ -447,8 +447,9 @@ class HealthMachine:
                     return self._set(ws, S.READY, f"{ws.canary_streak} canaries passed", "canary")
                 return [RunCanary(ws.id, urgent=True)]
             return []
-        if e.unreachable or e.inconclusive:  # decide nothing on a worker that cannot be reached (its lease
-            # decides) or on a measure the controller spoilt: ask again
+        # Decide nothing on a worker that cannot be reached (its lease decides) or on a measure the controller
+        # spoilt (its own loop ran late): ask again.
+        if e.unreachable or e.inconclusive:
             return [] if ws.state is S.READY else [RunCanary(ws.id, urgent=True)]
         if e.wrong_tokens and ws.state in (S.READY, S.SUSPECT, S.STARTING):
             return self._unhealthy(ws, e.reason, "canary")
