@@ -30,6 +30,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fleetward.migration.apikeys import ApiKey
+from fleetward.migration.downstream import StreamResponse
 from fleetward.migration.journal import Kind
 from fleetward.migration.openapi import keyed_spec, openapi_passthrough, openapi_post, operation_id
 from fleetward.migration.passthrough import ROUTES, Route
@@ -163,10 +164,10 @@ async def keyed(serving: Serving, request: Request,
     except BaseException:
         key.release()
         raise
-    if not isinstance(response, StreamingResponse):
+    if not isinstance(response, StreamingResponse | StreamResponse):
         key.release()
         return response
-    inner, released = response.body_iterator, False
+    released = False
     before = response.background
 
     def release() -> None:  # once: when the stream ends, or after the response if it never started
@@ -175,6 +176,16 @@ async def keyed(serving: Serving, request: Request,
             released = True
             key.release()
 
+    async def after() -> None:
+        release()
+        if before is not None:
+            await before()
+
+    response.background = BackgroundTask(after)
+    if isinstance(response, StreamResponse):  # it runs its background once the stream ended
+        return response
+    inner = response.body_iterator
+
     async def held() -> AsyncIterator[Any]:
         try:
             async for chunk in inner:
@@ -182,11 +193,5 @@ async def keyed(serving: Serving, request: Request,
         finally:
             release()
 
-    async def after() -> None:
-        release()
-        if before is not None:
-            await before()
-
     response.body_iterator = held()
-    response.background = BackgroundTask(after)
     return response

@@ -39,6 +39,12 @@ class WorkerProgress:
     shunned_at: float | None = None  # monotonic: its streams were moved away for silence, no token since
     shunned_wall: float = 0.0  # the same moment on the wall clock (health records' ``since`` are wall times)
     streams: dict[str, int] = field(default_factory=dict)  # stream id -> prompt length while awaiting 1st token
+    paused: set[str] = field(default_factory=set)  # streams whose reading waits for their client (not silent)
+
+    @property
+    def waiting(self) -> int:
+        """Streams it owes tokens to now: in flight, less those the router stopped reading."""
+        return self.in_flight - len(self.paused)
 
 
 class _Window:
@@ -106,7 +112,7 @@ class ProgressModel:
     def dispatched(self, worker: str, stream: str, prompt_tokens: int) -> None:
         w = self._worker(worker)
         now = self.clock.monotonic()
-        if w.in_flight == 0:
+        if w.waiting == 0:
             w.last_token = now  # silence is counted from when there is work
         w.in_flight += 1
         w.streams[stream] = prompt_tokens
@@ -132,12 +138,27 @@ class ProgressModel:
                 self._gaps.add(now - last)
         self._last_token_of[stream] = now
 
+    def paused(self, worker: str, stream: str) -> None:
+        """The router stopped reading this stream (its client reads slower than the worker writes): the
+        worker's silence on it is the router's doing, not a hang, so it does not count until :meth:`resumed`."""
+        w = self.workers.get(worker)
+        if w is not None and stream not in w.paused:
+            w.paused.add(stream)
+
+    def resumed(self, worker: str, stream: str) -> None:
+        w = self.workers.get(worker)
+        if w is not None and stream in w.paused:
+            if w.waiting == 0:
+                w.last_token = self.clock.monotonic()  # silence is counted from when there is work again
+            w.paused.discard(stream)
+
     def finished(self, worker: str, stream: str) -> None:
         w = self.workers.get(worker)
         self._dispatched_at.pop(stream, None)
         self._last_token_of.pop(stream, None)
         if w is None:
             return
+        w.paused.discard(stream)
         prompt = w.streams.pop(stream, None)
         if prompt is not None:
             w.pending_prefill_tokens -= prompt
@@ -184,7 +205,7 @@ class ProgressModel:
 
     def silent_for(self, worker: str) -> float:
         w = self.workers.get(worker)
-        if w is None or w.in_flight == 0:
+        if w is None or w.waiting <= 0:
             return 0.0
         return self.clock.monotonic() - w.last_token
 
@@ -192,7 +213,7 @@ class ProgressModel:
         """``(worker, silent for, allowed)`` for every worker with work in flight past its allowance."""
         out = []
         for worker, w in self.workers.items():
-            if w.in_flight == 0:
+            if w.waiting <= 0:
                 continue
             silent = self.clock.monotonic() - w.last_token
             allowed = self.allowed_silence(worker)
@@ -208,6 +229,7 @@ class ProgressModel:
             "workers": {
                 worker: {
                     "in_flight": w.in_flight,
+                    "paused": len(w.paused),
                     "pending_prefill_tokens": w.pending_prefill_tokens,
                     "silent_for_s": self.silent_for(worker),
                     "allowed_silence_s": self.allowed_silence(worker),

@@ -8,7 +8,8 @@ request's deadline. Journals are checkpointed
 to etcd by :class:`~fleetward.migration.checkpoint.Checkpointer`; a client that lost its connection (or
 its router) reconnects to any replica with ``Last-Event-ID`` and continues from the checkpoint.
 
-:class:`Router` holds the requests in flight, the attempt loop (:meth:`Router.batches`) and the router's
+:class:`Router` holds the requests in flight, the attempt loop (:meth:`Router.relay`; the tokens go by
+callbacks, :mod:`.relay`) and the router's
 reactions to the fleet (workers that die, turn unhealthy or go silent have their streams moved). Beside it:
 
 - :mod:`.serving`: what an HTTP request becomes (validation, admission, resume, the SSE stream or the whole
@@ -24,7 +25,7 @@ import contextlib
 import gc
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +41,7 @@ from fleetward.fleet.registry import FleetView
 from fleetward.fleet.telemetry import link_gauges
 from fleetward.fleet.worker import HealthState
 from fleetward.migration.checkpoint import Checkpointer
-from fleetward.migration.journal import Journal, Kind
+from fleetward.migration.journal import Journal
 from fleetward.migration.metrics import RouterMetrics
 from fleetward.migration.moves import MoveOrder, Moves
 from fleetward.migration.passthrough import Passthrough
@@ -49,28 +50,17 @@ from fleetward.migration.policy import RoutingPolicy, make_policy, prefix_key
 from fleetward.migration.prefill import KvTries, Prefill
 from fleetward.migration.progress import ProgressModel
 from fleetward.migration.registration import Registration
+from fleetward.migration.relay import Output, Relay
 from fleetward.migration.text import TextSources
 from fleetward.migration.upstream import Upstream, UpstreamError, UpstreamStream
 from fleetward.migration.wire import RouterError
 
-__all__ = ["Active", "Out", "Router", "RouterError"]
+__all__ = ["Active", "Router", "RouterError"]
 
 log = logging.getLogger(__name__)
 
 # Health states in which a worker's open streams are moved elsewhere at once.
 _EVACUATE = {HealthState.UNHEALTHY, HealthState.DEAD, HealthState.RESTARTING, HealthState.QUARANTINED}
-
-
-@dataclass(slots=True)
-class Out:
-    tokens: list[int]
-    text: str
-    finish_reason: str | None
-    stop_reason: str | int | None
-    logprobs: Any = None
-    worker: str = ""
-    n: int = 0  # completion tokens in the journal once this chunk is in (the SSE id's token index)
-    attempt: int = 0
 
 
 @dataclass
@@ -143,6 +133,7 @@ class Router:
         self._accepting = False
         self.orphans: set[str] = set()
         self._seen_flushes = self._seen_txns = self._seen_bytes = 0
+        self._side: set[asyncio.Future[None]] = set()
 
     # -- life -------------------------------------------------------------------------------------------
 
@@ -299,63 +290,13 @@ class Router:
 
     # -- generation -------------------------------------------------------------------------------------
 
-    async def generate(self, j: Journal) -> AsyncGenerator[Out | None, None]:
-        """Attempts until the journal is finished. Yields ``None`` once the first upstream accepted.
+    async def relay(self, j: Journal, out: Output) -> None:
+        """The attempt loop: attempts until the journal is finished, their tokens relayed to ``out`` as they
+        arrive (:mod:`.relay`); ``out.opened()`` once the first upstream accepted.
 
-        Raises :class:`RouterError` when the request cannot be served (before the first yield: the HTTP
-        status to answer; after: the reason for the in-band error).
+        Raises :class:`RouterError` when the request cannot be served (before ``opened``: the HTTP status to
+        answer; after: the reason for the in-band error). Cancelling it closes the upstream connection.
         """
-        async for batch in self.batches(j):
-            for item in batch:
-                yield item
-
-    async def batches(self, j: Journal) -> AsyncGenerator[list[Out | None], None]:
-        """:meth:`generate`, with everything that is ready at once in one list: what the upstream reader
-        produced while the client's side was busy. The client's side writes one list as one socket write.
-
-        Upstream reading runs in its own task and never waits for the client: a slow client must not make
-        a healthy worker look silent (backpressure would stop the reads), and what the worker produced is
-        journaled (and checkpointed) as it arrives.
-        """
-        queue: asyncio.Queue[Out | BaseException | type[StopAsyncIteration] | None] = asyncio.Queue()
-
-        async def produce() -> None:
-            try:
-                await self._produce(j, queue.put_nowait)
-                queue.put_nowait(StopAsyncIteration)
-            except RouterError as exc:
-                queue.put_nowait(exc)
-
-        producer = asyncio.create_task(produce(), name=f"upstream-{j.id}")
-        try:
-            while True:
-                item = await queue.get()
-                batch: list[Out | None] = []
-                while True:
-                    if item is StopAsyncIteration or isinstance(item, BaseException):
-                        break
-                    batch.append(item)  # type: ignore[arg-type]
-                    if queue.empty():
-                        item = None
-                        break
-                    item = queue.get_nowait()
-                if batch:
-                    yield batch
-                if item is StopAsyncIteration:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-        finally:
-            producer.cancel()
-            try:
-                await producer
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    raise  # the caller's own cancellation, not the producer's: never swallowed
-
-    async def _produce(self, j: Journal, emit: Callable[[Out | None], None]) -> None:
-        """The attempt loop behind :meth:`generate`: ``emit(None)`` once opened, then every :class:`Out`."""
         t = _Tries()
         if j.vocab is None and self.config.detokenize:
             j.vocab = await self.texts.get(j.model)
@@ -372,7 +313,7 @@ class Router:
                     body, prefilled_on = await self.prefill.run(j, path, body, load, t.kv.excluded)
                 await self._begin(j, worker, t)
                 try:
-                    await self._attempt(j, worker, url, path, body, emit, t)
+                    await self._attempt(j, worker, url, path, body, out, t)
                 except UpstreamError as exc:
                     await self._attempt_failed(j, worker, exc, t, prefilled_on)
         finally:
@@ -477,64 +418,34 @@ class Router:
                                    reason=t.reason, tokens=len(j.emitted), attempt=j.attempts, router=self.id)
         t.kv.retry = False
 
-    async def _attempt(self, j: Journal, worker: str, url: str, path: str, body: dict[str, Any],
-                       emit: Callable[[Out | None], None], t: _Tries) -> None:
-        """One attempt: open the stream on ``worker`` and relay its tokens into the journal and ``emit``
-        until it finishes; raises :class:`UpstreamError` when the attempt fails. The token loop is the hot
-        path: its state lives in locals, written back to ``t`` when the attempt ends."""
+    async def _attempt(self, j: Journal, worker: str, url: str, path: str, body: dict[str, Any], out: Output,
+                       t: _Tries) -> None:
+        """One attempt: open the stream on ``worker`` and relay its tokens into the journal and ``out`` until
+        it finishes; raises :class:`UpstreamError` when the attempt fails. The tokens go by callbacks
+        (:class:`~fleetward.migration.relay.Relay`): this awaits only the attempt's end."""
         prompt_len = len(body["prompt"]) if isinstance(body.get("prompt"), list) else len(
             orjson.dumps(body.get("prompt") or body.get("messages")))
         active = self.active[j.id]
         active.worker = worker
         self.progress.dispatched(worker, j.id, prompt_len)
-        failed_at, last_token_at = t.failed_at, t.last_token_at
-        uncounted = 0  # tokens sent but not yet added to the tokens counter
+
+        def moved(stall_s: float) -> None:  # a planned move's first token on its destination
+            move, t.move = t.move, None
+            assert move is not None
+            self._spawn(self.moves.done(move, None, stall_s, request=j.id, worker=worker))
+
+        relay = Relay(j, worker, out, t, active, progress=self.progress, metrics=self.metrics, clock=self.clock,
+                      on_moved=moved)
         try:
-            async with self.upstream.open(worker, url, path, body) as stream:
-                active.stream = stream
-                t.kv.use_prefill = True  # a later resume of this stream is prefilled again
-                if not t.opened:
-                    t.opened = True
-                    emit(None)
-                chunks = 0
-                async for chunk in stream:
-                    chunks += 1
-                    if not chunks % 16:
-                        # Buffered upstream data never suspends the read: yield, so one fast stream
-                        # cannot starve the others, the stall monitor and the lease keepalives.
-                        self.metrics.tokens.inc(uncounted)  # the counter takes a lock: not per token
-                        uncounted = 0
-                        await asyncio.sleep(0)
-                    if chunk.prompt_token_ids is not None and j.prompt_ids is None:
-                        j.prompt_ids = list(chunk.prompt_token_ids)
-                    if chunk.fingerprint is not None:
-                        j.fingerprint = chunk.fingerprint
-                    if not chunk.token_ids and chunk.finish_reason is None:
-                        continue
-                    self.progress.token(worker, j.id, len(chunk.token_ids))
-                    last_token_at = self.clock.monotonic()
-                    if failed_at is not None:
-                        self.metrics.stall.observe(last_token_at - failed_at)
-                        if t.move is not None:
-                            await self.moves.done(t.move, None, last_token_at - failed_at, request=j.id,
-                                                  worker=worker)
-                            t.move = None
-                        failed_at = None
-                    tokens, text, finish = j.record(chunk.token_ids, chunk.text, chunk.finish_reason,
-                                                    chunk.stop_reason)
-                    uncounted += len(tokens)
-                    logprobs = chunk.logprobs
-                    if logprobs is not None and j.kind is Kind.COMPLETION and not j.body.get("echo"):
-                        logprobs = j.logprobs_offsets(logprobs)
-                    emit(Out(tokens, text, finish, j.stop_reason, logprobs, worker, len(j.emitted), j.attempts))
-                    if finish is not None:
-                        stream.finished = stream.finished or chunk.finish_reason is not None
-                        break
+            await self.upstream.stream(url, path, body, UpstreamStream(worker, relay))
         finally:
-            self.metrics.tokens.inc(uncounted)
-            t.failed_at, t.last_token_at = failed_at, last_token_at
-            active.stream = None
-            self.progress.finished(worker, j.id)
+            relay.close()
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Side work the relay's callbacks start (they cannot await): held until it ends."""
+        task = asyncio.ensure_future(work)
+        self._side.add(task)
+        task.add_done_callback(self._side.discard)
 
     def _failed(self, j: Journal, worker: str, exc: UpstreamError, t: _Tries) -> None:
         """The attempt on ``worker`` failed: the next goes elsewhere. A worker's 4xx before any token is the

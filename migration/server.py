@@ -19,6 +19,7 @@ from fleetward.fleet.config import Access, RouterConfig
 from fleetward.fleet.etcd import EtcdStore
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.procs import ensure_port
+from fleetward.migration.downstream import ClientConnection
 from fleetward.migration.http import router_app
 from fleetward.migration.router import Router
 
@@ -82,7 +83,7 @@ async def serve_router(config: RouterConfig, *, etcd: str, mqtt: str, cluster: s
 
     app = router_app(router)
     app.router.lifespan_context = lifespan
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=port, loop="none", http="httptools",
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=port, loop="none", http=ClientConnection,
                                            log_level="warning", access_log=False, lifespan="on",
                                            timeout_graceful_shutdown=int(config.drain_timeout_s) or None))
     try:

@@ -39,7 +39,7 @@ from fleetward.chaos.validation import load_experiment
 from fleetward.fleet.config import FleetConfig, load_fleet_config
 from fleetward.fleet.errors import ConfigError
 from fleetward.fleet.sse import sse_data, sse_lines
-from fleetward.migration.upstream import Chunk, UpstreamError, UpstreamStream, _parse
+from fleetward.migration.upstream import Chunk, SseReader, UpstreamError, _parse
 
 DERANDOMIZE = not os.environ.get("FLEETWARD_FUZZ_RANDOM")  # FLEETWARD_FUZZ_RANDOM=1: new inputs each run
 EXAMPLES = int(os.environ.get("FLEETWARD_FUZZ_EXAMPLES", "150"))
@@ -172,37 +172,18 @@ def test_a_worker_chunk_is_a_chunk_of_the_right_types_or_an_upstream_error(paylo
     check_chunk(chunk)
 
 
-class _Content:
-    def __init__(self, pieces: list[bytes]) -> None:
-        self.pieces = pieces
-
-    def iter_any(self) -> AsyncIterator[bytes]:
-        return _aiter(self.pieces)
-
-
-class _Response:
-    """What :class:`UpstreamStream` reads of an aiohttp response: its body, as the socket gave it."""
-
-    def __init__(self, pieces: list[bytes]) -> None:
-        self.content = _Content(pieces)
-
-    def close(self) -> None:
-        pass
-
-
 def read_stream(pieces: list[bytes]) -> tuple[list[Chunk], str | None]:
-    """The chunks a worker's stream gives, and the kind of the error that ended it (None: it finished)."""
-
-    async def run() -> tuple[list[Chunk], str | None]:
-        got: list[Chunk] = []
-        try:
-            async for chunk in UpstreamStream(_Response(pieces), "w"):  # type: ignore[arg-type]
-                got.append(chunk)
-        except UpstreamError as exc:
-            return got, exc.kind
-        return got, None
-
-    return asyncio.run(run())
+    """The chunks a worker's stream gives, and the kind of the error that ended it (None: it finished): what
+    the router's reader (:class:`SseReader`) makes of the body as the socket gave it."""
+    got: list[Chunk] = []
+    reader = SseReader()
+    try:
+        for piece in pieces:
+            reader.feed(piece, got.append)
+        reader.end(got.append)
+    except UpstreamError as exc:
+        return got, exc.kind
+    return got, None
 
 
 STREAM_EVENT = st.one_of(
