@@ -111,8 +111,8 @@ class SseOutput:
         self._worker = ""
         n = len(j.emitted)
         self._opened = False  # the client has its stream's first event
-        if skip < n:  # replay what the checkpoint has and the client lacks
-            self._parts.append((self.encoder.opening() if skip == 0 else b"") + self.encoder.event(
+        if skip < n:  # replay what the checkpoint has and the client lacks, as soon as the response starts
+            self.write((self.encoder.opening() if skip == 0 else b"") + self.encoder.event(
                 n, tokens=j.emitted[skip:], text=j.text_after(skip), finish_reason=j.finish_reason,
                 stop_reason=j.stop_reason, first=skip == 0))
             self._opened = True
