@@ -10,13 +10,13 @@ session's etcd.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 import uvicorn
-from conftest import normalized
 from testkit import _InProcessServer, eventually, instant_sim, serve
 
 from fleetward.fleet.bus import MqttBus
@@ -28,6 +28,12 @@ from fleetward.fleet.worker import HealthRecord, HealthState, WorkerRecord
 from fleetward.migration.downstream import ClientConnection
 from fleetward.migration.http import router_app
 from fleetward.migration.router import Router
+
+
+def normalized(raw: bytes) -> bytes:
+    """The stream without what differs between two requests: the response's id and time."""
+    return re.sub(rb'"id":"cmpl-[^"]*"|"created":\d+', b"_", raw)
+
 
 BODY = {"model": "sim-tiny", "prompt": "The relay", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
         "stream": True, "stream_options": {"include_usage": True}}
