@@ -34,7 +34,7 @@ from fleetward.migration.progress import ProgressModel
 from fleetward.migration.upstream import UpstreamStream
 from fleetward.migration.wire import RouterError
 
-__all__ = ["ClientConnection", "SseOutput", "StreamResponse"]
+__all__ = ["ClientConnection", "SseOutput", "StreamResponse", "until_disconnected"]
 
 log = logging.getLogger(__name__)
 
@@ -167,9 +167,8 @@ class SseOutput:
 
     def reading(self, stream: UpstreamStream | None, worker: str) -> None:
         self._stream, self._worker = stream, worker
-        if stream is not None and self.paused:
-            stream.pause()
-            self.progress.paused(worker, self.j.id)
+        if self.paused:
+            self._hold()
 
     # -- backpressure -----------------------------------------------------------------------------------
 
@@ -177,9 +176,12 @@ class SseOutput:
         """The client's transport is full: stop reading the worker until it drains."""
         if not self.paused:
             self.paused = True
-            if self._stream is not None:
-                self._stream.pause()
-                self.progress.paused(self._worker, self.j.id)
+            self._hold()
+
+    def _hold(self) -> None:
+        if self._stream is not None:
+            self._stream.pause()
+            self.progress.paused(self._worker, self.j.id)
 
     def resume(self) -> None:
         if self.paused:
@@ -271,25 +273,21 @@ class StreamResponse(Response):
     async def _messages(self, receive: Receive, send: Send) -> bool:
         """The same stream through ASGI messages (another server than the router's own)."""
         ready = asyncio.Event()
-        buffered: list[bytes] = [self.out.pending()]
+        pending = self.out.pending()
+        buffered: list[bytes] = [pending] if pending else []
 
         def write(data: bytes) -> None:
             buffered.append(data)
             ready.set()
 
         self.out.write = write
-
-        async def disconnected() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        gone = asyncio.ensure_future(disconnected())
+        gone = asyncio.ensure_future(until_disconnected(receive))
         try:
             while True:
-                waiter = asyncio.ensure_future(ready.wait())
-                if not any(buffered):
+                if not buffered:
+                    waiter = asyncio.ensure_future(ready.wait())
                     await asyncio.wait({self.work, gone, waiter}, return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
+                    waiter.cancel()
                 ready.clear()
                 data, buffered[:] = b"".join(buffered), []
                 if data:
@@ -304,3 +302,9 @@ class StreamResponse(Response):
             return False
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return True
+
+
+async def until_disconnected(receive: Receive) -> None:
+    """Until the client goes away (ASGI's ``http.disconnect``; any body it still sends is dropped)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -142,7 +142,7 @@ class ProgressModel:
         """The router stopped reading this stream (its client reads slower than the worker writes): the
         worker's silence on it is the router's doing, not a hang, so it does not count until :meth:`resumed`."""
         w = self.workers.get(worker)
-        if w is not None and stream not in w.paused:
+        if w is not None:
             w.paused.add(stream)
 
     def resumed(self, worker: str, stream: str) -> None:

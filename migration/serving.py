@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from fleetward.migration import wire
 from fleetward.migration.apikeys import ApiKeys
 from fleetward.migration.checkpoint import NotResumable
-from fleetward.migration.downstream import SseOutput, StreamResponse
+from fleetward.migration.downstream import SseOutput, StreamResponse, until_disconnected
 from fleetward.migration.journal import Journal, Kind, RequestRefused, new_request_id, validate_body
 from fleetward.migration.passthrough import Route
 from fleetward.migration.relay import Whole
@@ -203,12 +203,8 @@ class Serving:
         """
         active = self.router.active[j.id]
 
-        async def disconnected() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
         work = asyncio.create_task(self.router.relay(j, Whole()), name=f"complete-{j.id}")
-        watch = asyncio.create_task(disconnected(), name=f"watch-{j.id}")
+        watch = asyncio.create_task(until_disconnected(request.receive), name=f"watch-{j.id}")
         active.tasks.add(work)
         try:
             await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-import time
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
@@ -256,10 +255,9 @@ class _Conn(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.closed = False
-        self.idle_since = 0.0
-        self._headers: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[None] | None = None
         self.then: Any = None  # called once the response in progress ended whole (it goes back to the pool)
-        self.expiry: asyncio.TimerHandle | None = None  # while idle in the pool: when it is closed
+        self.expiry: asyncio.TimerHandle | None = None  # while idle in the pool: when it is closed (IDLE_S)
         self._reset(None)
 
     def _reset(self, stream: UpstreamStream | None) -> None:
@@ -321,27 +319,26 @@ class _Conn(asyncio.Protocol):
             then()
 
     def _wake(self) -> None:
-        if self._headers is not None and not self._headers.done():
-            self._headers.set_result(None)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _next(self) -> None:
+        """Until the response's headers or its end come, or the connection goes."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
 
     async def answered(self) -> None:
         """Until the response's headers came, or the connection went."""
-        if self.status or self.closed:
-            return
-        self._headers = asyncio.get_running_loop().create_future()
-        try:
-            await self._headers
-        finally:
-            self._headers = None
+        while not self.status and not self.closed:
+            await self._next()
 
     async def whole(self) -> bytes:
         """The rest of a (non-200) response's body."""
         while not self.complete and not self.closed:
-            self._headers = asyncio.get_running_loop().create_future()
-            try:
-                await self._headers
-            finally:
-                self._headers = None
+            await self._next()
         return b"".join(self.body)
 
     def request(self, raw: bytes, stream: UpstreamStream) -> None:
@@ -479,7 +476,6 @@ class Upstream:
         if not conn.reusable:
             conn.close()
             return
-        conn.idle_since = time.monotonic()
         self._pool.setdefault(key, []).append(conn)
         # closed once idle for IDLE_S even if no request comes to this worker again (a worker that left)
         conn.expiry = asyncio.get_running_loop().call_later(IDLE_S, self._expire, key, conn)
@@ -494,14 +490,14 @@ class Upstream:
 
     def _idle(self, key: tuple[str, str, int]) -> _Conn | None:
         idle = self._pool.get(key)
-        now = time.monotonic()
+        now = asyncio.get_running_loop().time()
         while idle:
             conn = idle.pop()
+            fresh = conn.expiry is not None and conn.expiry.when() > now  # its expiry may be late on a busy loop
             if conn.expiry is not None:
                 conn.expiry.cancel()
                 conn.expiry = None
-            if not conn.closed and conn.transport is not None and not conn.transport.is_closing() \
-                    and now - conn.idle_since < IDLE_S:
+            if fresh and not conn.closed and conn.transport is not None and not conn.transport.is_closing():
                 return conn
             conn.close()
         return None
