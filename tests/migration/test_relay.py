@@ -133,20 +133,25 @@ def reference(j: Journal, events: list[bytes], *, trace: bool) -> bytes:
     return b"".join(out) + wire.DONE
 
 
+def wired(j: Journal, out: SseOutput, progress: ProgressModel) -> tuple[_Conn, _Transport, UpstreamStream, Relay]:
+    """One attempt of ``j`` on worker w0, its relay feeding ``out``, on a connection the test feeds by hand."""
+    relay = Relay(j, "w0", out, _Tries(), Active(j), progress=progress, metrics=RouterMetrics(), clock=SYSTEM_CLOCK,
+                  on_moved=lambda _: None)
+    stream = UpstreamStream("w0", relay)
+    conn, transport = _Conn(), _Transport()
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    conn.request(b"", stream)
+    return conn, transport, stream, relay
+
+
 async def relayed(j: Journal, response: bytes, cuts: list[int], *, trace: bool) -> tuple[bytes, list[int]]:
     """The client's bytes through the callback relay, the response given to the connection in pieces; and the
     size of each write to the client."""
     out = SseOutput(j, 0, metrics=RouterMetrics(), progress=ProgressModel(), clock=SYSTEM_CLOCK, trace=trace)
     writes: list[bytes] = []
     out.write = writes.append
-    t, active = _Tries(), Active(j)
     j.attempts = 1
-    relay = Relay(j, "w0", out, t, active, progress=ProgressModel(), metrics=RouterMetrics(), clock=SYSTEM_CLOCK,
-                  on_moved=lambda _: None)
-    stream = UpstreamStream("w0", relay)
-    conn = _Conn()
-    conn.connection_made(_Transport())  # type: ignore[arg-type]
-    conn.request(b"", stream)
+    conn, _, stream, relay = wired(j, out, ProgressModel())
     at = 0
     for cut in [*sorted(set(cuts)), len(response)]:
         if cut > at:
@@ -155,7 +160,7 @@ async def relayed(j: Journal, response: bytes, cuts: list[int], *, trace: bool) 
     assert stream.ended is not None and stream.ended.done()
     stream.ended.result()  # it finished
     relay.close()
-    assert out.signalled and active.stream is None
+    assert out.signalled and relay.active.stream is None
     out.finish()
     return b"".join(writes), [len(w) for w in writes]
 
@@ -195,13 +200,7 @@ def test_a_paused_stream_is_not_silence_and_resumes_its_reading(kind: Kind) -> N
         j = journal(kind, {})
         out = SseOutput(j, 0, metrics=RouterMetrics(), progress=progress, clock=SYSTEM_CLOCK)
         progress.dispatched("w0", j.id, 4)
-        relay = Relay(j, "w0", out, _Tries(), Active(j), progress=progress, metrics=RouterMetrics(),
-                      clock=SYSTEM_CLOCK, on_moved=lambda _: None)
-        stream = UpstreamStream("w0", relay)
-        conn = _Conn()
-        transport = _Transport()
-        conn.connection_made(transport)  # type: ignore[arg-type]
-        conn.request(b"", stream)
+        conn, transport, stream, _ = wired(j, out, progress)
         events = worker_events(kind, [[1], [2], [3]], usage=False)
         response = http_response(events)
         half = response.index(events[-2])

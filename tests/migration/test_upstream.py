@@ -68,6 +68,16 @@ async def server() -> AsyncIterator[Callable[[Handler], Awaitable[str]]]:
         await srv.wait_closed()
 
 
+@pytest.fixture
+async def up() -> AsyncIterator[Upstream]:
+    client = Upstream()
+    await client.start()
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
 class Collect:
     """A sink that keeps the token ids, as the router's relay records them."""
 
@@ -92,7 +102,8 @@ async def tokens(up: Upstream, url: str, got: Collect | None = None) -> list[int
     return sink.ids
 
 
-async def test_bytes_split_anywhere_give_the_same_chunks(server: Callable[[Handler], Awaitable[str]]) -> None:
+async def test_bytes_split_anywhere_give_the_same_chunks(server: Callable[[Handler], Awaitable[str]],
+                                                         up: Upstream) -> None:
     async def trickle(_: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
         for k in range(0, len(BODY), 7):  # 7 bytes at a time: events, chunk sizes and CRLFs split
             writer.write(BODY[k : k + 7])
@@ -100,17 +111,12 @@ async def test_bytes_split_anywhere_give_the_same_chunks(server: Callable[[Handl
         return True
 
     url = await server(trickle)
-    up = Upstream()
-    await up.start()
-    try:
-        assert await tokens(up, url) == [1, 2, 3]
-        assert await tokens(up, url) == [1, 2, 3], "and again on the kept-alive connection"
-    finally:
-        await up.aclose()
+    assert await tokens(up, url) == [1, 2, 3]
+    assert await tokens(up, url) == [1, 2, 3], "and again on the kept-alive connection"
 
 
 async def test_a_kept_alive_connection_the_server_closed_is_replaced(
-        server: Callable[[Handler], Awaitable[str]]) -> None:
+        server: Callable[[Handler], Awaitable[str]], up: Upstream) -> None:
     """The server answers one request per connection, then closes it on the next request without a word:
     the request goes again on a fresh connection instead of failing."""
     connections = 0
@@ -125,36 +131,27 @@ async def test_a_kept_alive_connection_the_server_closed_is_replaced(
         return True
 
     url = await server(once)
-    up = Upstream()
-    await up.start()
-    try:
-        for _ in range(3):
-            assert await tokens(up, url) == [1, 2, 3]
-        assert connections == 3
-    finally:
-        await up.aclose()
+    for _ in range(3):
+        assert await tokens(up, url) == [1, 2, 3]
+    assert connections == 3
 
 
-async def test_a_connection_lost_mid_stream_is_a_reset(server: Callable[[Handler], Awaitable[str]]) -> None:
+async def test_a_connection_lost_mid_stream_is_a_reset(server: Callable[[Handler], Awaitable[str]],
+                                                       up: Upstream) -> None:
     async def dies(_: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
         writer.write(HEAD + b"%x\r\n%s\r\n" % (len(event(1)), event(1)))
         await writer.drain()
         return False
 
     url = await server(dies)
-    up = Upstream()
-    await up.start()
     got = Collect()
-    try:
-        with pytest.raises(UpstreamError) as err:
-            await tokens(up, url, got)
-        assert err.value.kind == "reset" and got.ids == [1]
-    finally:
-        await up.aclose()
+    with pytest.raises(UpstreamError) as err:
+        await tokens(up, url, got)
+    assert err.value.kind == "reset" and got.ids == [1]
 
 
 async def test_an_error_status_and_a_silent_close_before_answering(
-        server: Callable[[Handler], Awaitable[str]]) -> None:
+        server: Callable[[Handler], Awaitable[str]], up: Upstream) -> None:
     async def busy(_: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
         body = orjson.dumps({"error": {"message": "the engine is dead", "code": 503}})
         writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
@@ -165,21 +162,16 @@ async def test_an_error_status_and_a_silent_close_before_answering(
     async def mute(_: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
         return False
 
-    up = Upstream()
-    await up.start()
-    try:
-        with pytest.raises(UpstreamError) as err:
-            await tokens(up, await server(busy))
-        assert (err.value.kind, err.value.status, err.value.message) == ("status", 503, "the engine is dead")
-        with pytest.raises(UpstreamError) as err:
-            await tokens(up, await server(mute))
-        assert err.value.kind == "connect" and "closed the connection before answering" in err.value.message
-    finally:
-        await up.aclose()
+    with pytest.raises(UpstreamError) as err:
+        await tokens(up, await server(busy))
+    assert (err.value.kind, err.value.status, err.value.message) == ("status", 503, "the engine is dead")
+    with pytest.raises(UpstreamError) as err:
+        await tokens(up, await server(mute))
+    assert err.value.kind == "connect" and "closed the connection before answering" in err.value.message
 
 
 async def test_an_idle_kept_alive_connection_is_closed_on_time_and_an_abort_closes_a_stream(
-        server: Callable[[Handler], Awaitable[str]], monkeypatch: pytest.MonkeyPatch) -> None:
+        server: Callable[[Handler], Awaitable[str]], up: Upstream, monkeypatch: pytest.MonkeyPatch) -> None:
     """A pooled connection is closed once idle for IDLE_S, whether or not another request comes (the worker may
     be gone); an aborted stream fails as ``aborted`` and its connection closes (the worker cancels)."""
     monkeypatch.setattr(upstream_module, "IDLE_S", 0.2)
@@ -194,29 +186,24 @@ async def test_an_idle_kept_alive_connection_is_closed_on_time_and_an_abort_clos
         return True
 
     url = await server(answer)
-    up = Upstream()
-    await up.start()
-    try:
-        assert await tokens(up, url) == [1, 2, 3]
-        await asyncio.wait_for(closed.wait(), 5)
+    assert await tokens(up, url) == [1, 2, 3]
+    await asyncio.wait_for(closed.wait(), 5)
 
-        async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
-            writer.write(HEAD + b"%x\r\n%s\r\n" % (len(event(1)), event(1)))
-            await writer.drain()
-            await reader.read(1)  # until the router closes
-            closed.set()
-            return False
+    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
+        writer.write(HEAD + b"%x\r\n%s\r\n" % (len(event(1)), event(1)))
+        await writer.drain()
+        await reader.read(1)  # until the router closes
+        closed.set()
+        return False
 
-        closed.clear()
-        sink = Collect()
-        stream = UpstreamStream("w", sink)
-        task = asyncio.ensure_future(up.stream(await server(endless), "/v1/completions", {}, stream))
-        while not sink.ids:  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
-        stream.abort("stalled: test")
-        with pytest.raises(UpstreamError) as err:
-            await task
-        assert (err.value.kind, err.value.message, sink.opens) == ("aborted", "stalled: test", 1)
-        await asyncio.wait_for(closed.wait(), 5)
-    finally:
-        await up.aclose()
+    closed.clear()
+    sink = Collect()
+    stream = UpstreamStream("w", sink)
+    task = asyncio.ensure_future(up.stream(await server(endless), "/v1/completions", {}, stream))
+    while not sink.ids:  # noqa: ASYNC110
+        await asyncio.sleep(0.01)
+    stream.abort("stalled: test")
+    with pytest.raises(UpstreamError) as err:
+        await task
+    assert (err.value.kind, err.value.message, sink.opens) == ("aborted", "stalled: test", 1)
+    await asyncio.wait_for(closed.wait(), 5)
