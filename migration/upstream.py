@@ -346,7 +346,12 @@ class _Conn(asyncio.Protocol):
         stream._conn = self
         if stream.ended is None:
             stream.ended = asyncio.get_running_loop().create_future()
-        assert self.transport is not None
+        if self.closed or self.transport is None or self.transport.is_closing():
+            # the worker's close or a reset came between the connect (or the pool) and this write: uvloop raises on
+            # a write to a closed transport, so the request is not written and fails as not answered
+            self.closed = True
+            self.error = "the connection closed before the request was sent"
+            return
         self.transport.write(raw)
 
     def close(self) -> None:

@@ -1,14 +1,17 @@
 """The router's stream client (migration/upstream.py) against a small HTTP/1.1 server in the test: bytes split
 anywhere, kept-alive connections the server closed, an idle one closed on time, failures before and during a
-response."""
+response, a connection reset before the request is written (on uvloop too, the router's loop)."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
 import pytest
+import uvloop
 
 from fleetward.migration import upstream as upstream_module
 from fleetward.migration.upstream import Chunk, Upstream, UpstreamError, UpstreamStream
@@ -207,3 +210,43 @@ async def test_an_idle_kept_alive_connection_is_closed_on_time_and_an_abort_clos
         await task
     assert (err.value.kind, err.value.message, sink.opens) == ("aborted", "stalled: test", 1)
     await asyncio.wait_for(closed.wait(), 5)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_connection_closed_before_the_request_is_written_fails_as_not_answered(loop: str) -> None:
+    """The worker (or a reset on the link) closes a fresh connection before the router writes its request. On
+    uvloop, the router's loop, a write to a closed transport raises; the request must fail as ``connect`` (the
+    router then tries another worker), never as the router's own error (a 500 to the client)."""
+
+    async def scenario() -> None:
+        async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            linger = struct.pack("ii", 1, 0)  # a reset, not a FIN: what the fault proxy's network.reset does
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+            writer.close()
+
+        srv = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+        up = Upstream()
+        await up.start()
+        connect = up._connect
+
+        async def connected_then_closed(url: str, key: tuple[str, str, int]) -> upstream_module._Conn:
+            conn = await connect(url, key)
+            while not conn.closed:  # noqa: ASYNC110
+                await asyncio.sleep(0.005)  # until the reset arrived, before the request is written
+            return conn
+
+        up._connect = connected_then_closed  # type: ignore[method-assign]
+        try:
+            with pytest.raises(UpstreamError) as err:
+                await tokens(up, url)
+            assert err.value.kind == "connect" and "closed before the request was sent" in err.value.message
+        finally:
+            await up.aclose()
+            srv.close()
+            await srv.wait_closed()
+
+    if loop == "uvloop":
+        uvloop.run(scenario())
+    else:
+        asyncio.run(scenario())
