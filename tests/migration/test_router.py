@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import signal
 import socket
@@ -167,9 +168,12 @@ async def test_new_requests_avoid_a_worker_whose_streams_just_moved_away_for_sil
             return in_flight == 0
 
         await wait_until(idle, timeout=10, message="the hung worker's stream released")
-        # Prompts whose affinity is the hung worker: without shunning, all of them would go there.
+        # Prompts whose affinity is the hung worker: without shunning, all of them would go there. The search stops
+        # at the 4th (about a dozen tries): this runs on the loop that keeps the agent's registration lease alive,
+        # and a search through a thousand prompts (a process check each) blocked it past the lease's TTL on a loaded
+        # machine; every worker's registration then expired, and the router answered 503.
         candidates = (encode(f"right after the hang {i}: ") for i in range(1000))
-        prompts = [p for p in candidates if serving_worker(fleet, p) == worker][:4]
+        prompts = list(itertools.islice((p for p in candidates if serving_worker(fleet, p) == worker), 4))
         results = await asyncio.gather(*(stream_tokens(r.url, {"model": "sim-tiny", "prompt": p, "max_tokens": 30},
                                                        headers=trace) for p in prompts))
         for i, (got, events, _) in enumerate(results):
