@@ -346,12 +346,13 @@ class _Conn(asyncio.Protocol):
         stream._conn = self
         if stream.ended is None:
             stream.ended = asyncio.get_running_loop().create_future()
-        if self.closed or self.transport is None or self.transport.is_closing():
+        if not self.open:
             # the worker's close or a reset came between the connect (or the pool) and this write: uvloop raises on
             # a write to a closed transport, so the request is not written and fails as not answered
             self.closed = True
             self.error = "the connection closed before the request was sent"
             return
+        assert self.transport is not None
         self.transport.write(raw)
 
     def close(self) -> None:
@@ -360,9 +361,13 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
 
     @property
+    def open(self) -> bool:
+        """Neither side closed it (its transport may be closing before :meth:`connection_lost` comes)."""
+        return not self.closed and self.transport is not None and not self.transport.is_closing()
+
+    @property
     def reusable(self) -> bool:
-        return self.complete and self.keep_alive and not self.closed and self.transport is not None \
-            and not self.transport.is_closing()
+        return self.complete and self.keep_alive and self.open
 
 
 IDLE_S = 4.0  # how long an idle pooled connection to a worker is kept
@@ -502,7 +507,7 @@ class Upstream:
             if conn.expiry is not None:
                 conn.expiry.cancel()
                 conn.expiry = None
-            if fresh and not conn.closed and conn.transport is not None and not conn.transport.is_closing():
+            if fresh and conn.open:
                 return conn
             conn.close()
         return None
