@@ -1,4 +1,4 @@
-"""Benchmarks (``fleetward bench router|migration|restart|checkpoints|detect|pd|moves``).
+"""Benchmarks (``fleetward bench router|migration|restart|checkpoints|detect|pd|moves|scale``).
 
 Each benchmark starts what it measures (etcd, an MQTT broker, simulated workers, routers, client
 processes), measures its baseline in the same run, interleaved with the candidate, prints ratios, writes
@@ -136,6 +136,15 @@ def _parser() -> argparse.ArgumentParser:
                     help="prompt tokens of the moved streams (default 1024,8192,32768)")
     mv.add_argument("--streams", type=int, default=6, help="streams moved at once per context and mode (default 6)")
     mv.add_argument("--vllm", action="store_true", help="also move streams between real vLLM workers")
+    sc = sub.add_parser("scale", help="the per-unit costs of the load model (docs/scale.md), measured here, and "
+                        "every shared resource's load at 10, 100, 1,000 and 10,000 hosts against its limit")
+    common(sc)
+    sc.add_argument("--streams", type=int, default=128, help="streams of the router measurement (default 128)")
+    sc.add_argument("--duration", type=float, default=8.0, help="measured seconds of the router run (default 8)")
+    sc.add_argument("--workers", type=_ints, default=(100, 1000),
+                    help="two fleet sizes for the controller's CPU per worker (default 100,1000)")
+    sc.add_argument("--cpu-window-s", dest="cpu_window_s", type=float, default=20.0,
+                    help="measured seconds per controller size (default 20)")
     return p
 
 
@@ -201,6 +210,16 @@ def main(argv: Sequence[str]) -> int:
                           vllm=args.vllm, plots=args.plots, etcd=args.etcd, mqtt=args.mqtt)
         res = asyncio.run(run_moves_bench(vcfg))
         status = 0 if res.data["details"]["exact"] else 1  # a wrong stream fails the command, results written
+    elif args.bench == "scale":
+        from fleetward.chaos.bench._scale import ScaleBench, run_scale_bench
+
+        q = args.quick
+        workers = (args.workers[0], args.workers[-1]) if len(args.workers) > 1 else (10, args.workers[0])
+        scfg = ScaleBench(out=out, streams=16 if q else args.streams, warmup_s=0.5 if q else 2.0,
+                          duration_s=1.5 if q else args.duration, cpu_workers=(5, 20) if q else workers,
+                          cpu_window_s=3.0 if q else args.cpu_window_s, cpu_settle_s=1.0 if q else None,
+                          mqtt_messages=2000 if q else 20000, plots=args.plots, etcd=args.etcd, mqtt=args.mqtt)
+        res = asyncio.run(run_scale_bench(scfg))
     else:
         from fleetward.chaos.bench._checkpoints import CheckpointBench, run_checkpoint_bench
 

@@ -262,7 +262,8 @@ async def _step(size: int, services: _Services, infra: Infra, store: EtcdStore, 
     pids = {"controller": [ctl.process.pid], "workers host": _tree_pids(services.host.pid),
             "routers": [r.process.pid for r in services.routers], "etcd": [infra.etcd_pid] if infra.etcd_pid else [],
             "bench (registrations, events)": [os.getpid()]}
-    m0 = await scrape(ctl.url + "/metrics")
+    etcd_metrics = f"http://{infra.etcd}/metrics"
+    m0, e0 = await scrape(ctl.url + "/metrics"), await scrape(etcd_metrics)
     c0 = {k: _cpu_seconds(v) for k, v in pids.items()}
     t0 = time.monotonic()
     series = []
@@ -272,8 +273,9 @@ async def _step(size: int, services: _Services, infra: Infra, store: EtcdStore, 
         series.append({"t": time.monotonic() - t0,
                        "cores": (_cpu_seconds(pids["controller"]) - a) / (time.monotonic() - ta)})
     c1, t1 = {k: _cpu_seconds(v) for k, v in pids.items()}, time.monotonic()
-    m1 = await scrape(ctl.url + "/metrics")
+    m1, e1 = await scrape(ctl.url + "/metrics"), await scrape(etcd_metrics)
     window = t1 - t0
+    written = sum(e1.get(k, 0.0) - e0.get(k, 0.0) for k in ("etcd_mvcc_put_total", "etcd_mvcc_delete_total"))
     cores = {k: (c1[k] - c0[k]) / window for k in pids}
     canaries = {k.split('result="', 1)[1].rstrip('"}'): (v - m0.get(k, 0.0)) / window for k, v in m1.items()
                 if k.startswith("fleetward_supervisor_canaries_total{")}
@@ -285,7 +287,8 @@ async def _step(size: int, services: _Services, infra: Infra, store: EtcdStore, 
     return {"workers": size, "window_s": window, "cpu_cores": cores, "controller_series": series,
             "canaries_per_s": canaries, "health": health, "transitions_in_window": len(transitions),
             "transition_states": dict(collections.Counter(transitions)), "router_view_workers": views,
-            "ready_after_registration_s": ready_after, "controller_rss_mib": rss, "load_avg": os.getloadavg()}
+            "ready_after_registration_s": ready_after, "controller_rss_mib": rss, "load_avg": os.getloadavg(),
+            "etcd_keys_written_per_s": written / window, "controller_metric_series": len(m1)}
 
 
 async def run(cfg: DetectBench, infra: Infra, res: Results) -> None:

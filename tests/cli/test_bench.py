@@ -166,3 +166,25 @@ def test_bench_without_the_extra_names_what_to_install(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONSAFEPATH": "1"})
     assert result.returncode == 1
     assert "pip install 'fleetward[bench]'" in result.stderr
+
+
+def test_bench_scale_writes_a_table_at_four_sizes_from_units_it_measured(tmp_path: Path, etcd_endpoint: str,
+                                                                          broker_endpoint: str) -> None:
+    data = bench("scale", tmp_path, etcd_endpoint, broker_endpoint)
+    assert set(data["table"]) == {"10", "100", "1000", "10000"}
+    resources = set(data["table"]["10"])
+    assert {"etcd_requests_per_s", "etcd_bytes_per_s", "etcd_watchers", "mqtt_messages_per_s",
+            "controller_cpu_cores", "router_cpu_cores", "prometheus_series"} <= resources
+    for size in data["table"].values():
+        assert set(size) == resources
+        for row in size.values():
+            assert is_number(row["load"]) and is_number(row["limit"]) and row["limit"] > 0
+            assert isinstance(row["unit"], str) and row["unit"]
+    measured = set(data["units"]["measured"])
+    assert {"router_cpu_s_per_token", "checkpoint_delta_fixed_bytes", "checkpoint_delta_bytes_per_token",
+            "series_per_router", "watchers_per_router", "mqtt_messages_per_s_capacity"} <= measured
+    # The streaming run relayed every stream and checkpointed them.
+    streaming = data["measurements"]["streaming"]
+    assert streaming["requests_failed"] == 0 and streaming["checkpoint_bytes_per_token"] > 0
+    assert set(data["designs"]) == {"etcd", "etcd-sharded", "etcd-log", "peer"}
+    assert data["table"] == data["designs"][data["design"]]
