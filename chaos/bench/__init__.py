@@ -143,8 +143,8 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("--duration", type=float, default=8.0, help="measured seconds of the router run (default 8)")
     sc.add_argument("--workers", type=_ints, default=(100, 1000),
                     help="two fleet sizes for the controller's CPU per worker (default 100,1000)")
-    sc.add_argument("--cpu-window-s", dest="cpu_window_s", type=float, default=20.0,
-                    help="measured seconds per controller size (default 20)")
+    sc.add_argument("--cpu-window-s", dest="cpu_window_s", type=float, default=30.0,
+                    help="measured seconds per controller size (default 30)")
     return p
 
 
@@ -217,7 +217,7 @@ def main(argv: Sequence[str]) -> int:
         workers = (args.workers[0], args.workers[-1]) if len(args.workers) > 1 else (10, args.workers[0])
         scfg = ScaleBench(out=out, streams=16 if q else args.streams, warmup_s=0.5 if q else 2.0,
                           duration_s=1.5 if q else args.duration, cpu_workers=(5, 20) if q else workers,
-                          cpu_window_s=3.0 if q else args.cpu_window_s, cpu_settle_s=1.0 if q else None,
+                          cpu_window_s=3.0 if q else args.cpu_window_s, cpu_settle_s=1.0 if q else 45.0,
                           mqtt_messages=2000 if q else 20000, plots=args.plots, etcd=args.etcd, mqtt=args.mqtt)
         res = asyncio.run(run_scale_bench(scfg))
     else:

@@ -64,8 +64,8 @@ class ScaleBench:
     warmup_s: float = 2.0
     duration_s: float = 8.0
     cpu_workers: tuple[int, int] = (100, 1000)
-    cpu_window_s: float = 20.0
-    cpu_settle_s: float | None = None
+    cpu_window_s: float = 30.0
+    cpu_settle_s: float | None = 45.0  # past the new workers' first canaries (a window with them costs more)
     mqtt_messages: int = 20000
     plots: bool = True
     etcd: str | None = None

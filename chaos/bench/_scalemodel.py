@@ -18,9 +18,14 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-__all__ = ["DESIGNS", "HOSTS", "LIMITS", "Limit", "Units", "Workload", "first_over", "loads", "table"]
+__all__ = ["DESIGNS", "FLEET_SIZED_LABELS", "HOSTS", "LIMITS", "PER_WORKER_METRICS", "Limit", "Units", "Workload",
+           "first_over", "loads", "table"]
 
 HOSTS = (10, 100, 1000, 10000)
+# Labels whose values grow with the fleet (one per worker, host, router or GPU): a metric that carries one has
+# a series per member, and the model counts it. Every such metric is named here, with its term in loads().
+FLEET_SIZED_LABELS = frozenset({"worker", "node", "host", "router", "gpu", "pool_member"})
+PER_WORKER_METRICS = frozenset({"fleetward_supervisor_worker_restarts_total"})  # series_per_restarted_worker
 GiB = 2**30
 
 

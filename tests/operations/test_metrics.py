@@ -64,3 +64,13 @@ def test_an_outbox_that_sheds_events_counts_them_where_prometheus_reads() -> Non
 
 async def _publish(bus: object, i: int) -> None:
     await bus.publish("action", n=i)  # type: ignore[attr-defined]
+
+
+def test_a_label_that_grows_with_the_fleet_is_counted_by_the_scale_model() -> None:
+    """A metric with a series per worker (or host, router, GPU) multiplies Prometheus' series by the fleet's
+    size: docs/scale.md's model must count it (``PER_WORKER_METRICS``, its term in ``loads``). A new one fails
+    here until the model has it."""
+    from fleetward.chaos.bench._scalemodel import FLEET_SIZED_LABELS, PER_WORKER_METRICS
+
+    sized = {r.name for r in catalogue() if r.process != "worker" and FLEET_SIZED_LABELS & set(r.labels)}
+    assert sized == PER_WORKER_METRICS
