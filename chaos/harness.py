@@ -270,7 +270,7 @@ class TestFleet(AgentWorkers, FleetClient, StartedInContext):
         router = await start_service(rid, router_argv(etcd=etcd, mqtt=mqtt, cluster=self.cluster, config=conf,
                                                       port=port, router_id=rid),
                                      url=f"http://127.0.0.1:{port}", log_path=self.log_dir / f"{rid}.log",
-                                     client_url=client_url)
+                                     client_url=client_url, env=service_env(admin_token=self.admin_token))
         self.routers.append(router)
         return router
 

@@ -382,7 +382,8 @@ class LocalFleet(AgentWorkers, FleetClient, StartedInContext):
         argv = router_argv(etcd=self.etcd_endpoint, mqtt=self.mqtt_endpoint, cluster=c.cluster,
                            config=self._fleet_yaml(), host=host, port=port, router_id=rid)
         log_name = "router.log" if not self.routers else f"{rid}.log"
-        router = await start_service(rid, argv, url=f"http://{host}:{port}", log_path=self.log_dir / log_name)
+        router = await start_service(rid, argv, url=f"http://{host}:{port}", log_path=self.log_dir / log_name,
+                                     env=service_env(admin_token=self.admin_secret.get_secret_value()))
         self.routers.append(router)
         self._write_state()
         return router

@@ -193,6 +193,11 @@ class RouterConfig(Frozen):
                                          "tokens since the last flush (false: the whole journal every flush, as "
                                          "before; kept to measure the difference)")
     checkpoint_ttl_s: int = Field(30, ge=2, description="how long a dead router's checkpoints stay resumable")
+    checkpoint_store: Literal["etcd", "peers"] = Field(
+        "etcd", description="where checkpoints are kept: etcd (every router's in etcd), or peers (each router's "
+        "sent to the next router by id, etcd holding none; a router with no peer writes to etcd). peers needs "
+        "the admin token (FLEETWARD_ADMIN_TOKEN): routers authenticate each other with it. docs/scale.md says "
+        "when etcd stops being enough")
     detached_grace_s: float = Field(30.0, ge=0, description="how long a disconnected client may resume")
     stall_floor_s: float = Field(1.0, gt=0, description="least silence, with work in flight, that counts as a stall")
     moves: MovesConfig = Field(default_factory=MovesConfig, description="planned moves of streams with their KV")

@@ -6,7 +6,9 @@
 - ``GET /v1/models``: every worker's model card merged (one worker asked per model), with the router's
   ``fleetward`` status of each model (where its text comes from);
 - ``GET /health``, ``GET /metrics``, ``GET /fleetward/v1/progress`` (the per-worker token progress the
-  supervisor's stream-progress detector reads).
+  supervisor's stream-progress detector reads);
+- with ``routing.checkpoint_store: peers``, the copies other routers keep here (``/fleetward/v1/replicas``,
+  :mod:`~fleetward.migration.replicas`; the admin token as a bearer token; not in the spec).
 
 Every error, an unknown route (404) or method (405) included, has the OpenAI shape
 ``{"error": {"message", "type", "param", "code"}}``. With ``routing.api_keys_file`` every API route takes a
@@ -34,6 +36,7 @@ from fleetward.migration.downstream import StreamResponse
 from fleetward.migration.journal import Kind
 from fleetward.migration.openapi import keyed_spec, openapi_passthrough, openapi_post, operation_id
 from fleetward.migration.passthrough import ROUTES, Route
+from fleetward.migration.replicas import NotClaimable, authorized
 from fleetward.migration.router import Router
 from fleetward.migration.serving import Serving
 from fleetward.migration.wire import RouterError
@@ -89,6 +92,9 @@ def router_app(router: Router) -> FastAPI:
     async def chat(request: Request) -> Response:
         return await keyed(serving, request, lambda owner: serving.handle(request, Kind.CHAT, owner=owner))
 
+    if router.replicas is not None:
+        _replica_routes(app, router)
+
     for route in ROUTES:
         app.add_api_route(route.path, _passthrough(serving, route), methods=[route.method],
                           operation_id=operation_id(route), openapi_extra=openapi_passthrough(route))
@@ -96,6 +102,39 @@ def router_app(router: Router) -> FastAPI:
     if serving.api_keys is not None:  # the spec says which operations take a key, and what a key adds
         keyed_spec(app.openapi())
     return app
+
+
+def _replica_routes(app: FastAPI, router: Router) -> None:
+    replicas = router.replicas
+    assert replicas is not None
+    refused = JSONResponse({"error": {"message": "a router's copies need the admin token", "type": "Unauthorized",
+                                      "param": None, "code": 401}}, status_code=401)
+
+    @app.post("/fleetward/v1/replicas", include_in_schema=False)
+    async def write(request: Request) -> Response:
+        if not authorized(request.headers.get("authorization", ""), router.admin_token):
+            return refused
+        return JSONResponse(replicas.apply(await request.body()))
+
+    @app.get("/fleetward/v1/replicas/{rid}", include_in_schema=False)
+    async def tokens(rid: str, request: Request) -> Response:
+        if not authorized(request.headers.get("authorization", ""), router.admin_token):
+            return refused
+        n = replicas.tokens(rid)
+        return JSONResponse({"tokens": n}) if n is not None else JSONResponse({"tokens": None}, status_code=404)
+
+    @app.post("/fleetward/v1/replicas/{rid}/claim", include_in_schema=False)
+    async def claim(rid: str, request: Request) -> Response:
+        if not authorized(request.headers.get("authorization", ""), router.admin_token):
+            return refused
+        body = orjson.loads(await request.body())
+        try:
+            j = replicas.claim(rid, by=str(body["by"]), key=body.get("key"))
+        except NotClaimable as exc:
+            return JSONResponse({"why": exc.why}, status_code=409)
+        if j is None:
+            return JSONResponse({"journal": None}, status_code=404)
+        return Response(orjson.dumps(j.checkpoint(str(body["by"]))), media_type="application/json")
 
 
 def _passthrough(serving: Serving, route: Route) -> Callable[[Request], Awaitable[Response]]:

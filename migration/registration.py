@@ -49,7 +49,8 @@ class Registration:
         lease = await LeaseKeeper(self.store, self.ttl_s, clock=self.clock).start()
         info = {"id": self.id, "url": self.url, "public_url": self.public_url, "started_at": self.started_at,
                 "pid": os.getpid(),
-                "checkpoint_lease": self.checkpointer.lease.id if self.checkpointer.lease is not None else None}
+                "checkpoint_lease": self.checkpointer.lease.id if self.checkpointer.lease is not None else None,
+                "replicas": self.checkpointer.replicas is not None}
         try:
             await self.store.put(self.keys.router(self.id), orjson.dumps(info), lease=lease.id)
         except BaseException:

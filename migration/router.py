@@ -34,6 +34,7 @@ import orjson
 from fleetward.fleet.bus import EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import RouterConfig
+from fleetward.fleet.errors import ConfigError
 from fleetward.fleet.etcd import StateStore
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.loops import LoopMetrics, Loops
@@ -51,6 +52,7 @@ from fleetward.migration.prefill import KvTries, Prefill
 from fleetward.migration.progress import ProgressModel
 from fleetward.migration.registration import Registration
 from fleetward.migration.relay import Output, Relay
+from fleetward.migration.replicas import PeerLink, Replicas
 from fleetward.migration.text import TextSources
 from fleetward.migration.upstream import Upstream, UpstreamError, UpstreamStream
 from fleetward.migration.wire import RouterError
@@ -91,7 +93,7 @@ class Router:
     def __init__(self, config: RouterConfig, *, store: StateStore, bus: EventBus, keys: Keys,
                  router_id: str | None = None, url: str = "", public_url: str | None = None,
                  clock: Clock = SYSTEM_CLOCK,
-                 policy: RoutingPolicy | None = None) -> None:
+                 policy: RoutingPolicy | None = None, admin_token: str | None = None) -> None:
         self.config = config
         self.store = store
         self.bus = bus
@@ -110,6 +112,16 @@ class Router:
                                          ttl_s=config.checkpoint_ttl_s, incremental=config.checkpoint_incremental,
                                          clock=clock, on_lost=self._on_lost)
         self.checkpointer.enabled = config.checkpoints
+        self.replicas: Replicas | None = None
+        if config.checkpoints and config.checkpoint_store == "peers":
+            if not admin_token:
+                raise ConfigError("checkpoints kept with peers need the admin token (FLEETWARD_ADMIN_TOKEN): routers "
+                                  "authenticate each other's copies with it", field="routing.checkpoint_store")
+            self.replicas = self.checkpointer.replicas = Replicas(clock=clock)
+            self.checkpointer.peers = PeerLink(lambda: self.upstream.session, admin_token, self.id,
+                                               lambda: self.view.fleet.routers, shun_s=config.lease_ttl_s,
+                                               clock=clock)
+        self.admin_token = admin_token if self.replicas is not None else None
         self.registration = Registration(store, keys, self.id, url=self.url, public_url=self.public_url,
                                          ttl_s=config.lease_ttl_s, checkpointer=self.checkpointer, clock=clock)
         self.active: dict[str, Active] = {}

@@ -15,7 +15,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from fleetward.fleet.bus import MqttBus
-from fleetward.fleet.config import Access, RouterConfig
+from fleetward.fleet.config import Access, RouterConfig, admin_token_given
 from fleetward.fleet.etcd import EtcdStore
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.procs import ensure_port
@@ -61,7 +61,9 @@ async def serve_router(config: RouterConfig, *, etcd: str, mqtt: str, cluster: s
     store = EtcdStore(etcd, access=etcd_access)
     await store.get(Keys(cluster).root)  # a clear StoreUnavailable now rather than later
     bus = await MqttBus(mqtt, cluster, access=mqtt_access).start()
+    given = admin_token_given()
     router = Router(config, store=store, bus=bus, keys=Keys(cluster), router_id=router_id,
+                    admin_token=given.get_secret_value() if given is not None else None,
                     url=f"http://{config.host}:{port}",
                     public_url=f"http://{config.host}:{config.port}" if reuse_port else None)
 

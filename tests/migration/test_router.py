@@ -420,6 +420,87 @@ async def test_a_client_resumes_on_another_router_with_last_event_id(healthy: Te
         await healthy.stop_router(second)
 
 
+async def test_with_copies_kept_by_peer_routers_a_client_resumes_exactly_after_its_router_is_killed(
+        healthy: TestFleet, wait_until: Any) -> None:
+    """routing.checkpoint_store: peers. The owner's checkpoints go to the other router, not to etcd; the
+    owner is killed; the client resumes on the holder with Last-Event-ID and reads one exact stream."""
+    first = await healthy.start_router("r-peer-a", checkpoint_store="peers")
+    second = await healthy.start_router("r-peer-b", checkpoint_store="peers")
+    prompt = encode("kept by a peer: ")
+    body = {"model": "sim-tiny", "prompt": prompt, "max_tokens": 300, "stream": True, "return_token_ids": True}
+    token = {"Authorization": f"Bearer {healthy.admin_token}"}
+    got: list[int] = []
+    last_id = rid = ""
+
+    async def held_by_the_peer_alone() -> bool:
+        async with httpx.AsyncClient(timeout=5) as client:
+            r = await client.get(f"{second.url}/fleetward/v1/replicas/{rid}", headers=token)
+        return r.status_code == 200 and r.json()["tokens"] >= 20 and not await checkpointed(healthy, rid)
+
+    try:
+        async with httpx.AsyncClient(timeout=5) as client:
+            r = await client.get(f"{second.url}/fleetward/v1/replicas/cmpl-x", headers={"Authorization": "Bearer no"})
+            assert r.status_code == 401, "a router's copies need the admin token"
+        with pytest.raises(httpx.HTTPError):  # the router dies under the client
+            async with httpx.AsyncClient(timeout=30) as client, client.stream(
+                    "POST", first.url + "/v1/completions", json=body, headers=EVENT_IDS) as r:
+                async for line in sse_lines(r.aiter_bytes()):
+                    if line.startswith("id: "):
+                        last_id = line[4:]
+                    if line.startswith("data: {"):
+                        got.extend(orjson.loads(line[6:])["choices"][0]["token_ids"])
+                        if len(got) == 40:
+                            rid = last_id.rpartition(":")[0]
+                            await wait_until(held_by_the_peer_alone, timeout=15)
+                            healthy.kill_router(first)
+        assert last_id.endswith(f":{len(got)}") and len(got) >= 40
+        rest, events, ids = await stream_tokens(second.url, body, headers={"Last-Event-ID": last_id})
+        assert got + rest == reference(prompt, 300), "replayed from the peer's copy, regenerated past it, exact"
+        assert ids[-1] == f"{rid}:300"
+        assert {e["id"] for e in events} == {rid}
+    finally:
+        await healthy.stop_router(first)
+        await healthy.stop_router(second)
+
+
+async def test_with_copies_kept_by_peer_routers_a_client_that_left_resumes_on_the_peer_while_its_router_lives(
+        healthy: TestFleet, wait_until: Any) -> None:
+    """The client leaves its router, which lives on and keeps the journal for detached_grace_s; it comes back
+    through the peer that holds the copy, which claims it there and serves the rest exactly."""
+    first = await healthy.start_router("r-peer-c", checkpoint_store="peers")
+    second = await healthy.start_router("r-peer-d", checkpoint_store="peers")
+    prompt = encode("left a living router: ")
+    body = {"model": "sim-tiny", "prompt": prompt, "max_tokens": 300, "stream": True, "return_token_ids": True}
+    token = {"Authorization": f"Bearer {healthy.admin_token}"}
+    try:
+        got: list[int] = []
+        last_id = ""
+        async with httpx.AsyncClient(timeout=30) as client:
+            async with client.stream("POST", first.url + "/v1/completions", json=body, headers=EVENT_IDS) as r:
+                assert r.status_code == 200, await r.aread()
+                async for line in sse_lines(r.aiter_bytes()):
+                    if line.startswith("id: "):
+                        last_id = line[4:]
+                    if line.startswith("data: {"):
+                        got.extend(orjson.loads(line[6:])["choices"][0]["token_ids"])
+                        if len(got) >= 40:
+                            break  # the client goes away; its router keeps the journal
+            rid = last_id.rpartition(":")[0]
+            assert last_id == f"{rid}:{len(got)}"
+
+            async def held() -> bool:
+                r = await client.get(f"{second.url}/fleetward/v1/replicas/{rid}", headers=token)
+                return r.status_code == 200 and r.json()["tokens"] >= len(got)
+
+            await wait_until(held, timeout=15)
+        rest, events, ids = await stream_tokens(second.url, body, headers={"Last-Event-ID": last_id})
+        assert got + rest == reference(prompt, 300)
+        assert ids[-1] == f"{rid}:300" and {e["id"] for e in events} == {rid}
+    finally:
+        await healthy.stop_router(first)
+        await healthy.stop_router(second)
+
+
 async def test_an_unknown_last_event_id_is_refused_clearly(healthy: TestFleet) -> None:
     async with httpx.AsyncClient(timeout=30) as client:
         r = await client.post(router(healthy).url + "/v1/completions",
