@@ -1,14 +1,16 @@
-"""``fleetward bench checkpoints``: what checkpointing every stream to etcd costs.
+"""``fleetward bench checkpoints``: what checkpointing every stream costs, in etcd and with a peer router.
 
-Three fleetward routers on the same two simulated workers: ``on`` with checkpoints as configured by
-default (incremental: a base, then the tokens since the last flush), ``whole`` writing every live journal
-whole at each flush (``checkpoint_incremental: false``, what checkpoints did before), and ``off``
-(``--no-checkpoints``); the same closed-loop streaming load goes to each in rotating order, ``rounds``
-times per concurrency. Reported: tokens/s with checkpoints ÷ without (same round), the bytes of checkpoint
-values the router wrote per second (``fleetward_router_checkpoint_bytes_total``), its flushes and etcd
-transactions per second, how long a flush held the event loop at a stretch (p99 of
-``fleetward_router_checkpoint_slice_seconds``, a bucket bound), and what etcd itself saw per second (its
-``/metrics``: bytes received from clients, puts, transactions, WAL fsyncs), next to CPU per component.
+Fleetward routers on the same two simulated workers: ``on`` with checkpoints as configured by default
+(incremental, in etcd: a base, then the tokens since the last flush), ``whole`` writing every live journal
+whole at each flush (``checkpoint_incremental: false``, what checkpoints did before), ``peers`` keeping them
+with a peer router instead of etcd (``checkpoint_store: peers``: a second router holds the copies, its CPU
+counted as ``holder``), and ``off`` (``--no-checkpoints``); the same closed-loop streaming load goes to each
+in rotating order, ``rounds`` times per concurrency. Reported: tokens/s with checkpoints ÷ without (same
+round), the bytes of checkpoint values the router wrote per second (``fleetward_router_checkpoint_bytes_total``:
+to etcd, or to its peer), its flushes and writes (etcd transactions, or requests to its peer) per second,
+how long a flush held the event loop at a stretch (p99 of ``fleetward_router_checkpoint_slice_seconds``, a
+bucket bound), and what etcd itself saw per second (its ``/metrics``: bytes received from clients, puts,
+transactions, WAL fsyncs), next to CPU per component.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from fleetward.fleet.config import RouterConfig
 
 __all__ = ["CheckpointBench", "run_checkpoint_bench"]
 
-CASES = ("on", "whole", "off")
+CASES = ("on", "whole", "peers", "off")
 # etcd's own counters (summed over label sets): what reached it, whatever the client thinks it sent.
 _ETCD = {
     "etcd_grpc_bytes": "etcd_network_client_grpc_received_bytes_total",
@@ -78,13 +80,16 @@ async def run_checkpoint_bench(cfg: CheckpointBench) -> Results:
     async with Infra(run_dir, cfg.etcd, cfg.mqtt).up() as infra:
         assert infra.etcd and infra.mqtt
         etcd_metrics = f"http://{infra.etcd}/metrics"
-        console.print("starting 2 simulated workers and three routers (checkpoints incremental, whole, off)…")
+        console.print("starting 2 simulated workers and five routers (checkpoints incremental, whole, with a peer "
+                      "and its holder, off)…")
         async with TestFleet(etcd=infra.etcd, mqtt=infra.mqtt, cluster=f"bench-cp-{uuid.uuid4().hex[:6]}",
                              run_dir=run_dir, workers=2, backend=SimBackend(SIM), routing=RouterConfig()) as fleet:
             await fleet.wait_workers_routable(2)
             routers = {"on": await fleet.start_router("bench-cp-on"),
                        "whole": await fleet.start_router("bench-cp-whole", checkpoint_incremental=False),
+                       "peers": await fleet.start_router("bench-cp-peers-a", checkpoint_store="peers"),
                        "off": await fleet.start_router("bench-cp-off", checkpoints=False)}
+            holder = await fleet.start_router("bench-cp-peers-b", checkpoint_store="peers")
             body = {"model": SIM.model_name, "max_tokens": cfg.max_tokens, "ignore_eos": True,
                     "return_token_ids": True, "temperature": 0}
             base_pids = {"workers": [p.pid for w in fleet.worker_ids for p in fleet.processes(w)[:1]]}
@@ -102,7 +107,8 @@ async def run_checkpoint_bench(cfg: CheckpointBench) -> Results:
                             r0, e0 = await scrape(router.url + "/metrics"), await scrape(etcd_metrics)
                             spec = {"urls": [router.url], "body": body, "prompt_len": cfg.prompt_len, "streams": c,
                                     "warmup_s": cfg.warmup_s, "duration_s": cfg.duration_s, "seed": rnd,
-                                    "cpu_pids": {**base_pids, "router": [router.process.pid]}}
+                                    "cpu_pids": {**base_pids, "router": [router.process.pid],
+                                                 **({"holder": [holder.process.pid]} if case == "peers" else {})}}
                             # Counters are read around the whole run: divide by the run, not the window.
                             t0 = time.monotonic()
                             r = await client_load(spec)
@@ -152,9 +158,9 @@ def _summarize(res: Results, cfg: CheckpointBench) -> None:
                     "slice_p99_le_s", "flush_p99_le_s", *[f"{k}_per_s" for k in _ETCD]]
             per[case] = {k: _med([r[k] for r in mine]) for k in keys}
             per[case]["itl_p99_ms"] = _med([r["itl"]["p99_ms"] for r in mine])
-            for comp in ("router", "etcd", "workers", "client"):
+            for comp in ("router", "holder", "etcd", "workers", "client"):
                 per[case][f"cpu_{comp}"] = _med([r["cpu_cores"].get(comp) for r in mine])
-        for case in ("on", "whole"):
+        for case in ("on", "whole", "peers"):
             ratios = []
             for rnd in range(cfg.rounds):
                 one = next((r for r in runs if r["streams"] == c and r["round"] == rnd and r["case"] == case), None)
@@ -174,12 +180,14 @@ def _summarize(res: Results, cfg: CheckpointBench) -> None:
                          fmt(s["etcd_puts_per_s"], ".0f"), fmt(s["etcd_fsyncs_per_s"], ".1f"),
                          fmt(None if s["slice_p99_le_s"] is None else s["slice_p99_le_s"] * 1000, ".2f"),
                          fmt(None if s["flush_p99_le_s"] is None else s["flush_p99_le_s"] * 1000, ".1f"),
-                         fmt(s["itl_p99_ms"], ".1f"), fmt(s["cpu_router"], ".2f"), fmt(s["cpu_etcd"], ".2f")])
+                         fmt(s["itl_p99_ms"], ".1f"), fmt(s["cpu_router"], ".2f"), fmt(s["cpu_holder"], ".2f"),
+                         fmt(s["cpu_etcd"], ".2f")])
     res.data["summary"] = summary
     table(f"bench checkpoints: medians of {cfg.rounds} interleaved round(s); ratio = tok/s ÷ off's in the same round; "
           "slice and flush p99 are histogram bucket bounds",
           ["streams", "checkpoints", "tok/s", "x tok/s", "written MB/s", "flush/s", "router txn/s", "etcd MB/s in",
-           "etcd put/s", "fsync/s", "slice p99 ms", "flush p99 ms", "p99 ITL ms", "cpu router", "cpu etcd"], rows)
+           "etcd put/s", "fsync/s", "slice p99 ms", "flush p99 ms", "p99 ITL ms", "cpu router", "cpu holder",
+           "cpu etcd"], rows)
 
 
 def _plot(res: Results, cfg: CheckpointBench) -> None:
@@ -197,7 +205,7 @@ def _plot(res: Results, cfg: CheckpointBench) -> None:
                                                         (s[str(c)][case]["etcd_txns_per_s"],
                                                          (s[str(c)][case]["etcd_grpc_bytes_per_s"] or 0) / 1e6)]
                                 for case in CASES}, ylabel="per second", fmt="{:.1f}")
-    written = ("on", "whole")
+    written = ("on", "whole", "peers")
     _plots.grouped_bars(res.plot_path("written"), title="Checkpoint bytes written per second: incremental vs whole",
                         groups=groups,
                         series={f"checkpoints {case}": [(s[str(c)][case]["router_bytes_per_s"] or 0) / 1e6

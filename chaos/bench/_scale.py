@@ -6,15 +6,18 @@ Four measurements, each of the product's own code or processes:
 - **checkpoint sizes**: the bytes of a base and of a delta (key and value), from ``Journal`` and ``Keys`` on a
   request shaped like the workload's (prompt ids, 4-character tokens), at two sizes each to split the fixed
   part from the part per token;
-- **a streaming run**: two simulated workers, one router (checkpoints on), ``streams`` closed-loop streams:
-  the router's CPU per token and memory per stream, the checkpoint bytes and etcd keys per token it caused
-  (a check of the sizes above), the series each process serves, the etcd watchers a router adds;
+- **a streaming run**: two simulated workers, two routers keeping their checkpoints with each other
+  (``checkpoint_store: peers``), ``streams`` closed-loop streams through one: the CPU per token of both
+  routers together (the one that relays and the one that holds its copies), memory per stream, the
+  checkpoint bytes per token and what reached etcd per token, the series each process serves, the etcd
+  watchers a router adds;
 - **the controller**: ``bench detect``'s CPU part at two fleet sizes (simulated workers registered in etcd):
   the controller's CPU per worker, canaries per worker, etcd writes per worker in a steady fleet;
 - **the broker**: QoS 1 messages through the MQTT broker to one subscriber, as fast as it takes them.
 
-Results: ``scale.json`` (``table``: the current design, today's checkpoints in etcd; ``designs``: every
-checkpoint design of the paper comparison; ``units``, ``workload``, ``limits``).
+Results: ``scale.json`` (``table``: the design for a large fleet, checkpoints kept by peer routers;
+``designs``: every checkpoint design of the paper comparison, today's default ``etcd`` among them; ``units``,
+``workload``, ``limits``).
 """
 
 from __future__ import annotations
@@ -127,9 +130,10 @@ async def _streaming(cfg: ScaleBench, infra: Infra) -> dict[str, Any]:
                          run_dir=run_dir, workers=2, backend=SimBackend(SIM), routing=RouterConfig()) as fleet:
         await fleet.wait_workers_routable(2)
         watchers0 = _sum(await scrape(etcd_metrics), WATCHERS)
-        router = await fleet.start_router("bench-scale-router")
+        router = await fleet.start_router("bench-scale-router", checkpoint_store="peers")
         await asyncio.sleep(1.0)  # its watches are opened once it serves; a second for the last of them
         watchers1 = _sum(await scrape(etcd_metrics), WATCHERS)
+        holder = await fleet.start_router("bench-scale-holder", checkpoint_store="peers")
         proc = psutil.Process(router.process.pid)
         rss_idle = proc.memory_info().rss
         peak = [rss_idle]
@@ -147,7 +151,7 @@ async def _streaming(cfg: ScaleBench, infra: Infra) -> dict[str, Any]:
         try:
             r = await client_load({"urls": [router.url], "body": body, "prompt_len": 32, "streams": cfg.streams,
                                    "warmup_s": cfg.warmup_s, "duration_s": cfg.duration_s, "seed": 1,
-                                   "cpu_pids": {"router": [router.process.pid]}})
+                                   "cpu_pids": {"router": [router.process.pid], "holder": [holder.process.pid]}})
         finally:
             sampler.cancel()
         r1, e1 = await scrape(router.url + "/metrics"), await scrape(etcd_metrics)
@@ -158,8 +162,9 @@ async def _streaming(cfg: ScaleBench, infra: Infra) -> dict[str, Any]:
         tok_s = r["tokens"] / r["window_s"]
         return {
             "streams": cfg.streams, "tokens_per_s": tok_s, "requests_failed": r["requests_failed"],
-            "router_cpu_cores": r["cpu_cores"]["router"],
-            "router_cpu_s_per_token": r["cpu_cores"]["router"] / tok_s if tok_s else None,
+            "router_cpu_cores": r["cpu_cores"]["router"], "holder_cpu_cores": r["cpu_cores"]["holder"],
+            "router_cpu_s_per_token": ((r["cpu_cores"]["router"] + r["cpu_cores"]["holder"]) / tok_s
+                                       if tok_s else None),
             "router_rss_idle_bytes": rss_idle, "router_rss_peak_bytes": peak[0],
             "router_rss_bytes_per_stream": (peak[0] - rss_idle) / cfg.streams,
             "checkpoint_bytes_per_token": (_sum(r1, "fleetward_router_checkpoint_bytes_total")
@@ -262,8 +267,8 @@ async def run_scale_bench(cfg: ScaleBench) -> Results:
                                       "broker": broker},
                      "units": asdict(units),
                      "limits": {k: asdict(v) for k, v in model.LIMITS.items()},
-                     "design": "etcd",
-                     "table": model.table(w, units, "etcd"),
+                     "design": "peer",
+                     "table": model.table(w, units, "peer"),
                      "designs": {d: model.table(w, units, d) for d in model.DESIGNS}})
     res.data["first_over"] = {d: model.first_over(t) for d, t in res.data["designs"].items()}
     _print(res)
@@ -284,7 +289,8 @@ def _print(res: Results) -> None:
             x = row["load"] / row["limit"] if row["limit"] else None
             cells.append(f"{row['load']:.3g} ({fmt(x, '.2f')}x){' OVER' if x is not None and x > 1 else ''}")
         rows.append([name, *cells, res.data["limits"][name]["unit"]])
-    table("bench scale: load (share of its limit) with today's checkpoints in etcd",
+    table("bench scale: load (share of its limit), checkpoints kept by peer routers (routing.checkpoint_store: "
+          "peers)",
           ["resource", *[f"{h} hosts" for h in sizes], "unit"], rows)
     cmp_rows = []
     for d, first in res.data["first_over"].items():
