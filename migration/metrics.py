@@ -68,11 +68,15 @@ class RouterMetrics:
                                           buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025),
                                           registry=r)
         self.checkpoint_bytes = Counter("fleetward_router_checkpoint_bytes",
-                                        "Bytes of checkpoint values written to etcd (whole bases and deltas).",
+                                        "Bytes of checkpoint values written (whole bases and deltas): to etcd, or "
+                                        "to the peer router that keeps them (routing.checkpoint_store: peers).",
                                         registry=r)
         self.checkpoint_lag = Gauge("fleetward_router_checkpoint_lag_seconds",
                                     "Seconds since a checkpoint flush last succeeded (0 with checkpoints off).",
                                     registry=r)
+        self.replica_bytes = Gauge("fleetward_router_replica_bytes",
+                                   "Bytes of other routers' checkpoints this router holds for them "
+                                   "(routing.checkpoint_store: peers; 0 otherwise).", registry=r)
         self.migration_failures = Counter("fleetward_router_migration_failures",
                                           "Streams that could not be resumed after a worker failed, by why "
                                           "(limit: migration_limit exhausted; not_resumable; deadline; no_worker).",
@@ -99,7 +103,8 @@ class RouterMetrics:
                                    registry=r)
         self.checkpoint_flushes = Counter("fleetward_router_checkpoint_flushes",
                                           "Checkpoint flushes that wrote something.", registry=r)
-        self.checkpoint_txns = Counter("fleetward_router_checkpoint_txns", "etcd transactions for checkpoints.",
+        self.checkpoint_txns = Counter("fleetward_router_checkpoint_txns", "Checkpoint writes: etcd transactions, "
+                                       "and requests to the peer router that keeps them (checkpoint_store: peers).",
                                        registry=r)
         self.passthrough_retries = Counter(
             "fleetward_router_passthrough_retries", "Passed-through requests (embeddings, responses, tokenize, ...) "

@@ -71,18 +71,23 @@ def pick_peer(me: str, routers: Mapping[str, Mapping[str, Any]]) -> tuple[str, s
 
 def encode_batch(owner: str, ttl_s: float, items: list[tuple[str, str, int, bytes]]) -> bytes:
     """One flush's body: ``items`` are (request id, kind: base, delta or delete, tokens after it, the value's
-    JSON). Values are already JSON: they are spliced in, not encoded again."""
-    parts = [orjson.dumps({"id": rid, "kind": kind, "n": n})[:-1] + b',"value":' + (value or b"null") + b"}"
-             for rid, kind, n, value in items]
-    return orjson.dumps({"owner": owner, "ttl": ttl_s})[:-1] + b',"items":[' + b",".join(parts) + b"]}"
+    JSON). A JSON header line (``{"owner", "ttl", "items": [{"id", "kind", "n", "len"}]}``), then the values
+    one after another: the holder keeps them as the bytes they are, and parses one only for a claim."""
+    header = orjson.dumps({"owner": owner, "ttl": ttl_s, "items": [
+        {"id": rid, "kind": kind, "n": n, "len": len(value)} for rid, kind, n, value in items]})
+    return b"".join([header, b"\n", *(value for *_, value in items)])
 
 
 @dataclass(slots=True)
 class _Copy:
     owner: str
-    base: dict[str, Any]
-    deltas: list[dict[str, Any]] = field(default_factory=list)
+    base: bytes  # Journal.checkpoint_bytes
+    deltas: list[bytes] = field(default_factory=list)  # Journal.delta_bytes
     n: int = 0  # tokens it holds
+
+    @property
+    def size(self) -> int:
+        return len(self.base) + sum(len(d) for d in self.deltas)
 
 
 class Replicas:
@@ -106,15 +111,18 @@ class Replicas:
     def apply(self, body: bytes) -> dict[str, list[str]]:
         """An owner's write (:func:`encode_batch`): what it lost to a claim, and what it must send whole
         again (a delta this holder has no base for: it restarted, or the owner's peer changed meanwhile)."""
-        data = orjson.loads(body)
+        header, _, values = body.partition(b"\n")
+        data = orjson.loads(header)
         owner, ttl = str(data["owner"]), float(data["ttl"])
         self.bytes_received += len(body)
         self._expire()
         self._until[owner] = self.clock.monotonic() + ttl
         lost: list[str] = []
         rebase: list[str] = []
+        at = 0
         for item in data["items"]:
             rid, kind = str(item["id"]), item["kind"]
+            value, at = values[at:at + int(item["len"])], at + int(item["len"])
             c = self.copies.get(rid)
             if c is not None and c.owner != owner:
                 if kind != "delete":
@@ -123,13 +131,18 @@ class Replicas:
             if kind == "delete":
                 self.copies.pop(rid, None)
             elif kind == "base":
-                self.copies[rid] = _Copy(owner, item["value"], n=int(item["n"]))
+                self.copies[rid] = _Copy(owner, value, n=int(item["n"]))
             elif c is None:
                 rebase.append(rid)
             else:
-                c.deltas.append(item["value"])
+                c.deltas.append(value)
                 c.n = int(item["n"])
         return {"lost": lost, "rebase": rebase}
+
+    @property
+    def held_bytes(self) -> int:
+        """The bytes of every copy held (a router's memory for its peers' streams)."""
+        return sum(c.size for c in self.copies.values())
 
     def tokens(self, rid: str) -> int | None:
         self._expire()
@@ -144,9 +157,9 @@ class Replicas:
         c = self.copies.get(rid)
         if c is None:
             return None
-        journal = Journal.from_checkpoint(c.base)
+        journal = Journal.from_checkpoint(orjson.loads(c.base))
         for d in c.deltas:
-            if not journal.apply_delta(d):
+            if not journal.apply_delta(orjson.loads(d)):
                 log.warning("replica of %s: a delta does not follow what came before; the tokens after it are "
                             "regenerated", rid)
                 break

@@ -140,6 +140,7 @@ class Router:
                            prefill=self.prefill, store=store, keys=keys, bus=bus, metrics=self.metrics, clock=clock,
                            router_id=self.id)
         self.metrics.checkpoint_lag.set_function(lambda: self.checkpointer.lag_s)
+        self.metrics.replica_bytes.set_function(lambda: self.replicas.held_bytes if self.replicas is not None else 0)
         self.checkpointer.on_flush = self.metrics.checkpoint_flush.observe
         self.checkpointer.on_slice = self.metrics.checkpoint_slice.observe
         self._accepting = False

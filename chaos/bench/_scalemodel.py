@@ -170,6 +170,13 @@ def _checkpoints(w: Workload, u: Units, hosts: int, design: str) -> dict[str, fl
     return out
 
 
+def _held_bytes_per_stream(w: Workload, u: Units) -> float:
+    """peers: what a holder keeps of one stream: its base and deltas, which never outgrow the base (1.5 times
+    a base half-way through the answer, on average)."""
+    return 1.5 * (u.checkpoint_base_fixed_bytes + u.checkpoint_base_bytes_per_prompt_token * w.prompt_tokens
+                  + u.checkpoint_base_bytes_per_output_token * w.output_tokens / 2)
+
+
 def loads(w: Workload, u: Units, hosts: int, design: str = "etcd") -> dict[str, float]:
     """Every resource's load at ``hosts`` hosts (keys of :data:`LIMITS`)."""
     workers = hosts * w.servers_per_host
@@ -192,7 +199,8 @@ def loads(w: Workload, u: Units, hosts: int, design: str = "etcd") -> dict[str, 
         "mqtt_messages_per_s": events * w.event_subscribers,
         "controller_cpu_cores": u.controller_cores_fixed + u.controller_cores_per_worker * workers,
         "router_cpu_cores": w.tokens_per_s(hosts) * u.router_cpu_s_per_token / r,
-        "router_memory_bytes": u.router_rss_bytes_base + u.router_rss_bytes_per_stream * w.streams(hosts) / r,
+        "router_memory_bytes": (u.router_rss_bytes_base + u.router_rss_bytes_per_stream * w.streams(hosts) / r
+                                + (w.streams(hosts) / r * _held_bytes_per_stream(w, u) if design == "peer" else 0)),
         "prometheus_series": (r * u.series_per_router + hosts * u.series_per_agent
                               + (w.controllers + w.autoscalers) * u.series_per_controller
                               + w.controllers * workers * u.series_per_restarted_worker  # every worker, once
