@@ -154,3 +154,18 @@ def test_the_newest_copy_reads_back_as_the_journal_whatever_the_flushes_and_peer
                 await store.delete(keys.root, prefix=True)
 
     asyncio.run(run())
+
+
+async def test_a_router_asked_to_keep_checkpoints_with_peers_without_the_admin_token_refuses_and_names_the_field(
+        store: EtcdStore, bus: Any, keys: Keys) -> None:
+    from fleetward.fleet.config import RouterConfig
+    from fleetward.fleet.errors import ConfigError
+    from fleetward.migration.router import Router
+
+    with pytest.raises(ConfigError, match="FLEETWARD_ADMIN_TOKEN") as err:
+        Router(RouterConfig(checkpoint_store="peers"), store=store, bus=bus, keys=keys, router_id="no-token")
+    assert err.value.field == "routing.checkpoint_store"
+    kept = Router(RouterConfig(checkpoint_store="peers"), store=store, bus=bus, keys=keys, router_id="token",
+                  admin_token="s3cret")
+    assert kept.replicas is not None and kept.checkpointer.peers is not None
+    assert Router(RouterConfig(), store=store, bus=bus, keys=keys, router_id="etcd").replicas is None
