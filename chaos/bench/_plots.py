@@ -16,8 +16,9 @@ _COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#d
 
 
 def grouped_bars(path: Path, *, title: str, groups: Sequence[str], series: Mapping[str, Sequence[float | None]],
-                 ylabel: str, hline: float | None = None, log: bool = False, fmt: str = "{:.2f}") -> Path:
-    fig, ax = plt.subplots(figsize=(8, 4.2), dpi=110)
+                 ylabel: str, hline: float | None = None, log: bool = False, fmt: str = "{:.2f}",
+                 rotate: bool = False) -> Path:
+    fig, ax = plt.subplots(figsize=(10, 4.8) if rotate else (8, 4.2), dpi=110)
     n = max(1, len(series))
     width = 0.8 / n
     for i, (name, values) in enumerate(series.items()):
@@ -30,7 +31,10 @@ def grouped_bars(path: Path, *, title: str, groups: Sequence[str], series: Mappi
                             va="bottom", fontsize=7)
     if hline is not None:
         ax.axhline(hline, color="black", linewidth=0.8, linestyle="--")
-    ax.set_xticks(range(len(groups)), groups)
+    if rotate:
+        ax.set_xticks(range(len(groups)), groups, rotation=30, ha="right", fontsize=8)
+    else:
+        ax.set_xticks(range(len(groups)), groups)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     if log:
