@@ -308,7 +308,7 @@ def _plot(res: Results) -> None:
     h = "1000"
     names = list(designs["etcd"][h])
     _plots.grouped_bars(res.plot_path("1000-hosts"),
-                        title="Load ÷ limit at 1,000 hosts, by checkpoint design (past the dashed line: over its limit)",
+                        title="Load ÷ limit at 1,000 hosts, by checkpoint design (above the dashed line: over)",
                         groups=[n.replace("_per_s", "/s").replace("_", " ") for n in names],
                         series={d: [max(1e-3, designs[d][h][n]["load"] / designs[d][h][n]["limit"]) for n in names]
                                 for d in designs},
