@@ -86,11 +86,14 @@ def test_bench_restart_measures_empty_and_full_clusters(tmp_path: Path, etcd_end
 def test_bench_checkpoints_compares_incremental_whole_and_off(tmp_path: Path, etcd_endpoint: str,
                                                               broker_endpoint: str) -> None:
     data = bench("checkpoints", tmp_path, etcd_endpoint, broker_endpoint)
-    assert {r["case"] for r in data["runs"]} == {"on", "whole", "off"}
+    assert {r["case"] for r in data["runs"]} == {"on", "whole", "peers", "off"}
     for c in data["config"]["streams"]:
         s = data["summary"][str(c)]
         assert is_number(s["throughput_ratio_on_vs_off"]) and is_number(s["throughput_ratio_whole_vs_off"])
-        for case in ("on", "whole", "off"):
+        assert is_number(s["throughput_ratio_peers_vs_off"])
+        assert s["peers"]["router_bytes_per_s"] > 0, "the peers router wrote its checkpoints (to its peer)"
+        assert is_number(s["peers"]["cpu_holder"]) and s["on"]["cpu_holder"] is None
+        for case in ("on", "whole", "peers", "off"):
             assert {"tokens_per_s", "router_txns_per_s", "router_bytes_per_s", "etcd_txns_per_s",
                     "etcd_grpc_bytes_per_s"} <= set(s[case])
         assert s["on"]["router_bytes_per_s"] > 0 and s["off"]["router_bytes_per_s"] == 0
