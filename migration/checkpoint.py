@@ -295,8 +295,7 @@ class Checkpointer:
     async def _send(self, peer: tuple[str, str], items: list[_Item]) -> None:
         """One write to the peer (an empty one keeps this router's copies there alive)."""
         assert self.peers is not None
-        body = encode_batch(self.router_id, self.ttl_s,
-                            [(i.rid, "delete" if i.what == "delete" else i.what, i.n, i.value) for i in items])
+        body = encode_batch(self.router_id, self.ttl_s, [(i.rid, i.what, i.n, i.value) for i in items])
         try:
             answer = await self.peers.send(peer, body)
         except BaseException:
