@@ -22,7 +22,8 @@ follow the token rate go from router to router.
 - **What it does not survive**: the owner and its peer dying within one flush of each other. etcd's copy
   survived that; a copy in a peer's memory does not.
 
-The wire: ``POST /fleetward/v1/replicas`` (``{"owner", "ttl", "items": [{"id", "n", "kind", "value"}]}``),
+The wire: ``POST /fleetward/v1/replicas`` (a JSON header line, ``{"owner", "ttl", "items": [{"id", "kind",
+"n", "len"}]}``, then the items' values one after another: :func:`encode_batch`),
 ``GET /fleetward/v1/replicas/<id>`` (the tokens a copy holds), ``POST /fleetward/v1/replicas/<id>/claim``
 (``{"by", "key"}``: the journal, now the claimant's). Each needs the fleet's admin token as a bearer token.
 """
