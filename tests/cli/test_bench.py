@@ -83,7 +83,7 @@ def test_bench_restart_measures_empty_and_full_clusters(tmp_path: Path, etcd_end
     assert is_number(data["summary"]["process/full"]["median_s"])
 
 
-def test_bench_checkpoints_compares_incremental_whole_and_off(tmp_path: Path, etcd_endpoint: str,
+def test_bench_checkpoints_compares_incremental_whole_peers_and_off(tmp_path: Path, etcd_endpoint: str,
                                                               broker_endpoint: str) -> None:
     data = bench("checkpoints", tmp_path, etcd_endpoint, broker_endpoint)
     assert {r["case"] for r in data["runs"]} == {"on", "whole", "peers", "off"}
