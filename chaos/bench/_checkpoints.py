@@ -29,6 +29,7 @@ from fleetward.chaos.bench._common import (
     console,
     fmt,
     histogram_quantiles,
+    metric_delta,
     progress,
     ratio,
     require_extras,
@@ -66,10 +67,6 @@ class CheckpointBench:
     plots: bool = True
     etcd: str | None = None
     mqtt: str | None = None
-
-
-def _sum(metrics: dict[str, float], name: str) -> float:
-    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
 
 
 async def run_checkpoint_bench(cfg: CheckpointBench) -> Results:
@@ -118,20 +115,16 @@ async def run_checkpoint_bench(cfg: CheckpointBench) -> Results:
                                 "streams": c, "round": rnd, "case": case, "tokens_per_s": r["tokens"] / r["window_s"],
                                 "requests_failed": r["requests_failed"], "itl": summarize(r["gaps_us"]),
                                 "cpu_cores": r["cpu_cores"], "run_s": elapsed,
-                                "router_txns_per_s": (_sum(r1, "fleetward_router_checkpoint_txns_total")
-                                                      - _sum(r0, "fleetward_router_checkpoint_txns_total")) / elapsed,
-                                "router_bytes_per_s": (_sum(r1, "fleetward_router_checkpoint_bytes_total")
-                                                       - _sum(r0, "fleetward_router_checkpoint_bytes_total")) / elapsed,
-                                "router_flushes_per_s": (_sum(r1, "fleetward_router_checkpoint_flushes_total")
-                                                         - _sum(r0, "fleetward_router_checkpoint_flushes_total"))
-                                / elapsed,
+                                **{f"router_{what}_per_s": metric_delta(
+                                    r0, r1, f"fleetward_router_checkpoint_{what}_total") / elapsed
+                                   for what in ("txns", "bytes", "flushes")},
                                 "slice_p99_le_s": histogram_quantiles(
                                     r0, r1, "fleetward_router_checkpoint_slice_seconds")["p99_le_s"],
                                 "flush_p99_le_s": histogram_quantiles(
                                     r0, r1, "fleetward_router_checkpoint_flush_seconds")["p99_le_s"],
                             }
                             for key, name in _ETCD.items():
-                                run[f"{key}_per_s"] = (_sum(e1, name) - _sum(e0, name)) / elapsed
+                                run[f"{key}_per_s"] = metric_delta(e0, e1, name) / elapsed
                             res.data["runs"].append(run)
                             bar.advance(task)
     _summarize(res, cfg)

@@ -39,6 +39,8 @@ __all__ = [
     "console",
     "fmt",
     "histogram_quantiles",
+    "metric_delta",
+    "metric_total",
     "progress",
     "quantile",
     "ratio",
@@ -313,6 +315,16 @@ async def scrape(url: str) -> dict[str, float]:
         with contextlib.suppress(ValueError):
             out[name] = float(value)
     return out
+
+
+def metric_total(metrics: dict[str, float], name: str) -> float:
+    """A metric of a :func:`scrape` summed over its label sets."""
+    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
+
+
+def metric_delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    """How much a metric (summed over its label sets) grew between two :func:`scrape` s."""
+    return metric_total(after, name) - metric_total(before, name)
 
 
 def histogram_quantiles(before: dict[str, float], after: dict[str, float], metric: str,

@@ -29,7 +29,7 @@ import httpx
 import orjson
 import psutil
 
-from fleetward.chaos.bench._common import Infra, Results, console, fmt, scrape, table
+from fleetward.chaos.bench._common import Infra, Results, console, fmt, metric_delta, scrape, table
 from fleetward.chaos.bench._detect import ADMIN_TOKEN, SIM, DetectBench, Events
 from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.bus import MqttBus
@@ -275,7 +275,7 @@ async def _step(size: int, services: _Services, infra: Infra, store: EtcdStore, 
     c1, t1 = {k: _cpu_seconds(v) for k, v in pids.items()}, time.monotonic()
     m1, e1 = await scrape(ctl.url + "/metrics"), await scrape(etcd_metrics)
     window = t1 - t0
-    written = sum(e1.get(k, 0.0) - e0.get(k, 0.0) for k in ("etcd_mvcc_put_total", "etcd_mvcc_delete_total"))
+    written = sum(metric_delta(e0, e1, k) for k in ("etcd_mvcc_put_total", "etcd_mvcc_delete_total"))
     cores = {k: (c1[k] - c0[k]) / window for k in pids}
     canaries = {k.split('result="', 1)[1].rstrip('"}'): (v - m0.get(k, 0.0)) / window for k, v in m1.items()
                 if k.startswith("fleetward_supervisor_canaries_total{")}

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import aiomqtt
-import httpx
 import psutil
 from prometheus_client import generate_latest
 
@@ -43,6 +42,8 @@ from fleetward.chaos.bench._common import (
     client_load,
     console,
     fmt,
+    metric_delta,
+    metric_total,
     progress,
     require_extras,
     scrape,
@@ -117,22 +118,18 @@ def checkpoint_sizes(w: model.Workload, cluster: str = "fleet") -> dict[str, flo
             "checkpoint_delta_fixed_bytes": d1 - per_token, "checkpoint_delta_bytes_per_token": per_token}
 
 
-def _sum(metrics: dict[str, float], name: str) -> float:
-    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
-
-
 async def _streaming(cfg: ScaleBench, infra: Infra) -> dict[str, Any]:
     assert infra.etcd and infra.mqtt
     etcd_metrics = f"http://{infra.etcd}/metrics"
     run_dir = cfg.out / "run-scale"
-    watchers_pre = _sum(await scrape(etcd_metrics), WATCHERS)  # another client's, when etcd is not ours
+    watchers_pre = metric_total(await scrape(etcd_metrics), WATCHERS)  # another client's, when etcd is not ours
     async with TestFleet(etcd=infra.etcd, mqtt=infra.mqtt, cluster=f"bench-scale-{uuid.uuid4().hex[:6]}",
                          run_dir=run_dir, workers=2, backend=SimBackend(SIM), routing=RouterConfig()) as fleet:
         await fleet.wait_workers_routable(2)
-        watchers0 = _sum(await scrape(etcd_metrics), WATCHERS)
+        watchers0 = metric_total(await scrape(etcd_metrics), WATCHERS)
         router = await fleet.start_router("bench-scale-router", checkpoint_store="peers")
         await asyncio.sleep(1.0)  # its watches are opened once it serves; a second for the last of them
-        watchers1 = _sum(await scrape(etcd_metrics), WATCHERS)
+        watchers1 = metric_total(await scrape(etcd_metrics), WATCHERS)
         holder = await fleet.start_router("bench-scale-holder", checkpoint_store="peers")
         proc = psutil.Process(router.process.pid)
         rss_idle = proc.memory_info().rss
@@ -155,10 +152,8 @@ async def _streaming(cfg: ScaleBench, infra: Infra) -> dict[str, Any]:
         finally:
             sampler.cancel()
         r1, e1 = await scrape(router.url + "/metrics"), await scrape(etcd_metrics)
-        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
-            worker_text = (await client.get(fleet.url(fleet.worker_ids[0]) + "/metrics")).text
-            router_text = (await client.get(router.url + "/metrics")).text
-        tokens = _sum(r1, "fleetward_router_tokens_total") - _sum(r0, "fleetward_router_tokens_total")
+        worker = await scrape(fleet.url(fleet.worker_ids[0]) + "/metrics")
+        tokens = metric_delta(r0, r1, "fleetward_router_tokens_total")
         tok_s = r["tokens"] / r["window_s"]
         return {
             "streams": cfg.streams, "tokens_per_s": tok_s, "requests_failed": r["requests_failed"],
@@ -167,16 +162,15 @@ async def _streaming(cfg: ScaleBench, infra: Infra) -> dict[str, Any]:
                                        if tok_s else None),
             "router_rss_idle_bytes": rss_idle, "router_rss_peak_bytes": peak[0],
             "router_rss_bytes_per_stream": (peak[0] - rss_idle) / cfg.streams,
-            "checkpoint_bytes_per_token": (_sum(r1, "fleetward_router_checkpoint_bytes_total")
-                                           - _sum(r0, "fleetward_router_checkpoint_bytes_total")) / max(tokens, 1),
-            "etcd_puts_per_token": (_sum(e1, "etcd_mvcc_put_total") - _sum(e0, "etcd_mvcc_put_total"))
+            "checkpoint_bytes_per_token": metric_delta(r0, r1, "fleetward_router_checkpoint_bytes_total")
             / max(tokens, 1),
-            "etcd_bytes_in_per_token": (_sum(e1, "etcd_network_client_grpc_received_bytes_total")
-                                        - _sum(e0, "etcd_network_client_grpc_received_bytes_total")) / max(tokens, 1),
+            "etcd_puts_per_token": metric_delta(e0, e1, "etcd_mvcc_put_total") / max(tokens, 1),
+            "etcd_bytes_in_per_token": metric_delta(e0, e1, "etcd_network_client_grpc_received_bytes_total")
+            / max(tokens, 1),
             "watchers_agent_and_controller": watchers0 - watchers_pre, "watchers_per_router": watchers1 - watchers0,
-            "series_per_router": _series(router_text), "series_per_agent": _series(
+            "series_per_router": len(r1), "series_per_agent": _series(
                 generate_latest(fleet.agent.metrics.registry).decode()),
-            "series_per_sim_worker": _series(worker_text),
+            "series_per_sim_worker": len(worker),
         }
 
 
