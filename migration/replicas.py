@@ -45,7 +45,7 @@ from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.errors import FleetwardError
 from fleetward.migration.journal import Journal
 
-__all__ = ["NotClaimable", "PeerLink", "Replicas", "authorized", "encode_batch", "pick_peer"]
+__all__ = ["NotClaimable", "PeerLink", "Replicas", "authorized", "encode_batch", "holders", "pick_peer"]
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +60,20 @@ class NotClaimable(Exception):
         self.why = why
 
 
+def holders(me: str, routers: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+    """The other registered routers that keep checkpoints with peers (``"replicas": true`` in
+    ``routers/<id>``), by id: their URLs."""
+    return {rid: str(rec["url"]) for rid, rec in routers.items()
+            if rid != me and rec.get("replicas") and rec.get("url")}
+
+
 def pick_peer(me: str, routers: Mapping[str, Mapping[str, Any]]) -> tuple[str, str] | None:
-    """The router after ``me`` by id among the registered routers that keep checkpoints with peers
-    (``"replicas": true`` in ``routers/<id>``), wrapping around; None when there is no other."""
-    others = sorted(rid for rid, rec in routers.items() if rid != me and rec.get("replicas") and rec.get("url"))
+    """The router after ``me`` by id among :func:`holders`, wrapping around; None when there is no other."""
+    others = holders(me, routers)
     if not others:
         return None
-    after = next((rid for rid in others if rid > me), others[0])
-    return after, str(routers[after]["url"])
+    after = min((rid for rid in others if rid > me), default=min(others))
+    return after, others[after]
 
 
 def encode_batch(owner: str, ttl_s: float, items: list[tuple[str, str, int, bytes]]) -> bytes:
@@ -98,7 +104,6 @@ class Replicas:
         self.clock = clock
         self.copies: dict[str, _Copy] = {}
         self._until: dict[str, float] = {}  # owner -> when its copies expire (monotonic)
-        self.bytes_received = 0
 
     def _expire(self) -> None:
         now = self.clock.monotonic()
@@ -115,7 +120,6 @@ class Replicas:
         header, _, values = body.partition(b"\n")
         data = orjson.loads(header)
         owner, ttl = str(data["owner"]), float(data["ttl"])
-        self.bytes_received += len(body)
         self._expire()
         self._until[owner] = self.clock.monotonic() + ttl
         lost: list[str] = []
@@ -175,8 +179,10 @@ class Replicas:
 
 
 def authorized(header: str, token: str | None) -> bool:
+    if not token:
+        return False
     scheme, _, given = header.partition(" ")
-    return bool(token) and scheme.lower() == "bearer" and hmac.compare_digest(given.strip(), token or "")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip(), token)
 
 
 class PeerLink:
@@ -224,8 +230,7 @@ class PeerLink:
 
     async def claim(self, rid: str, *, key: str | None) -> Journal | None:
         """The copy of ``rid`` with the most tokens among the other routers, claimed; None if none has one."""
-        others = {r: str(rec["url"]) for r, rec in self.routers().items()
-                  if r != self.me and rec.get("replicas") and rec.get("url")}
+        others = holders(self.me, self.routers())
 
         async def tokens(url: str) -> tuple[int, str] | None:
             with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError):

@@ -112,12 +112,11 @@ class Router:
                                          ttl_s=config.checkpoint_ttl_s, incremental=config.checkpoint_incremental,
                                          clock=clock, on_lost=self._on_lost)
         self.checkpointer.enabled = config.checkpoints
-        self.replicas: Replicas | None = None
         if config.checkpoints and config.checkpoint_store == "peers":
             if not admin_token:
                 raise ConfigError("checkpoints kept with peers need the admin token (FLEETWARD_ADMIN_TOKEN): routers "
                                   "authenticate each other's copies with it", field="routing.checkpoint_store")
-            self.replicas = self.checkpointer.replicas = Replicas(clock=clock)
+            self.checkpointer.replicas = Replicas(clock=clock)
             self.checkpointer.peers = PeerLink(lambda: self.upstream.session, admin_token, self.id,
                                                lambda: self.view.fleet.routers, shun_s=config.lease_ttl_s,
                                                clock=clock)
@@ -147,6 +146,11 @@ class Router:
         self.orphans: set[str] = set()
         self._seen_flushes = self._seen_txns = self._seen_bytes = 0
         self._side: set[asyncio.Future[None]] = set()
+
+    @property
+    def replicas(self) -> Replicas | None:
+        """The copies this router holds of its peers' checkpoints (``routing.checkpoint_store: peers``)."""
+        return self.checkpointer.replicas
 
     # -- life -------------------------------------------------------------------------------------------
 
