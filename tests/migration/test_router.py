@@ -389,13 +389,31 @@ async def test_a_restarted_router_is_whole_before_it_serves(healthy: TestFleet) 
         await healthy.stop_router(second)
 
 
-async def test_a_client_resumes_on_another_router_with_last_event_id(healthy: TestFleet, wait_until: Any) -> None:
-    first = await healthy.start_router("r-dying")
-    second = await healthy.start_router("r-rescue")
+async def copy_tokens(fleet: TestFleet, holder: RouterProcess, rid: str) -> int | None:
+    """The tokens of ``rid``'s copy the router ``holder`` keeps for a peer (``checkpoint_store: peers``)."""
+    async with httpx.AsyncClient(timeout=5) as client:
+        r = await client.get(f"{holder.url}/fleetward/v1/replicas/{rid}",
+                             headers={"Authorization": f"Bearer {fleet.admin_token}"})
+    return int(r.json()["tokens"]) if r.status_code == 200 else None
+
+
+@pytest.mark.parametrize("store", ["etcd", "peers"])
+async def test_a_client_resumes_on_another_router_with_last_event_id(healthy: TestFleet, wait_until: Any,
+                                                                     store: str) -> None:
+    """The client's router is killed mid-stream; the client resumes on another router with Last-Event-ID and
+    reads one exact stream. With routing.checkpoint_store: peers the other router holds the copy, and etcd
+    holds none of it."""
+    first = await healthy.start_router(f"r-dying-{store}", checkpoint_store=store)
+    second = await healthy.start_router(f"r-rescue-{store}", checkpoint_store=store)
     prompt = encode("resume me elsewhere: ")
     body = {"model": "sim-tiny", "prompt": prompt, "max_tokens": 300, "stream": True, "return_token_ids": True}
     got: list[int] = []
-    last_id = ""
+    last_id = rid = ""
+
+    async def saved() -> bool:
+        if store == "etcd":
+            return await checkpointed(healthy, rid, 20)
+        return (await copy_tokens(healthy, second, rid) or 0) >= 20 and not await checkpointed(healthy, rid)
 
     try:
         with pytest.raises(httpx.HTTPError):  # the router dies under the client
@@ -408,54 +426,11 @@ async def test_a_client_resumes_on_another_router_with_last_event_id(healthy: Te
                         got.extend(orjson.loads(line[6:])["choices"][0]["token_ids"])
                         if len(got) == 40:
                             rid = last_id.rpartition(":")[0]
-                            await wait_until(lambda: checkpointed(healthy, rid, 20), timeout=15)  # noqa: B023
+                            await wait_until(saved, timeout=15)
                             healthy.kill_router(first)
         assert last_id.endswith(f":{len(got)}") and len(got) >= 40
         rest, events, ids = await stream_tokens(second.url, body, headers={"Last-Event-ID": last_id})
         assert got + rest == reference(prompt, 300), "replayed from the checkpoint, regenerated past it, exact"
-        assert ids[-1] == f"{rid}:300"
-        assert {e["id"] for e in events} == {rid}
-    finally:
-        await healthy.stop_router(first)
-        await healthy.stop_router(second)
-
-
-async def test_with_copies_kept_by_peer_routers_a_client_resumes_exactly_after_its_router_is_killed(
-        healthy: TestFleet, wait_until: Any) -> None:
-    """routing.checkpoint_store: peers. The owner's checkpoints go to the other router, not to etcd; the
-    owner is killed; the client resumes on the holder with Last-Event-ID and reads one exact stream."""
-    first = await healthy.start_router("r-peer-a", checkpoint_store="peers")
-    second = await healthy.start_router("r-peer-b", checkpoint_store="peers")
-    prompt = encode("kept by a peer: ")
-    body = {"model": "sim-tiny", "prompt": prompt, "max_tokens": 300, "stream": True, "return_token_ids": True}
-    token = {"Authorization": f"Bearer {healthy.admin_token}"}
-    got: list[int] = []
-    last_id = rid = ""
-
-    async def held_by_the_peer_alone() -> bool:
-        async with httpx.AsyncClient(timeout=5) as client:
-            r = await client.get(f"{second.url}/fleetward/v1/replicas/{rid}", headers=token)
-        return r.status_code == 200 and r.json()["tokens"] >= 20 and not await checkpointed(healthy, rid)
-
-    try:
-        async with httpx.AsyncClient(timeout=5) as client:
-            r = await client.get(f"{second.url}/fleetward/v1/replicas/cmpl-x", headers={"Authorization": "Bearer no"})
-            assert r.status_code == 401, "a router's copies need the admin token"
-        with pytest.raises(httpx.HTTPError):  # the router dies under the client
-            async with httpx.AsyncClient(timeout=30) as client, client.stream(
-                    "POST", first.url + "/v1/completions", json=body, headers=EVENT_IDS) as r:
-                async for line in sse_lines(r.aiter_bytes()):
-                    if line.startswith("id: "):
-                        last_id = line[4:]
-                    if line.startswith("data: {"):
-                        got.extend(orjson.loads(line[6:])["choices"][0]["token_ids"])
-                        if len(got) == 40:
-                            rid = last_id.rpartition(":")[0]
-                            await wait_until(held_by_the_peer_alone, timeout=15)
-                            healthy.kill_router(first)
-        assert last_id.endswith(f":{len(got)}") and len(got) >= 40
-        rest, events, ids = await stream_tokens(second.url, body, headers={"Last-Event-ID": last_id})
-        assert got + rest == reference(prompt, 300), "replayed from the peer's copy, regenerated past it, exact"
         assert ids[-1] == f"{rid}:300"
         assert {e["id"] for e in events} == {rid}
     finally:
@@ -471,11 +446,12 @@ async def test_with_copies_kept_by_peer_routers_a_client_that_left_resumes_on_th
     second = await healthy.start_router("r-peer-d", checkpoint_store="peers")
     prompt = encode("left a living router: ")
     body = {"model": "sim-tiny", "prompt": prompt, "max_tokens": 300, "stream": True, "return_token_ids": True}
-    token = {"Authorization": f"Bearer {healthy.admin_token}"}
     try:
         got: list[int] = []
         last_id = ""
         async with httpx.AsyncClient(timeout=30) as client:
+            r = await client.get(f"{second.url}/fleetward/v1/replicas/cmpl-x", headers={"Authorization": "Bearer no"})
+            assert r.status_code == 401, "a router's copies need the admin token"
             async with client.stream("POST", first.url + "/v1/completions", json=body, headers=EVENT_IDS) as r:
                 assert r.status_code == 200, await r.aread()
                 async for line in sse_lines(r.aiter_bytes()):
@@ -489,8 +465,7 @@ async def test_with_copies_kept_by_peer_routers_a_client_that_left_resumes_on_th
             assert last_id == f"{rid}:{len(got)}"
 
             async def held() -> bool:
-                r = await client.get(f"{second.url}/fleetward/v1/replicas/{rid}", headers=token)
-                return r.status_code == 200 and r.json()["tokens"] >= len(got)
+                return (await copy_tokens(healthy, second, rid) or 0) >= len(got)
 
             await wait_until(held, timeout=15)
         rest, events, ids = await stream_tokens(second.url, body, headers={"Last-Event-ID": last_id})
