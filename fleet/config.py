@@ -11,6 +11,7 @@ as ``fleet.yaml:7: sim.decode_step_ms: unknown field`` rather than ignored.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shlex
 from collections.abc import Mapping
@@ -286,6 +287,18 @@ class SupervisorConfig(Frozen):
                                 "moved by computing them again; 0: at once, as a failure is")
 
 
+class KubernetesScaleConfig(Frozen):
+    """Where the autoscaler scales each pool on Kubernetes (``autoscale.actuator: kubernetes``): a Deployment's
+    scale subresource, with a namespaced Role that allows get and patch on ``deployments/scale`` only."""
+
+    namespace: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description="the pools' "
+                                  "namespace (default: the autoscaler pod's own, from its service account)")
+    deployments: dict[Literal["aggregated", "prefill", "decode"], str] = Field(
+        default_factory=lambda: {"aggregated": "vllm"},
+        description="the Deployment of each pool's vLLM pods (each pod with the agent sidecar: `fleetward deploy "
+                    "kubernetes`)")
+
+
 class AutoscaleConfig(Frozen):
     """The autoscaler (``fleetward autoscaler``; ``fleetward up --autoscale`` starts one)."""
 
@@ -331,6 +344,12 @@ class AutoscaleConfig(Frozen):
     nodes: tuple[str, ...] = Field((), description="nodes new workers may go to (default: the nodes that run "
                                    "workers of the pool now)")
     lease_ttl_s: int = Field(5, ge=2, description="leadership lease: a dead planner is replaced within this")
+    actuator: Literal["local", "kubernetes"] = Field(
+        "local", description="how workers are started and retired: local, through the supervisor's control API (the "
+        "node agents start them); kubernetes, by each pool's Deployment replicas (scale subresource), the drain "
+        "first (docs/deploy.md, Kubernetes)")
+    kubernetes: KubernetesScaleConfig = Field(default_factory=KubernetesScaleConfig,
+                                              description="actuator kubernetes: the namespace and the Deployments")
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscaleConfig:
@@ -422,12 +441,25 @@ class ProcessRef(Frozen):
     pidfile: Path | None = Field(None, description="a file holding the API server's pid")
     systemd_unit: str | None = Field(None, description="a systemd unit whose MainPID is the API server")
     container: str | None = Field(None, description="a container (docker) whose main process is the API server")
+    match: str | None = Field(None, min_length=1, description="a regular expression searched for in each process's "
+                              "command line: the oldest match is the API server (a sidecar in the server's pod, "
+                              "with shareProcessNamespace: e.g. 'vllm serve')")
+
+    @field_validator("match")
+    @classmethod
+    def _regex(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"not a regular expression: {exc}") from None
+        return value
 
     @model_validator(mode="after")
     def _one(self) -> ProcessRef:
-        given = [n for n in ("pidfile", "systemd_unit", "container") if getattr(self, n) is not None]
+        given = [n for n in ("pidfile", "systemd_unit", "container", "match") if getattr(self, n) is not None]
         if len(given) != 1:
-            raise ValueError("give exactly one of pidfile, systemd_unit and container")
+            raise ValueError("give exactly one of pidfile, systemd_unit, container and match")
         return self
 
 
@@ -452,6 +484,9 @@ class AttachConfig(Frozen):
     process: ProcessRef | None = Field(None, description="how to find its process (none: watched by URL only)")
     restart_command: tuple[str, ...] = Field((), description="argv run to restart it (none: drain and leave it "
                                              "for an operator)")
+    restart_by_exit: bool = Field(False, description="restart it by ending its process tree and waiting for what "
+                                  "runs it to start it again (the kubelet, a container's restart policy); needs "
+                                  "process, and no restart_command")
     gpus: tuple[int, ...] | None = Field(None, description="the GPUs it runs on, by NVML index (default: found "
                                          "from NVML's compute processes and its process tree; dcgm: none "
                                          "unless given)")
@@ -460,6 +495,14 @@ class AttachConfig(Frozen):
     @classmethod
     def _argv(cls, value: Any) -> Any:
         return tuple(shlex.split(value)) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _restart(self) -> AttachConfig:
+        if self.restart_by_exit and self.restart_command:
+            raise ValueError("give restart_command or restart_by_exit, not both")
+        if self.restart_by_exit and self.process is None:
+            raise ValueError("restart_by_exit needs process: the process whose exit restarts the server")
+        return self
 
     @property
     def host_port(self) -> tuple[str, int]:
