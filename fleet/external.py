@@ -6,10 +6,13 @@ is its :class:`~fleetward.fleet.backends.Backend`, one per server, built from it
 :class:`~fleetward.fleet.config.AttachConfig`:
 
 - :meth:`~ExternalBackend.adopt` starts nothing: it finds the server's process (a pidfile, a systemd unit,
-  a container; or none, for a server known by URL only) so the node agent can watch it like its own;
+  a container, a match over command lines; or none, for a server known by URL only) so the node agent can
+  watch it like its own;
 - :meth:`~ExternalBackend.launch` is a *restart*: it runs the operator's ``restart_command`` and waits for
-  the new process. Without one it refuses (:attr:`~ExternalBackend.can_restart` is False): the worker is
-  drained and left for an operator, never killed blindly;
+  the new process; with ``restart_by_exit`` it runs nothing and waits for what runs the server (the kubelet,
+  a container's restart policy) to start it again once its tree was cleared. Without either it refuses
+  (:attr:`~ExternalBackend.can_restart` is False): the worker is drained and left for an operator, never
+  killed blindly;
 - :meth:`~ExternalBackend.stop` clears the old process tree before a restart (what a killed API server left
   behind would hold the port, the memory, on a GPU its memory), and only then; an agent that stops or
   gives a server up leaves it running (:attr:`~ExternalBackend.owns_processes` is False).
@@ -32,6 +35,7 @@ from fleetward.fleet.procs import (
     AdoptedProcess,
     ManagedProcess,
     pid_from_file,
+    pid_matching,
     pid_of_container,
     pid_of_unit,
 )
@@ -92,7 +96,7 @@ class ExternalBackend:
 
     @property
     def can_restart(self) -> bool:
-        return bool(self.entry.restart_command)
+        return bool(self.entry.restart_command) or self.entry.restart_by_exit
 
     def reference(self) -> dict[str, Any] | None:
         return None
@@ -114,6 +118,9 @@ class ExternalBackend:
         if ref.systemd_unit is not None:
             unit = ref.systemd_unit
             return lambda: pid_of_unit(unit)
+        if ref.match is not None:
+            pattern = ref.match
+            return lambda: pid_matching(pattern)
         assert ref.container is not None
         container = ref.container
         return lambda: pid_of_container(container)
@@ -129,6 +136,9 @@ class ExternalBackend:
         if not self.can_restart:
             raise LeftForOperator(f"{spec.id} ({self.entry.url}) is a server fleetward did not start and its "
                                   "attach entry has no restart_command: it is drained and left for an operator")
+        if self.entry.restart_by_exit:
+            # Its tree was cleared (stop): what runs it starts it again; wait_ready finds the new process.
+            return self.adopt(spec)
         argv = [*prefix, *self.entry.restart_command]
         # Not marked as this run's: the server it starts is the operator's, and outlives us.
         command = ManagedProcess(f"restart command of {spec.id}", argv, log_path=log_dir / f"restart-{spec.id}.log",

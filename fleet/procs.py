@@ -623,6 +623,22 @@ def pid_of_container(name: str) -> int | None:
     return int(out) or None
 
 
+def pid_matching(pattern: str) -> int | None:
+    """The oldest live process (but this one) whose command line, its arguments joined by spaces, contains a
+    match of the regular expression ``pattern``, or None. The oldest, so a server's children that share or
+    extend its command line (forked workers, vLLM's EngineCore) are never taken for it."""
+    regex = re.compile(pattern)
+    me = os.getpid()
+    found: list[tuple[float, int]] = []
+    for p in psutil.process_iter(["pid", "cmdline", "create_time", "status"]):
+        info = p.info
+        if info["pid"] == me or not info["cmdline"] or info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        if regex.search(" ".join(info["cmdline"])):
+            found.append((info["create_time"], info["pid"]))
+    return min(found)[1] if found else None
+
+
 LOOPBACK = ("localhost", "::1")
 WILDCARD = ("0.0.0.0", "::", "")
 

@@ -8,10 +8,12 @@ entry's node adopts it:
    tokenizer, the model folder vLLM names as ``root`` when this host has it), then
    registers it under its lease like a worker of its own (``workers/<id>``, backend ``external``), so
    routers route and migrate its streams and the supervisor watches it;
-2. with a process locator (pidfile, systemd unit, container) the agent's process and engine detectors
+2. with a process locator (pidfile, systemd unit, container, a match over command lines: a Kubernetes
+   sidecar in the server's pod) the agent's process and engine detectors
    watch it too (its exit, a stopped or frozen EngineCore), and its GPUs are those on which NVML lists a
    process of its tree (unless the entry names them, ``gpus:``), so the gpu detector marks it;
-3. a restart runs the entry's ``restart_command``; without one, the worker is deregistered (routers stop
+3. a restart runs the entry's ``restart_command``, or with ``restart_by_exit`` ends the server's process tree
+   for what runs it (the kubelet) to start it again; without either, the worker is deregistered (routers stop
    sending it work) and left for an operator. It is taken back by itself once it serves again as a new
    process (a new pid, or an answer after it had stopped answering), or when it is added again;
 4. ``attach/<id>`` deleted (``fleetward worker remove``): the agent gives the server up; it keeps running.
@@ -90,14 +92,17 @@ class Adopter:
         if (entry.node or self.agent.node) != self.agent.node:
             return
         signer = self.agent.attach_signer
-        if entry.restart_command and signer is not None and not signer.signed(worker_id, body):
-            # Anyone with the fleet's etcd credentials could otherwise have this (root) agent run a command.
-            log.error("attach/%s: its restart command %s is not signed with the admin token (written by hand, or "
-                      "forged): not run; the server is adopted without it (drained and left for an operator when "
+        restarts = entry.restart_command or entry.restart_by_exit
+        if restarts and signer is not None and not signer.signed(worker_id, body):
+            # Anyone with the fleet's etcd credentials could otherwise have this (root) agent run a command, or
+            # end whatever process a forged match names.
+            how = list(entry.restart_command) if entry.restart_command else "restart_by_exit"
+            log.error("attach/%s: its restart (%s) is not signed with the admin token (written by hand, or "
+                      "forged): not done; the server is adopted without it (drained and left for an operator when "
                       "it fails). Add it with `fleetward worker add` or a fleet file's attach:, which sign it",
-                      worker_id, list(entry.restart_command))
+                      worker_id, how)
             self.agent.metrics.attach_refused.inc()
-            entry = entry.model_copy(update={"restart_command": ()})
+            entry = entry.model_copy(update={"restart_command": (), "restart_by_exit": False})
         known = self.entries.get(worker_id)
         if known == entry and worker_id in self.agent.handles and self._tasks.get(worker_id) is None:
             return  # adopted and registered: nothing changed

@@ -256,3 +256,24 @@ def test_what_a_process_was_at_is_its_last_message_without_timestamp_level_or_so
     assert last_log_line("INFO:     Started server process [123]") == "Started server process [123]"
     assert last_log_line("2026-11-27 05:32:51,123 INFO fleetward.sim: serving") == "fleetward.sim: serving"
     assert last_log_line("") == last_log_line("\n  indented only\n") == ""
+
+
+async def test_a_command_line_match_finds_the_oldest_process_not_its_children(tmp_path: Path) -> None:
+    """``process.match``: a server's children that share its command line (forked workers) are not taken for it."""
+    from fleetward.fleet.procs import pid_matching
+
+    mark = f"fleetward-match-{os.getpid()}-{free_port()}"
+    script = ("import subprocess, sys, time\n"
+              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', sys.argv[1]])\n"
+              "time.sleep(60)\n")
+    parent = ManagedProcess("matched", [sys.executable, "-c", script, mark], log_path=tmp_path / "m.log").start()
+    try:
+        for _ in range(500):
+            if len(parent.tree()) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert len(parent.tree()) == 2, "the child started"
+        assert pid_matching(rf"{mark}$") == parent.pid
+        assert pid_matching(mark + "-not-running") is None
+    finally:
+        await parent.stop(grace=2)

@@ -176,19 +176,23 @@ async def test_what_a_killed_server_left_behind_is_stopped_even_when_a_restart_o
         await fleet.aclose()
 
 
-async def test_a_restart_command_written_into_etcd_by_hand_is_never_run(
-        restartable: TestFleet, servers: list[Server], tmp_path: Path, wait_until: Any) -> None:
+@pytest.mark.parametrize("forged", ["command", "exit"])
+async def test_a_restart_written_into_etcd_by_hand_is_never_done(
+        restartable: TestFleet, servers: list[Server], tmp_path: Path, wait_until: Any, forged: str) -> None:
     """Any holder of the fleet's etcd credentials (every router host) could rewrite ``attach/<id>`` and have the
-    agent of another host run a command as root when the server fails. A record whose restart command the admin
-    token did not sign (here: the old signature kept, the command changed) is adopted without its command:
-    refused, counted, and the server is drained and left for an operator, never restarted by that command."""
+    agent of another host run a command as root when the server fails, or end the processes a forged entry
+    names (``restart_by_exit``). A record whose restart the admin token did not sign (here: the old signature
+    kept, the restart changed) is adopted without it: refused, counted, and the server is drained and left for
+    an operator, never restarted that way."""
     fleet = restartable
     victim = fleet.worker_ids[0]
     proof = tmp_path / "ran"
     key = fleet.keys.attached(victim)
     record = orjson.loads((await fleet.store.get(key)).value)  # type: ignore[union-attr]
     assert "signature" in record, "fleetward signs what it writes"
-    await fleet.store.put(key, orjson.dumps({**record, "restart_command": ["sh", "-c", f"id > {proof}"]}))
+    restart = ({"restart_command": ["sh", "-c", f"id > {proof}"]} if forged == "command"
+               else {"restart_command": [], "restart_by_exit": True})
+    await fleet.store.put(key, orjson.dumps({**record, **restart}))
     registry = fleet.agent.metrics.registry
     await wait_until(lambda: registry.get_sample_value("fleetward_agent_attach_commands_refused_total") == 1,
                      timeout=10, message="the agent refused the forged record")
@@ -335,7 +339,16 @@ def test_an_attach_entry_is_checked_with_file_line_and_field(tmp_path: Path) -> 
     with pytest.raises(ConfigError) as info:
         load_fleet_config(path)
     assert (info.value.line, info.value.field) == (4, "attach[0].process")
-    assert "exactly one of pidfile, systemd_unit and container" in str(info.value)
+    assert "exactly one of pidfile, systemd_unit, container and match" in str(info.value)
+    path.write_text("workers: 0\nattach:\n  - url: http://10.0.0.5:8000\n    process:\n      match: 'vllm (serve'\n")
+    with pytest.raises(ConfigError) as info:
+        load_fleet_config(path)
+    assert (info.value.line, info.value.field) == (5, "attach[0].process.match")
+    assert "not a regular expression" in str(info.value)
+    path.write_text("workers: 0\nattach:\n  - url: http://10.0.0.5:8000\n    restart_by_exit: true\n")
+    with pytest.raises(ConfigError) as info:
+        load_fleet_config(path)
+    assert "restart_by_exit needs process" in str(info.value)
     ok = FleetConfig.model_validate({"attach": [{"url": "http://10.0.0.5:8000", "restart_command":
                                                   "systemctl restart vllm@0"}]})
     assert ok.attach[0].restart_command == ("systemctl", "restart", "vllm@0")
