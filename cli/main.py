@@ -11,6 +11,7 @@
     fleetward gpu [--self-test] [--json]                                  this host's GPUs, their health and workers
     fleetward replay TRACE [--simulate] [--json] ...                     a trace live, or every policy simulated
     fleetward chaos run|check|faults|validate ...                        chaos experiments (docs/chaos.md)
+    fleetward deploy kubernetes --config FILE --out DIR ...              Kubernetes manifests (docs/deploy.md)
 
 Errors fleetward raises on purpose (:class:`FleetwardError`) print as one clear line and exit 2 (bad
 input) or 1 (anything else); a traceback means a bug.
@@ -290,12 +291,14 @@ def _parser() -> argparse.ArgumentParser:
                             help="after the drain: stay cordoned (default), stop the worker, or restart it")
 
     from fleetward.cli.gpu import add_parser as add_gpu
+    from fleetward.cli.kubernetes import add_parser as add_deploy
     from fleetward.cli.profile import add_parser as add_profile
     from fleetward.cli.replay import add_parser as add_replay
 
     add_replay(sub)
     add_profile(sub)
     add_gpu(sub)
+    add_deploy(sub)
 
     # Parsed by fleetward.chaos.bench itself, imported only when asked for.
     bench = sub.add_parser("bench", add_help=False, help="benchmarks: router, migration, restart, checkpoints "
@@ -750,6 +753,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from fleetward.cli.gpu import run as run_gpu
 
             return run_gpu(args, out, err)
+        if args.command == "deploy":
+            from fleetward.cli.kubernetes import run as run_deploy
+
+            return run_deploy(args, out, err)
         if args.command == "replay":
             from fleetward.cli.replay import run as run_replay
 
