@@ -557,10 +557,10 @@ def networkpolicies(p: Plan) -> list[dict[str, Any]]:
         # routing.processes > 1 each process also serves its own metrics and progress on a port of its own).
         policy("fleetward-router", "router", {"matchLabels": selector(p, "router")},
                [{"ports": _tcp(p.ports["routing"])}, {"from": [_fleetward_pods(p, *services), prometheus]}]),
-        # The control API (drain, restart, ...; the admin token guards it too): routers and the autoscaler.
-        # Operators use `kubectl exec` (docs/deploy.md, Kubernetes).
+        # The control API (drain, restart, ...; the admin token guards it too): routers, the autoscaler, and
+        # the controllers, where operators' commands run (`kubectl exec`; docs/deploy.md, Kubernetes).
         policy("fleetward-controller", "controller", {"matchLabels": selector(p, "controller")},
-               [{"from": [_fleetward_pods(p, "autoscaler", "router"), prometheus],
+               [{"from": [_fleetward_pods(p, *services), prometheus],
                  "ports": _tcp(p.ports["supervisor"])}]),
         policy("fleetward-autoscaler", "autoscaler", {"matchLabels": selector(p, "autoscaler")},
                [{"from": [_fleetward_pods(p, "controller"), prometheus], "ports": _tcp(p.ports["autoscale"])}]),

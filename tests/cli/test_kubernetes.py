@@ -395,13 +395,13 @@ routing: {{api_keys_file: {tmp_path}/api-keys.yaml}}
     assert all(v.startswith("REPLACE-ME") for v in secrets["stringData"].values())
 
 
-def test_the_control_api_is_reached_only_from_routers_autoscalers_and_prometheus(
+def test_the_control_api_is_reached_only_from_fleetwards_pods_and_prometheus(
         variants: dict[str, dict[str, str]]) -> None:
     policies = {p["metadata"]["name"]: p["spec"] for p in objects(variants["example"], "NetworkPolicy")}
     (rule,) = policies["fleetward-controller"]["ingress"]
     assert rule["ports"] == [{"port": 9100, "protocol": "TCP"}]
     pods, prometheus = rule["from"]
-    assert pods["podSelector"]["matchExpressions"][0]["values"] == ["autoscaler", "router"]
+    assert pods["podSelector"]["matchExpressions"][0]["values"] == ["autoscaler", "controller", "router"]
     assert prometheus == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
     workers = policies["fleetward-workers"]
     assert workers["podSelector"] == {"matchLabels": {"fleetward/worker": "true"}}
