@@ -287,6 +287,10 @@ class SupervisorConfig(Frozen):
                                 "moved by computing them again; 0: at once, as a failure is")
 
 
+def _vllm_deployment() -> dict[Literal["aggregated", "prefill", "decode"], str]:
+    return {"aggregated": "vllm"}
+
+
 class KubernetesScaleConfig(Frozen):
     """Where the autoscaler scales each pool on Kubernetes (``autoscale.actuator: kubernetes``): a Deployment's
     scale subresource, with a namespaced Role that allows get and patch on ``deployments/scale`` only."""
@@ -294,7 +298,7 @@ class KubernetesScaleConfig(Frozen):
     namespace: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description="the pools' "
                                   "namespace (default: the autoscaler pod's own, from its service account)")
     deployments: dict[Literal["aggregated", "prefill", "decode"], str] = Field(
-        default_factory=lambda: {"aggregated": "vllm"},
+        default_factory=_vllm_deployment,
         description="the Deployment of each pool's vLLM pods (each pod with the agent sidecar: `fleetward deploy "
                     "kubernetes`)")
 

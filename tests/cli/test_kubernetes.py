@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import jsonschema  # type: ignore[import-untyped]
-import kubernetes_validate  # type: ignore[import-untyped]
+import jsonschema
+import kubernetes_validate
 import pytest
 import yaml
 
