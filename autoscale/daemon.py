@@ -17,6 +17,11 @@ Failover loses nothing and doubles nothing: a new leader reads ``scale/<pool>``,
 last desired count, counts the workers its predecessor asked for as on their way, and asks again for those
 not seen yet (the actuator's calls are idempotent per worker id), so a step cut off between the write and
 the act is finished, once. A deposed leader's write fails on the fence, so it never acts after losing.
+
+On Kubernetes (``autoscale.actuator: kubernetes``) the ReplicaSet names new workers: the ids asked for are
+placeholders, each fulfilled by a worker of the pool registered since the last decision (``members`` in the
+record), a retiree is asked again every interval until its pod is gone (its replicas are lowered only once its
+drain has ended), and a retired worker is not brought back (:mod:`fleetward.autoscale.kubernetes`).
 """
 
 from __future__ import annotations
@@ -76,6 +81,9 @@ class PoolRecord:
     asked: dict[str, str] = field(default_factory=dict)  # worker -> node: asked to start, not seen on its way yet
     retiring: list[str] = field(default_factory=list)  # drained by us, not stopped yet
     parked: list[str] = field(default_factory=list)  # retired and stopped: brought back first
+    # An actuator that names its workers (Kubernetes): the pool's registered workers when this was decided. One
+    # registered since fulfils an asked placeholder.
+    members: list[str] = field(default_factory=list)
     observed: dict[str, float | None] = field(default_factory=dict)  # what the decision saw (Observation)
 
     def to_json(self) -> bytes:
@@ -187,6 +195,8 @@ class Autoscaler(LeaderElected):
                  policy_factory: Callable[[], Policy] | None = None) -> None:
         self.config, self.store, self.bus, self.keys = config, store, bus, keys
         self.capacity, self.actuator, self.clock = capacity, actuator, clock
+        # Kubernetes: new workers are pods the ReplicaSet names, so asked ids are placeholders (actuate.py).
+        self.names_workers = bool(getattr(actuator, "names_workers", False))
         self.id = autoscaler_id or f"autoscaler-{uuid.uuid4().hex[:8]}"
         self.url = url
         self.observer = observer or Observer(store, keys, clock=clock)
@@ -302,8 +312,10 @@ class Autoscaler(LeaderElected):
             if add or again:
                 await self.actuator.add(pool, [*add, *again], decision.reason)
             # Retiring, and not draining or stopped yet: the drain was never asked (a leader cut off) or failed.
-            pending_retire = [w for w in rec.retiring
-                              if view.state_of(w) not in (None, HealthState.DRAINING, HealthState.DEAD)]
+            # An actuator that names its workers is also asked again while they drain: it removes a retiree's
+            # pod only once its drain has ended.
+            pending_retire = [w for w in rec.retiring if view.state_of(w) not in (None, HealthState.DEAD)
+                              and (self.names_workers or view.state_of(w) is not HealthState.DRAINING)]
             if pending_retire:
                 await self.actuator.retire(pool, pending_retire, self.config.drain_deadline_s, decision.reason)
         except ActuationError:
@@ -325,6 +337,13 @@ class Autoscaler(LeaderElected):
 
     def _settle(self, rec: PoolRecord, view: PoolView) -> None:
         """Fold what happened since the last interval into the record."""
+        if self.names_workers:
+            # Each worker of the pool registered since the last decision fulfils the oldest placeholder.
+            registered = sorted(w for w, m in view.members.items() if m.registered)
+            fresh = [w for w in registered if w not in rec.members and view.state_of(w) is not HealthState.DEAD]
+            for _ in fresh[:len(rec.asked)]:
+                del rec.asked[next(iter(rec.asked))]
+            rec.members = registered
         for w in list(rec.asked):
             state = view.state_of(w)
             if state is not None and state is not HealthState.DEAD:
@@ -333,7 +352,8 @@ class Autoscaler(LeaderElected):
             state = view.state_of(w)
             if state is HealthState.DEAD or state is None:
                 rec.retiring.remove(w)
-                if state is HealthState.DEAD and w not in rec.parked:
+                # A retired pod is gone for good: its replacement is a new pod with a name of its own.
+                if state is HealthState.DEAD and w not in rec.parked and not self.names_workers:
                     rec.parked.append(w)
         rec.parked = [w for w in rec.parked if view.state_of(w) is HealthState.DEAD]
 
@@ -364,6 +384,8 @@ class Autoscaler(LeaderElected):
     def _nodes(self, view: PoolView, rec: PoolRecord) -> list[str]:
         nodes = list(self.config.nodes) or sorted({m.node for m in view.members.values() if m.node}
                                                   | set(rec.asked.values()))
+        if not nodes and self.names_workers:
+            return [view.pool]  # only a hint: the ReplicaSet names and places new pods
         if not nodes:
             raise ActuationError(f"{view.pool}: no node is known to start a worker on (no worker of the pool runs): "
                                  "set autoscale.nodes")
@@ -424,7 +446,19 @@ async def serve_autoscaler(config: AutoscaleConfig, *, etcd: str, mqtt: str, clu
     store = EtcdStore(etcd, access=etcd_access)
     await store.get(keys.root)
     bus = await MqttBus(mqtt, cluster, access=mqtt_access).start()
-    actuator = LocalActuator(store, keys, admin_token)
+    actuator: Actuator
+    try:
+        if config.actuator == "kubernetes":
+            from fleetward.autoscale.kubernetes import open_kubernetes_actuator  # the kubernetes extra: only here
+
+            actuator = await open_kubernetes_actuator(config.kubernetes, store=store, keys=keys,
+                                                      admin_token=admin_token)
+        else:
+            actuator = LocalActuator(store, keys, admin_token)
+    except BaseException:
+        await bus.aclose()
+        await store.aclose()
+        raise
     scaler = Autoscaler(config, store=store, bus=bus, keys=keys, capacity=capacity, actuator=actuator,
                         autoscaler_id=autoscaler_id, url=f"http://{config.host}:{port}")
 
