@@ -63,6 +63,8 @@ from fleetward.supervisor.health import (
     CanaryDone,
     Deregistered,
     Event,
+    Forget,
+    GivenUp,
     HealthMachine,
     HealthPolicy,
     LiftQuarantine,
@@ -354,10 +356,14 @@ class Controller(LeaderElected):
             snap = await self.store.get_prefix(f"{self.keys.signals}{wid}/")
             for kv in sorted(snap.items, key=lambda kv: kv.mod_revision):
                 self._on_signal("put", kv.key[len(self.keys.signals):], kv.value, kv.mod_revision)
-            self.workers.pop(wid, None)
+            last = self.workers.pop(wid, None)
             for detector in self.detectors:
                 detector.forget(wid)
-            self.submit(Deregistered(wid))
+            # A server given up (its attach/ entry deleted before its agent deregistered it) leaves no record;
+            # any other worker that vanished is dead until it comes back.
+            given_up = (last is not None and last.backend == "external"
+                        and await self.store.get(self.keys.attached(wid)) is None)
+            self.submit(GivenUp(wid) if given_up else Deregistered(wid))
             return
         rec = WorkerRecord.from_json(value)
         self.workers[wid] = rec
@@ -451,6 +457,9 @@ class Controller(LeaderElected):
                     log.info("worker %s: %s -> %s (%s: %s)", action.worker,
                              action.previous.value if action.previous else "-", rec.state.value, rec.detector,
                              rec.reason)
+                case Forget():
+                    await self._fenced([], [Delete(self.keys.health_of(action.worker))])
+                    log.info("worker %s: given up, its record deleted", action.worker)
                 case RunCanary():
                     self._start_canary(action.worker, urgent=action.urgent)
                 case AgentAction():

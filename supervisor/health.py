@@ -49,6 +49,8 @@ __all__ = [
     "Command",
     "Deregistered",
     "DrainRequested",
+    "Forget",
+    "GivenUp",
     "HealthMachine",
     "HealthPolicy",
     "LiftQuarantine",
@@ -86,6 +88,14 @@ class Registered:
 
 @dataclass(frozen=True)
 class Deregistered:
+    worker: str
+
+
+@dataclass(frozen=True)
+class GivenUp:
+    """A server fleetward did not start was given up (its ``attach/`` entry deleted: ``fleetward worker remove``,
+    or a Kubernetes pod's sidecar on its way out): it leaves, and no record of it stays."""
+
     worker: str
 
 
@@ -154,7 +164,7 @@ class Tick:
     pass
 
 
-Event = (Registered | Deregistered | SignalSeen | CanaryDone | ActionDone | DrainRequested | RestartRequested
+Event = (Registered | Deregistered | GivenUp | SignalSeen | CanaryDone | ActionDone | DrainRequested | RestartRequested
          | Undrain | QuarantineCleared | Load | Tick)
 Command = DrainRequested | RestartRequested | Undrain | QuarantineCleared
 
@@ -167,6 +177,13 @@ class SetHealth:
     worker: str
     record: HealthRecord
     previous: HealthState | None
+
+
+@dataclass(frozen=True)
+class Forget:
+    """Delete the worker's ``health/`` record: it is no longer part of the fleet."""
+
+    worker: str
 
 
 @dataclass(frozen=True)
@@ -216,7 +233,7 @@ class MoveStreams:
     trigger: Literal["drain", "scale-down"]
 
 
-Action = SetHealth | RunCanary | AgentAction | Quarantine | LiftQuarantine | Publish | MoveStreams
+Action = SetHealth | Forget | RunCanary | AgentAction | Quarantine | LiftQuarantine | Publish | MoveStreams
 
 
 @dataclass(frozen=True)
@@ -335,6 +352,9 @@ class HealthMachine:
                 return self._registered(event)
             case Deregistered():
                 return self._deregistered(event)
+            case GivenUp():
+                self.workers.pop(event.worker, None)
+                return [Forget(event.worker)]
             case SignalSeen():
                 return self._signal(event.signal)
             case CanaryDone():
