@@ -45,7 +45,7 @@ from fleetward.fleet.config import (
     admin_token_for,
     resolve_access,
 )
-from fleetward.fleet.errors import ConfigError, FleetwardError
+from fleetward.fleet.errors import ConfigError, FleetwardError, StoreError
 from fleetward.fleet.etcd import EtcdStore, enable_auth
 from fleetward.fleet.handle import AgentWorkers, Fleet, FleetClient, RouterRef, StartedInContext
 from fleetward.fleet.infra import LocalBroker, LocalEtcd, LocalPki, make_local_pki, write_mosquitto_passwords
@@ -461,6 +461,17 @@ class LocalFleet(AgentWorkers, FleetClient, StartedInContext):
 
     # -- stopping ---------------------------------------------------------------------------------------
 
+    async def _give_up_attached(self) -> None:
+        """``attach_lifetime: agent``: the servers this agent published are given up (their workers' records
+        go) and their ``attach/`` entries deleted, so a pod that is gone leaves no dead worker behind."""
+        adopter = self.agent.adopter
+        for wid in self.adopted:
+            with contextlib.suppress(StoreError):
+                await self.store.delete(self.keys.attached(wid))  # first: the leader then forgets, not buries, it
+            # The agent's own watch gives it up too, but the agent stops next and would cut that short.
+            await adopter.give_up(wid)
+        self.adopted = []
+
     async def aclose(self) -> None:
         if self._targets is not None:
             self._targets.cancel()
@@ -483,6 +494,8 @@ class LocalFleet(AgentWorkers, FleetClient, StartedInContext):
             self.controller = None
         if "agent" in vars(self):
             try:
+                if self.config.attach_lifetime == "agent":
+                    await self._give_up_attached()
                 await self.agent.aclose()
             except Exception:
                 log.exception("stopping the node agent failed; stopping the rest")

@@ -235,6 +235,8 @@ def _agent_fleet(p: Plan, role: str) -> dict[str, Any]:
     data = _pod_fleet(p)
     data["attach"] = [{"url": f"http://127.0.0.1:{p.options.vllm_port}", "role": role,
                        "process": {"match": PROCESS_MATCH}, "restart_by_exit": True}]
+    # A pod never comes back: its agent, on its way out, gives the server up and leaves no dead worker behind.
+    data["attach_lifetime"] = "agent"
     return data
 
 

@@ -659,6 +659,10 @@ class FleetConfig(Frozen):
     router: bool = Field(True, description="start a router in front of the workers")
     controller: bool = Field(True, description="start a supervisor controller (health verdicts, remediation)")
     attach: tuple[AttachConfig, ...] = Field((), description="servers fleetward did not start, to protect")
+    attach_lifetime: Literal["kept", "agent"] = Field(
+        "kept", description="kept: the attach: entries this file's agent published stay in etcd when it stops (a "
+        "host that comes back adopts them again); agent: an agent that stops gives them up, and their workers' "
+        "records go (a Kubernetes pod, which never comes back: the sidecar's fleet file)")
     admin_token_file: Path | None = Field(None, description="a file holding the admin token (mode 0600); "
                                           "FLEETWARD_ADMIN_TOKEN wins over it")
     sim: SimConfig = Field(SimConfig(), description="the simulated workers (``backend: sim``)")

@@ -3,7 +3,9 @@ runs, and `fleetward worker add|remove` at run time. Processes, flags and files 
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -36,7 +38,7 @@ def test_the_example_fleet_file_is_valid() -> None:
 
 
 class Install:
-    def __init__(self, root: Path, etcd: str, mqtt: str, cluster: str, servers: list[Any]) -> None:
+    def __init__(self, root: Path, etcd: str, mqtt: str, cluster: str, servers: list[Any], **more: Any) -> None:
         self.root = root
         self.cluster = cluster
         self.etcd = etcd
@@ -50,7 +52,7 @@ class Install:
             "run_dir": str(root / "state"), "workers": 0, "node": "host-a",
             "attach": [{"url": servers[0].url, "id": "gpu0", "process": {"pidfile": str(servers[0].pidfile)},
                         "restart_command": servers[0].command}],
-            "routing": {"port": self.router_port}, "supervisor": {"port": self.control_port}}))
+            "routing": {"port": self.router_port}, "supervisor": {"port": self.control_port}, **more}))
         self.daemons: list[ManagedProcess] = []
 
     @property
@@ -221,3 +223,43 @@ async def test_up_with_no_workers_of_its_own_adopts_the_servers_of_its_file(
         assert all(not is_gone(s.process) for s in servers), "the adopted servers keep running"
     finally:
         await up.stop()
+
+
+async def test_an_agent_whose_servers_live_and_die_with_it_leaves_no_record_behind(
+        tmp_path: Path, etcd_endpoint: str, broker_endpoint: str, cluster: str, outside_servers: Any,
+        wait_until: Any) -> None:
+    """``attach_lifetime: agent`` (a Kubernetes pod's sidecar, whose pod never comes back): the agent stopped
+    gives its server up, and the leader forgets it instead of keeping it as a dead worker. The server runs on."""
+    servers = outside_servers(1, SIM)
+    inst = Install(tmp_path, etcd_endpoint, broker_endpoint, cluster, servers, attach_lifetime="agent")
+    await inst.start()
+    keys = Keys(inst.cluster)
+    try:
+        async with EtcdStore(inst.etcd) as store, httpx.AsyncClient(timeout=10) as client:
+            async def known_to_leader() -> bool | None:
+                """Whether the leading controller holds gpu0 (None: no answer from a leader)."""
+                r = await client.get(f"http://127.0.0.1:{inst.control_port}/v1/workers",
+                                     headers={"Authorization": "Bearer daemon-test-token"})
+                return "gpu0" in r.json()["workers"] if r.status_code == 200 and r.json()["leader"] else None
+
+            async def ready() -> bool:
+                h = (await read_fleet(store, keys)).health.get("gpu0")
+                return h is not None and h.state.value == "ready"
+
+            await wait_until(ready, timeout=60, message="gpu0 adopted and canaried")
+            await wait_until(known_to_leader, timeout=30, message="the leader holds gpu0")
+            agent = inst.daemons.pop()
+            agent.signal(signal.SIGTERM)  # once, as the kubelet does when the pod goes
+            assert await asyncio.wait_for(agent.wait_exit(), 60) == 0, agent.log_tail()
+
+            async def forgotten() -> bool:
+                return await known_to_leader() is False
+
+            await wait_until(forgotten, timeout=30, message="the leader forgot gpu0 (not: keeps it as dead)")
+            for key in (keys.attached("gpu0"), keys.worker("gpu0"), keys.health_of("gpu0")):
+                assert await store.get(key) is None, key
+            assert not (await store.get_prefix(keys.signals + "gpu0/")).items
+    finally:
+        await inst.stop()
+    assert not is_gone(servers[0].process), "given up, not stopped"
+
