@@ -115,10 +115,7 @@ def replicas_for(spec: int, pods: PoolPods) -> int:
 def drain_ended(health: HealthRecord | None) -> bool:
     """Whether ``health`` is a worker an autoscaler retired whose cordon drain has ended: its streams finished
     or moved, it is out of routing, and its pod is NotReady."""
-    if health is None or health.state is not HealthState.DRAINING or not health.extra.get("cordoned"):
-        return False
-    drain = health.extra.get("drain") or {}
-    return drain.get("by") == "autoscaler" and drain.get("deadline") is None and drain.get("moving_until") is None
+    return health is not None and health.retired  # the same test as the sidecar's readiness (supervisor/agent.py)
 
 
 def pool_pods(fleet: FleetSnapshot, pool: str, record: PoolRecord | None, asked: Sequence[str] = ()) -> PoolPods:

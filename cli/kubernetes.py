@@ -500,9 +500,9 @@ def sidecar_patch(p: Plan, role: str, deployment: str) -> dict[str, Any]:
                  "--advertise-host", "$(POD_IP)"],
         "env": [*_env(p), {"name": "FLEETWARD_CONFIG", "value": f"{CONFIG_DIR}/agent-{role}.yaml"}],
         "ports": [{"name": "fleetward", "containerPort": port}],
-        # /ready is 503 while this pod's vLLM worker is cordoned (drained for a scale-down, or by an
-        # operator): the pod turns NotReady, and a ReplicaSet scaled down deletes NotReady pods first, so the
-        # worker the autoscaler drained is the one that goes. /health: the agent's process serves.
+        # /ready is 503 once the autoscaler retired this pod's vLLM worker and its drain is over: the pod turns
+        # NotReady, and a ReplicaSet scaled down deletes NotReady pods first, so the worker the autoscaler
+        # drained is the one that goes. /health: the agent's process serves.
         "readinessProbe": _probe("/ready", port, period=5, failures=1),
         "livenessProbe": _probe("/health", port),
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}},

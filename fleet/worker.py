@@ -108,6 +108,16 @@ class HealthRecord:
                 "since": self.since, **self.extra}
         return json.dumps(body, separators=(",", ":")).encode()
 
+    @property
+    def retired(self) -> bool:
+        """Retired by the autoscaler and its drain over: ``draining``, ``cordoned``, its ``drain`` (``by``
+        autoscaler) past its deadline and moves. Its streams finished or moved; on Kubernetes its sidecar's
+        readiness fails (so the ReplicaSet deletes its pod first) and the actuator lowers the replicas for it."""
+        if self.state is not HealthState.DRAINING or not self.extra.get("cordoned"):
+            return False
+        drain = self.extra.get("drain") or {}
+        return drain.get("by") == "autoscaler" and drain.get("deadline") is None and drain.get("moving_until") is None
+
     @classmethod
     def from_json(cls, raw: bytes) -> HealthRecord:
         body: dict[str, Any] = json.loads(raw)

@@ -156,7 +156,7 @@ class NodeAgent:
         link_gauges(self.metrics.registry, store=store, bus=bus)
         self.metrics_url = ""  # where /metrics is served (``agents/<node>`` in etcd), once started
         self._metrics_site: web.AppRunner | None = None
-        self._cordoned: list[str] = []  # what /ready last found (``cordoned``)
+        self._retired: list[str] = []  # what /ready last found (``retired``)
         # Its parts, each a job of its own.
         self.exits = ExitWatch(self)  # the process detector
         self.engines = EngineWatch(self, self.exits)  # the engine-frozen detector
@@ -200,26 +200,27 @@ class NodeAgent:
             await self.start()
         await self.lifecycle.start_workers(specs, progress=progress)
 
-    async def cordoned(self) -> list[str]:
-        """Its workers the supervisor cordoned (drained out of routing until undrained: an operator's drain, or
-        the autoscaler retiring them on Kubernetes). Read from ``health/``; on an etcd error, the last answer."""
+    async def retired(self) -> list[str]:
+        """Its workers the autoscaler retired whose drain is over (:attr:`HealthRecord.retired`). Read from
+        ``health/``; on an etcd error, the last answer."""
         try:
             found = []
             for wid in list(self.handles):
                 kv = await self.store.get(self.keys.health_of(wid))
-                if kv is not None and HealthRecord.from_json(kv.value).extra.get("cordoned"):
+                if kv is not None and HealthRecord.from_json(kv.value).retired:
                     found.append(wid)
-            self._cordoned = found
+            self._retired = found
         except StoreError as exc:
             log.warning("readiness: health/ not read (%s); answering as before", exc)
-        return self._cordoned
+        return self._retired
 
     async def _serve_metrics(self, port: int) -> None:
         """``GET /metrics``, ``/health`` and ``/ready`` on the workers' address, announced as ``agents/<node>``.
 
-        ``/ready`` is 503 while one of its workers is cordoned: as a Kubernetes sidecar's readiness probe it makes
-        the pod NotReady, and a ReplicaSet scaled down deletes NotReady pods first, so the autoscaler's drained
-        worker is the one that goes (docs/deploy.md, Kubernetes)."""
+        ``/ready`` is 503 once the autoscaler retired one of its workers and the drain is over: as a Kubernetes
+        sidecar's readiness probe it makes the pod NotReady, and a ReplicaSet scaled down deletes NotReady pods
+        first, so the drained worker is the one that goes; the Kubernetes actuator lowers the replicas on the
+        same test (docs/deploy.md, Kubernetes)."""
 
         async def metrics(_: web.Request) -> web.Response:
             return web.Response(body=generate_latest(self.metrics.registry),
@@ -229,10 +230,9 @@ class NodeAgent:
             return web.Response(status=200)
 
         async def ready(_: web.Request) -> web.Response:
-            cordoned = await self.cordoned()
-            if cordoned:
-                why = f"cordoned (out of routing until undrained): {', '.join(cordoned)}"
-                return web.Response(status=503, text=why)
+            retired = await self.retired()
+            if retired:
+                return web.Response(status=503, text=f"retired by the autoscaler, drained: {', '.join(retired)}")
             return web.Response(status=200, text="ready")
 
         app = web.Application()

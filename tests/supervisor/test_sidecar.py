@@ -137,20 +137,33 @@ async def test_a_killed_server_is_restarted_by_its_kubelet_and_adopted_again(
     await comes_back(fleet, pod, server, kubelet_pid, wait_until)
 
 
-async def test_the_sidecar_is_not_ready_while_its_worker_is_cordoned(sidecar: TestFleet, wait_until: Any) -> None:
-    """``/ready`` (the sidecar's readiness probe): 503 while the supervisor holds the worker out of routing, so a
-    Deployment scaled down deletes this pod first; ready again once undrained."""
+async def test_the_sidecar_is_not_ready_once_the_autoscaler_retired_its_worker(sidecar: TestFleet,
+                                                                               wait_until: Any) -> None:
+    """``/ready`` (the sidecar's readiness probe): 503 once the autoscaler's drain of the worker is over, so a
+    Deployment scaled down deletes this pod first; ready again once undrained. An operator's drain leaves the
+    pod Ready: the Kubernetes actuator does not count it, so a scale-down must not take it instead."""
     fleet = sidecar
     worker = fleet.worker_ids[0]
     ready = fleet.agent.metrics_url + "/ready"
     async with httpx.AsyncClient(timeout=5) as client:
-        assert (await client.get(ready)).status_code == 200
-        (await fleet.supervisor_command(worker, "drain", {"deadline_s": 1, "then": "cordon"})).raise_for_status()
-
         async def answers(code: int) -> bool:
             r = await client.get(ready)
             return r.status_code == code and (code == 200 or worker in r.text)
 
-        await wait_until(lambda: answers(503), timeout=20, message="the cordoned worker's pod reads NotReady")
+        async def drained() -> bool:
+            h = (await read_fleet(fleet.store, fleet.keys)).health.get(worker)
+            return (h is not None and h.state.value == "draining" and bool(h.extra.get("cordoned"))
+                    and (h.extra.get("drain") or {}).get("deadline") is None)
+
+        assert await answers(200)
+        (await fleet.supervisor_command(worker, "drain", {"deadline_s": 1, "then": "cordon"})).raise_for_status()
+        await wait_until(drained, timeout=20, message="the operator's drain is over")
+        assert await answers(200), "an operator's cordon keeps the pod Ready"
+        (await fleet.supervisor_command(worker, "undrain")).raise_for_status()
+        await fleet.wait_healthy(timeout=30)
+
+        retire = {"deadline_s": 1, "then": "cordon", "by": "autoscaler"}
+        (await fleet.supervisor_command(worker, "drain", retire)).raise_for_status()
+        await wait_until(lambda: answers(503), timeout=20, message="the retired worker's pod reads NotReady")
         (await fleet.supervisor_command(worker, "undrain")).raise_for_status()
         await wait_until(lambda: answers(200), timeout=20, message="undrained, it is ready again")
