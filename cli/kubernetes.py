@@ -337,22 +337,32 @@ def _probe(path: str, port: int, *, period: int = 10, failures: int = 3) -> dict
             "failureThreshold": failures}
 
 
-def _pod(p: Plan, component: str, container: dict[str, Any], *, api_keys: bool = False,
-         service_account: str | None = None, grace_s: int = 30) -> dict[str, Any]:
-    """A pod template of one of fleetward's own services."""
-    credentials = _credentials_for(p, api_keys=api_keys)
-    security = _restricted(SERVICE_USER)
-    mounts = [{"name": "fleetward-config", "mountPath": CONFIG_DIR, "readOnly": True},
-              {"name": "fleetward-run", "mountPath": RUN_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+def _files(p: Plan, credentials: list[Credential], security: dict[str, Any], *, tmp: str
+           ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """A fleetward container's mounts, the pod's volumes for them and its init containers: the ConfigMap, the run
+    dir, ``/tmp`` (the volume named ``tmp``) and, when it reads secret files, their in-memory copy with the init
+    container that makes it."""
+    mounts: list[dict[str, Any]] = [
+        {"name": "fleetward-config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "fleetward-run", "mountPath": RUN_DIR}, {"name": tmp, "mountPath": "/tmp"}]
     volumes: list[dict[str, Any]] = [
         {"name": "fleetward-config", "configMap": {"name": "fleetward-config"}},
-        {"name": "fleetward-run", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+        {"name": "fleetward-run", "emptyDir": {}}, {"name": tmp, "emptyDir": {}}]
     init = []
     if credentials:
         mounts.append({"name": "fleetward-credentials", "mountPath": CREDENTIALS_DIR, "readOnly": True})
         volumes += [{"name": "fleetward-credentials", "emptyDir": {"medium": "Memory", "sizeLimit": "4Mi"}},
                     *_secret_volumes(p, credentials)]
         init.append(_init_credentials(p, credentials, security))
+    return mounts, volumes, init
+
+
+def _pod(p: Plan, component: str, container: dict[str, Any], *, api_keys: bool = False,
+         service_account: str | None = None, grace_s: int = 30) -> dict[str, Any]:
+    """A pod template of one of fleetward's own services."""
+    credentials = _credentials_for(p, api_keys=api_keys)
+    security = _restricted(SERVICE_USER)
+    mounts, volumes, init = _files(p, credentials, security, tmp="tmp")
     env = [*_env(p), {"name": "FLEETWARD_CONFIG", "value": f"{CONFIG_DIR}/fleet.yaml"}]  # for `kubectl exec`
     container = {"image": p.options.image, "command": ["fleetward"], "env": env, "securityContext": security,
                  "volumeMounts": mounts, **container}
@@ -482,17 +492,8 @@ def sidecar_patch(p: Plan, role: str, deployment: str) -> dict[str, Any]:
     if p.options.vllm_user != 0:  # the same user as vLLM: signals and /proc need no capability but ptrace's
         security = {**security, "runAsUser": p.options.vllm_user, "runAsNonRoot": True,
                     "capabilities": {"drop": ["ALL"]}}
-    mounts = [{"name": "fleetward-config", "mountPath": CONFIG_DIR, "readOnly": True},
-              {"name": "fleetward-run", "mountPath": RUN_DIR}, {"name": "fleetward-tmp", "mountPath": "/tmp"}]
-    volumes: list[dict[str, Any]] = [
-        {"name": "fleetward-config", "configMap": {"name": "fleetward-config"}},
-        {"name": "fleetward-run", "emptyDir": {}}, {"name": "fleetward-tmp", "emptyDir": {}}]
-    init = []
-    if credentials:
-        mounts.append({"name": "fleetward-credentials", "mountPath": CREDENTIALS_DIR, "readOnly": True})
-        volumes += [{"name": "fleetward-credentials", "emptyDir": {"medium": "Memory", "sizeLimit": "4Mi"}},
-                    *_secret_volumes(p, credentials)]
-        init.append(_init_credentials(p, credentials, security))
+    # Named apart from the volumes of the vLLM pod the patch goes into.
+    mounts, volumes, init = _files(p, credentials, security, tmp="fleetward-tmp")
     agent = {
         "name": "fleetward-agent", "image": p.options.image, "command": ["fleetward"],
         # Kubernetes expands $(POD_NAME) and $(POD_IP) from the environment below.
