@@ -198,7 +198,10 @@ async def test_a_restart_written_into_etcd_by_hand_is_never_done(
                      timeout=10, message="the agent refused the forged record")
     process = by_id(fleet, servers, victim).process
     assert process is not None
-    await fleet.wait_healthy(timeout=30)  # adopted again, without the command
+    # Adopted again, without the restart: the agent's own backend for it can no longer restart it.
+    await wait_until(lambda: not fleet.agent.backend_for(victim).can_restart, timeout=30,
+                     message="the server adopted again without its forged restart")
+    await fleet.wait_healthy(timeout=30)
     process.kill()
 
     async def left() -> bool:
