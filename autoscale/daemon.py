@@ -439,9 +439,10 @@ async def serve_autoscaler(config: AutoscaleConfig, *, etcd: str, mqtt: str, clu
     from fleetward.fleet.bus import MqttBus
     from fleetward.fleet.etcd import EtcdStore
     from fleetward.fleet.launch import serve_app
-    from fleetward.fleet.procs import ensure_port
+    from fleetward.fleet.procs import listening_socket
 
-    port = ensure_port(config.host, config.port, name="autoscaler")
+    sock = listening_socket(config.host, config.port, name="autoscaler")  # before it is advertised
+    port = sock.getsockname()[1]
     keys = Keys(cluster)
     store = EtcdStore(etcd, access=etcd_access)
     await store.get(keys.root)
@@ -463,7 +464,7 @@ async def serve_autoscaler(config: AutoscaleConfig, *, etcd: str, mqtt: str, clu
                         autoscaler_id=autoscaler_id, url=f"http://{config.host}:{port}")
 
     try:
-        await serve_app(scaler.app(), host=config.host, port=port, main=scaler.run, name="autoscaler",
+        await serve_app(scaler.app(), sock=sock, main=scaler.run, name="autoscaler",
                         on_ready=None if on_ready is None else lambda: on_ready(scaler))
     finally:
         await actuator.aclose()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
@@ -190,11 +191,12 @@ async def wait_leader(store: StateStore, keys: Keys, *, timeout: float = 30.0, l
             await asyncio.sleep(interval)
 
 
-async def serve_app(app: Any, *, host: str, port: int, main: Callable[[], Coroutine[Any, Any, None]], name: str,
+async def serve_app(app: Any, *, sock: socket.socket, main: Callable[[], Coroutine[Any, Any, None]], name: str,
                     on_ready: Callable[[], None] | None = None) -> None:
-    """Serve ``app`` (a FastAPI app) on ``host:port`` with uvicorn until SIGTERM, running ``main()`` as a task
-    from start-up to shutdown (a controller's or an autoscaler's campaign-and-lead loop). ``on_ready`` is
-    called once both run (a process says ``READY`` there)."""
+    """Serve ``app`` (a FastAPI app) with uvicorn on ``sock`` (:func:`~fleetward.fleet.procs.listening_socket`,
+    bound before ``main`` advertises the address) until SIGTERM, running ``main()`` as a task from start-up to
+    shutdown (a controller's or an autoscaler's campaign-and-lead loop). ``on_ready`` is called once both run
+    (a process says ``READY`` there). The socket is closed when it returns."""
     import uvicorn
 
     @contextlib.asynccontextmanager
@@ -208,6 +210,8 @@ async def serve_app(app: Any, *, host: str, port: int, main: Callable[[], Corout
             await task
 
     app.router.lifespan_context = lifespan
+    host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, loop="none", log_level="warning",
                                            access_log=False, lifespan="on"))
-    await server.serve()
+    with sock:
+        await server.serve(sockets=[sock])

@@ -21,7 +21,7 @@ Every process fleetward starts (etcd, the broker, workers) goes through :class:`
   is what crash detection needs.
 
 Errors: :class:`~fleetward.fleet.errors.ProcessError` when a process cannot be started or dies before it
-is ready; :class:`~fleetward.fleet.errors.PortInUseError` from :func:`ensure_port`.
+is ready; :class:`~fleetward.fleet.errors.PortInUseError` from :func:`ensure_port` and :func:`listening_socket`.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ __all__ = [
     "is_local_only",
     "kill_tree",
     "last_log_line",
+    "listening_socket",
     "marked_processes",
     "pid_from_file",
     "pid_of_container",
@@ -127,6 +128,34 @@ def reserve_port(host: str = "127.0.0.1") -> socket.socket:
         s.close()
         raise
     return s
+
+
+def listening_socket(host: str, port: int, *, name: str, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket listening on ``host:port`` (a port the OS picks when it is 0; :class:`PortInUseError` when
+    ``port`` is taken), for a server to be handed once it runs (``uvicorn.Server.serve(sockets=...)``).
+
+    Bound *before* the service writes its address anywhere (etcd): from then on a connection to it waits in
+    the backlog until the server accepts it, where one to a port nobody listens on yet is refused. A router
+    that read a new peer's address was refused that way, and passed the peer over for a lease's length.
+    ``reuse_port``: one of several processes on one port (``SO_REUSEPORT``; the kernel spreads connections).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUseError(host, port, name=name) from exc
+            raise
+        sock.listen(2048)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def ensure_port(host: str, port: int, *, name: str) -> int:

@@ -18,7 +18,7 @@ from fleetward.fleet.bus import MqttBus
 from fleetward.fleet.config import Access, RouterConfig, admin_token_given
 from fleetward.fleet.etcd import EtcdStore
 from fleetward.fleet.keys import Keys
-from fleetward.fleet.procs import ensure_port
+from fleetward.fleet.procs import listening_socket
 from fleetward.migration.downstream import ClientConnection
 from fleetward.migration.http import router_app
 from fleetward.migration.router import Router
@@ -26,18 +26,6 @@ from fleetward.migration.router import Router
 __all__ = ["serve_router"]
 
 log = logging.getLogger(__name__)
-
-
-def _listen(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
 
 
 async def serve_router(config: RouterConfig, *, etcd: str, mqtt: str, cluster: str, router_id: str | None = None,
@@ -52,12 +40,22 @@ async def serve_router(config: RouterConfig, *, etcd: str, mqtt: str, cluster: s
     # Starlette imports anyio's asyncio backend on the first streaming response; under CPU pressure that
     # import alone blocked the loop for seconds (long enough to look like a stall). Import it now.
     importlib.import_module("anyio._backends._asyncio")
-    if reuse_port:
-        sockets = [_listen(config.host, config.port, reuse_port=True), _listen(config.host, 0)]
-        port = sockets[1].getsockname()[1]
-    else:
-        port = ensure_port(config.host, config.port, name="router")
-        sockets = []
+    # Listening before the router registers its address, so a peer that reads it is not refused
+    # (fleet.procs.listening_socket); connections wait in the backlog until the state is whole.
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(listening_socket(config.host, 0 if reuse_port else config.port,
+                                                       name="router"))]
+        if reuse_port:
+            sockets.append(held.enter_context(listening_socket(config.host, config.port, name="router",
+                                                               reuse_port=True)))
+        await _serve(config, sockets, etcd=etcd, mqtt=mqtt, cluster=cluster, router_id=router_id,
+                     on_ready=on_ready, public=reuse_port, etcd_access=etcd_access, mqtt_access=mqtt_access)
+
+
+async def _serve(config: RouterConfig, sockets: list[socket.socket], *, etcd: str, mqtt: str, cluster: str,
+                 router_id: str | None, on_ready: Callable[[Router], None] | None, public: bool,
+                 etcd_access: Access | None, mqtt_access: Access | None) -> None:
+    port = sockets[0].getsockname()[1]
     store = EtcdStore(etcd, access=etcd_access)
     await store.get(Keys(cluster).root)  # a clear StoreUnavailable now rather than later
     bus = await MqttBus(mqtt, cluster, access=mqtt_access).start()
@@ -65,7 +63,7 @@ async def serve_router(config: RouterConfig, *, etcd: str, mqtt: str, cluster: s
     router = Router(config, store=store, bus=bus, keys=Keys(cluster), router_id=router_id,
                     admin_token=given.get_secret_value() if given is not None else None,
                     url=f"http://{config.host}:{port}",
-                    public_url=f"http://{config.host}:{config.port}" if reuse_port else None)
+                    public_url=f"http://{config.host}:{config.port}" if public else None)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -74,7 +72,7 @@ async def serve_router(config: RouterConfig, *, etcd: str, mqtt: str, cluster: s
             from fleetward.migration.watchdog import LoopWatchdog
 
             watchdog = asyncio.create_task(LoopWatchdog(float(os.environ["FLEETWARD_LOOP_WATCHDOG"])).run())
-        await router.start()  # whole state loaded before uvicorn binds the port
+        await router.start()  # whole state loaded before uvicorn accepts a connection
         if on_ready is not None:
             on_ready(router)
         log.info("router %s serving on %s", router.id, router.url)
@@ -89,7 +87,7 @@ async def serve_router(config: RouterConfig, *, etcd: str, mqtt: str, cluster: s
                                            log_level="warning", access_log=False, lifespan="on",
                                            timeout_graceful_shutdown=int(config.drain_timeout_s) or None))
     try:
-        await server.serve(sockets=sockets or None)
+        await server.serve(sockets=sockets)
     finally:
         await bus.aclose()
         await store.aclose()

@@ -701,9 +701,10 @@ async def serve_controller(config: SupervisorConfig, *, etcd: str, mqtt: str, cl
     from fleetward.fleet.bus import MqttBus
     from fleetward.fleet.etcd import EtcdStore
     from fleetward.fleet.launch import serve_app
-    from fleetward.fleet.procs import ensure_port
+    from fleetward.fleet.procs import listening_socket
 
-    port = ensure_port(config.host, config.port, name="supervisor controller")
+    sock = listening_socket(config.host, config.port, name="supervisor controller")  # before it is advertised
+    port = sock.getsockname()[1]
     store = EtcdStore(etcd, access=etcd_access)
     await store.get(Keys(cluster).root)
     bus = await MqttBus(mqtt, cluster, access=mqtt_access).start()
@@ -711,7 +712,7 @@ async def serve_controller(config: SupervisorConfig, *, etcd: str, mqtt: str, cl
                             url=f"http://{config.host}:{port}", admin_token=admin_token)
 
     try:
-        await serve_app(controller.app(), host=config.host, port=port, main=controller.run, name="controller",
+        await serve_app(controller.app(), sock=sock, main=controller.run, name="controller",
                         on_ready=None if on_ready is None else lambda: on_ready(controller))
     finally:
         await bus.aclose()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -53,3 +54,43 @@ async def test_wait_leader_finds_the_controller_that_leads(store: EtcdStore, key
         assert (leader.id, leader.url) == ("c1", "http://x:1")
     finally:
         await lease.aclose()
+
+
+# A service run as a process whose on_ready hook (called once it has started, before uvicorn serves) connects to
+# the address the service would advertise, then asks it to stop.
+_CONNECT_AT_READY = """
+import asyncio, os, signal, socket, sys
+from fleetward.fleet.config import RouterConfig, SupervisorConfig
+from fleetward.migration.server import serve_router
+from fleetward.supervisor.controller import serve_controller
+
+service, etcd, mqtt, cluster = sys.argv[1:]
+signal.signal(signal.SIGTERM, lambda *_: None)  # uvicorn raises the SIGTERM it handled again once it has stopped
+
+def connect(url):
+    host, _, port = url.removeprefix("http://").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+        print("accepted", flush=True)
+    except ConnectionRefusedError:
+        print("refused", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+common = dict(etcd=etcd, mqtt=mqtt, cluster=cluster, on_ready=lambda s: connect(s.url))
+if service == "router":
+    asyncio.run(serve_router(RouterConfig(host="127.0.0.1", port=0), **common))
+else:
+    asyncio.run(serve_controller(SupervisorConfig(host="127.0.0.1", port=0), admin_token="t", **common))
+"""
+
+
+@pytest.mark.parametrize("service", ["router", "controller"])
+def test_a_service_accepts_connections_on_its_address_before_it_can_advertise_it(
+        service: str, etcd_endpoint: str, broker_endpoint: str, cluster: str) -> None:
+    """A router registers its URL in etcd (``routers/<id>``) before it serves, and a controller campaigns with
+    its URL as soon as it runs: a peer that reads the address must be answered, not refused. A router that
+    was refused passed its new peer over for a lease's length and wrote its checkpoints to etcd meanwhile."""
+    done = subprocess.run([sys.executable, "-c", _CONNECT_AT_READY, service, etcd_endpoint, broker_endpoint,
+                           f"{cluster}-{service}"], capture_output=True, text=True, timeout=120, check=False)
+    assert done.stdout.splitlines() == ["accepted"], done.stdout + done.stderr
+    assert done.returncode == 0, done.stderr

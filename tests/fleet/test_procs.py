@@ -13,7 +13,15 @@ import psutil
 import pytest
 
 from fleetward.fleet.errors import PortInUseError, ProcessError
-from fleetward.fleet.procs import ManagedProcess, ensure_port, free_port, is_gone, last_log_line, port_is_free
+from fleetward.fleet.procs import (
+    ManagedProcess,
+    ensure_port,
+    free_port,
+    is_gone,
+    last_log_line,
+    listening_socket,
+    port_is_free,
+)
 
 # A child that starts a grandchild in a session of its own (so a process-group signal cannot reach it,
 # only the remembered tree), prints the grandchild's pid, then waits for signals.
@@ -243,6 +251,16 @@ def test_ensure_port_refuses_a_port_in_use_and_picks_one_for_zero() -> None:
     picked = ensure_port("127.0.0.1", 0, name="thing")
     assert picked > 0 and port_is_free("127.0.0.1", picked)
     assert free_port() > 0
+
+
+def test_a_listening_socket_queues_connections_before_anyone_accepts_and_refuses_a_port_in_use() -> None:
+    with listening_socket("127.0.0.1", 0, name="thing") as held:
+        port = held.getsockname()[1]
+        assert port > 0
+        with socket.create_connection(("127.0.0.1", port), timeout=5):  # waits in the backlog, not refused
+            pass
+        with pytest.raises(PortInUseError, match=f"thing: port {port}"):
+            listening_socket("127.0.0.1", port, name="thing")
 
 
 def test_what_a_process_was_at_is_its_last_message_without_timestamp_level_or_source_lines() -> None:
