@@ -415,6 +415,11 @@ async def test_a_client_resumes_on_another_router_with_last_event_id(healthy: Te
             return await checkpointed(healthy, rid, 20)
         return (await copy_tokens(healthy, second, rid) or 0) >= 20 and not await checkpointed(healthy, rid)
 
+    # Every worker 20x slower until the kill: the 260 tokens after the 40th take longer than the wait for the
+    # checkpoint may, so the router is killed mid-stream whatever the wait takes (at full speed they take a
+    # second, and a router that has sent the whole stream has nothing left to resume).
+    for w in healthy.worker_ids:
+        await healthy.fault(w, slowdown=20.0)
     try:
         with pytest.raises(httpx.HTTPError):  # the router dies under the client
             async with httpx.AsyncClient(timeout=30) as client, client.stream(
@@ -428,6 +433,8 @@ async def test_a_client_resumes_on_another_router_with_last_event_id(healthy: Te
                             rid = last_id.rpartition(":")[0]
                             await wait_until(saved, timeout=15)
                             healthy.kill_router(first)
+        for w in healthy.worker_ids:
+            await healthy.fault(w, slowdown=1.0)
         assert last_id.endswith(f":{len(got)}") and len(got) >= 40
         rest, events, ids = await stream_tokens(second.url, body, headers={"Last-Event-ID": last_id})
         assert got + rest == reference(prompt, 300), "replayed from the checkpoint, regenerated past it, exact"
