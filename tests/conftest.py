@@ -59,6 +59,7 @@ from typing import Any
 import psutil
 import pytest
 import pytest_asyncio
+from costreport import pytest_runtest_logreport, pytest_terminal_summary
 
 from fleetward.fleet.bus import MqttBus
 from fleetward.fleet.config import AttachConfig, SimConfig
@@ -67,6 +68,8 @@ from fleetward.fleet.etcd import EtcdStore
 from fleetward.fleet.infra import LocalBroker, LocalEtcd
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.procs import ManagedProcess, free_port, is_gone, kill_tree, pid_from_file, tree_of
+
+__all__ = ["pytest_runtest_logreport", "pytest_terminal_summary"]  # the cost report (tests/costreport.py)
 
 # -- leftover processes -----------------------------------------------------------------------------------
 
