@@ -1,17 +1,24 @@
 """The supervisor on real vLLM (CPU): a killed API server, a killed EngineCore, a SIGSTOPped EngineCore
 (the silent hang: /health stays 200) are each detected while streams run; the streams move to the other
-worker and stay exact; the worker is restarted and ready again. And no false positive under real load."""
+worker and stay exact; the worker is restarted and ready again. And no false positive under real load.
+
+Each failure is the chaos library's fault (``process.kill_worker`` of the root alone, ``process.kill_engine``,
+``process.hang`` silent), so one vLLM restart proves the supervisor, the router's move and the fault's own
+inject/verify/recover on real vLLM: a restart costs 30-60 s here, and each was once a test of its own."""
 
 from __future__ import annotations
 
 import asyncio
-import signal
+import contextlib
 from typing import Any
 
 import httpx
 import orjson
+import psutil
 import pytest
 
+from fleetward.chaos import faults
+from fleetward.chaos.fault import CATALOGUE, Target
 from fleetward.chaos.harness import TestFleet
 from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.bus import Event
@@ -46,16 +53,31 @@ class Recorder:
         return [e for e in self.events if e.kind == kind and e.worker == worker]
 
 
-def fault_engine(fleet: TestFleet, worker: str, how: str) -> None:
-    handle = fleet.handle(worker)
-    if how == "kill API server":
-        handle.process.kill()  # SIGKILL of the whole tree, as a crash of the server takes its children
-    elif how == "kill EngineCore":
-        for p in handle.engine_processes():
-            if "EngineCore" in p.name():
-                p.send_signal(signal.SIGKILL)
-    else:
-        fleet.signal_engine(worker, signal.SIGSTOP)
+# What each failure is, as the chaos library injects it. The API server alone is SIGKILLed, as the kernel's OOM
+# killer picks one process: vLLM's EngineCore and Worker are left running, reparented to init (2.3 GB each here,
+# a GPU's memory on a GPU host), and the agent must stop them (the whole tree's kill is the library's vLLM
+# experiment, test_faults_vllm).
+FAULTS = {"kill API server": ("process.kill_worker", {"scope": "root"}),
+          "kill EngineCore": ("process.kill_engine", {}),
+          "SIGSTOP EngineCore": ("process.hang", {"mode": "silent"})}
+
+
+def fault_for(how: str, worker: str) -> faults.BaseFault:
+    name, params = FAULTS[how]
+    spec = CATALOGUE[name]
+    fault = spec.factory(spec.params(recover_timeout_s=240, **params), Target(kind="worker", ids=(worker,)))
+    assert isinstance(fault, faults.BaseFault)
+    return fault
+
+
+async def answers_500_or_nothing(url: str) -> bool:
+    """An API server without its engine cannot complete: it answers 5xx, or it noticed and went away."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        try:
+            r = await client.post(url + "/v1/completions", json={"model": "tiny", "prompt": [40], "max_tokens": 1})
+        except httpx.HTTPError:
+            return True
+    return r.status_code >= 500
 
 
 @pytest.mark.parametrize("how, detector", [("kill API server", "process"), ("kill EngineCore", "process"),
@@ -72,17 +94,30 @@ async def test_each_engine_failure_is_detected_and_streams_stay_exact(vllm_fleet
     victim = LeastLoadedAffinity().choose(vllm_fleet.worker_ids, {}, prefix_key(prompt))
     before = vllm_fleet.handle(victim).process.pid
     assert before is not None
+    api_server, *engine = vllm_fleet.processes(victim)
+    assert api_server.pid == before
+    assert any("EngineCore" in p.name() for p in engine), [p.name() for p in engine]
+    ctx = vllm_fleet.fault_context()
+    fault = fault_for(how, victim)
+    # The tiny model streams ~500 tokens/s on this CPU: a whole stream can sit in socket buffers before a test
+    # reacts. The worker the router picks is throttled to a sliver of a CPU, so the fault lands while it is still
+    # generating (a slow worker, exactly as a throttled GPU host would be).
     throttle = CpuGroup(f"vllm-{detector}")
-    throttle.limit(0.15)  # long enough a stream that the fault lands in its middle (see test_router_on_vllm)
+    throttle.limit(0.15)
     throttle.add_tree(before)
-    faulted: list[str] = []
+    seen: dict[str, bool] = {}  # what the fault's injector saw right after it: asserted below
 
     async def fault_mid_stream(client: httpx.AsyncClient) -> None:
         while True:
             progress = (await client.get(router.url + "/fleetward/v1/progress")).json()
             if progress["workers"].get(victim, {}).get("tokens", 0) >= 50:
-                fault_engine(vllm_fleet, victim, how)
-                faulted.append(victim)
+                await fault.inject(ctx)
+                seen["verified"] = await fault.verify(ctx)
+                if how == "kill EngineCore":
+                    seen["only the engine"] = before not in fault.detail["engine_pids"][victim]
+                    seen["5xx without its engine"] = await answers_500_or_nothing(vllm_fleet.bind_url(victim))
+                if how == "SIGSTOP EngineCore":
+                    seen["the API server keeps running"] = before not in fault.detail["stopped_pids"][victim]
                 return
             await asyncio.sleep(0.01)
 
@@ -93,28 +128,44 @@ async def test_each_engine_failure_is_detected_and_streams_stay_exact(vllm_fleet
             async with client.stream("POST", router.url + "/v1/completions", json={
                     "model": "tiny", "prompt": prompt, "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
                     "stream": True, "return_token_ids": True}) as r:
+                assert r.status_code == 200, await r.aread()
                 async for line in sse_lines(r.aiter_bytes()):
                     if line.startswith("data: {"):
                         data = orjson.loads(line[6:])
                         assert "error" not in data, data
                         got.extend(data["choices"][0]["token_ids"])
-            injector.cancel()
-        assert faulted == [victim]
+            if not injector.done():
+                injector.cancel()  # the fault never landed: seen is empty, and that fails below
+            with contextlib.suppress(asyncio.CancelledError):
+                await injector  # and what it raised is raised here
+            metrics = (await client.get(router.url + "/metrics")).text
+        assert seen and all(seen.values()), (seen, fault.describe())
         assert got == expected, "the stream moved to the other worker and stayed exact"
+        # The trigger is whichever comes first: the broken stream, or the supervisor's verdict on the worker.
+        assert "fleetward_router_migrations_total{reason=" in metrics
 
         def detected() -> bool:
             return any(e.data["state"] == "unhealthy" and e.data["detector"] == detector
                        for e in recorder.of("health.changed", victim))
 
         await wait_until(detected, timeout=30, message=f"{how} detected by {detector}")
+        if how == "kill API server":
+            def engine_gone() -> bool:
+                return not [p for p in engine if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+            # Before the fault's recovery, which would stop them itself.
+            await wait_until(engine_gone, timeout=30,
+                             message="the EngineCore and Worker the API server left are stopped")
         await vllm_fleet.wait_healthy(timeout=240)
-        assert vllm_fleet.handle(victim).process.pid != before, "restarted"
+        assert vllm_fleet.handle(victim).process.pid != before, "restarted by its command"
         if how == "SIGSTOP EngineCore":
             assert recorder.of("hang.detected", victim), "the silent hang is named as such"
     finally:
         throttle.remove()
         recorder.task.cancel()
+        await fault.recover(ctx)
         await vllm_fleet.stop_router(router)
+    assert await fault.verify_recovered(ctx), fault.describe()
 
 
 async def test_long_prompts_and_bursts_are_not_mistaken_for_hangs(vllm_fleet: TestFleet) -> None:
@@ -143,20 +194,3 @@ async def test_long_prompts_and_bursts_are_not_mistaken_for_hangs(vllm_fleet: Te
     assert all(h.state.value == "ready" for w, h in status.health.items() if w in pids)
     assert {w: vllm_fleet.handle(w).process.pid for w in pids} == pids, "nobody restarted"
     assert "fleetward_router_migrations_total{" not in metrics, "no stream was moved"
-
-
-async def test_a_killed_api_server_leaves_no_engine_behind(vllm_fleet: TestFleet, wait_until: Any) -> None:
-    """SIGKILL of the API server alone leaves vLLM's EngineCore and Worker running, reparented to init (2.3 GB
-    each here, a GPU's memory on a GPU host). The agent stops them as soon as it sees the API server exit,
-    and the supervisor brings the server back through its restart command."""
-    victim = vllm_fleet.worker_ids[0]
-    api_server, *engine = vllm_fleet.processes(victim)
-    assert any("EngineCore" in p.name() for p in engine), [p.name() for p in engine]
-    api_server.send_signal(signal.SIGKILL)
-
-    def engine_gone() -> bool:
-        return not [p for p in engine if p.is_running() and p.status() != "zombie"]
-
-    await wait_until(engine_gone, timeout=30, message="the EngineCore and Worker the API server left are stopped")
-    await vllm_fleet.wait_healthy(timeout=240)
-    assert vllm_fleet.processes(victim)[0].pid != api_server.pid, "restarted by its command"
