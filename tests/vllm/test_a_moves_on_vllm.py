@@ -209,7 +209,14 @@ async def test_a_drain_under_load_moves_every_stream_with_its_kv_exactly(moving:
             loaded = loads(fleet, dest)
             r = await fleet.supervisor_command(source, "drain", {"deadline_s": 0, "then": "cordon"})
             assert r.status_code == 200, r.text
-            done = await asyncio.gather(*tasks, return_exceptions=True)
+            # Slowed until every stream has moved or ended: the rest of each is read at full speed (the
+            # tokens, not their pace, are what is checked).
+            def moved_or_ended(streams: list[Stream] = streams, tasks: list[Any] = tasks, dest: str = dest) -> bool:
+                return all(t.done() or (s.workers and s.workers[-1] == dest)
+                           for s, t in zip(streams, tasks, strict=True))
+
+            await eventually(moved_or_ended, within=300)
+        done = await asyncio.gather(*tasks, return_exceptions=True)
         try:
             assert not [e for e in done if isinstance(e, BaseException)], done
             for s, (ids, text) in zip(streams, want, strict=True):
@@ -282,7 +289,9 @@ async def test_a_kv_file_corrupted_during_a_move_is_refused_and_the_stream_compu
             finally:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
-            await task
+            # Slowed until the stream has moved (or ended where it was): its rest is read at full speed.
+            await eventually(lambda: len(set(s.workers)) > 1 or task.done(), within=300)  # noqa: B023
+        await task
         if len(set(s.workers)) > 1:
             break
     assert s.error is None and s.tokens == want[0] and s.text == want[1], "later, never wrong"
