@@ -13,8 +13,9 @@ one of the built-in vocabularies the test models use (:data:`BUILTIN`):
 ``bpe`` and ``sp`` are trained here, with the ``tokenizers`` library, on a multilingual text generated
 from a fixed seed (:func:`training_text`: Latin, Cyrillic, Greek, Arabic, Devanagari, CJK, Hangul, kana,
 emoji with skin tones and ZWJ sequences). Training is deterministic, so every process that names ``bpe``
-gets the same ids; ``fleetward model tiny --tokenizer bpe`` writes the same vocabulary into the model
-folder real vLLM loads. Both carry the chat roles ``<|system|> <|user|> <|assistant|>`` as special tokens.
+gets the same ids (and trains only when no earlier process left the result in the user's cache folder);
+``fleetward model tiny --tokenizer bpe`` writes the same vocabulary into the model folder real vLLM loads.
+Both carry the chat roles ``<|system|> <|user|> <|assistant|>`` as special tokens.
 
 :class:`Detokenizer` is one request's incremental detokenizer with vLLM 0.32's rules
 (``FastIncrementalDetokenizer``): a ``DecodeStream`` primed with the prompt's ids, one step per generated
@@ -27,8 +28,11 @@ boundary on; that is why the router detokenizes (docs/architecture.md, "What is 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import json
+import os
 import random
 import threading
 from collections import Counter
@@ -317,10 +321,37 @@ def _train(kind: str) -> dict[str, Any]:
     return data
 
 
+def _cache_file(kind: str) -> Path:
+    """Where a trained vocabulary is kept for the next process: under ``$XDG_CACHE_HOME/fleetward`` (else
+    ``~/.cache/fleetward``), named for what made it (this module's source and the ``tokenizers`` version), so
+    a change to either trains again. Training takes 1-3 s of CPU, and every simulated worker names ``bpe``."""
+    import tokenizers
+
+    made_by = hashlib.sha256(Path(__file__).read_bytes() + tokenizers.__version__.encode()).hexdigest()[:16]
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fleetward"
+    return root / f"vocab-{kind}-{made_by}.json"
+
+
+def _trained_text(kind: str) -> str:
+    """``kind``'s trained ``tokenizer.json``: from the cache when it holds a readable one, else trained (and
+    written there for the next process, atomically; a cache that cannot be written is only slower)."""
+    path = _cache_file(kind)
+    with contextlib.suppress(OSError, ValueError):
+        text = path.read_text(encoding="utf-8")
+        json.loads(text)  # a file that is not whole (a full disk, an edit) is trained again
+        return text
+    text = json.dumps(_train(kind), ensure_ascii=False)
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, path)
+    return text
+
+
 @functools.cache
 def _builtin_text(kind: str) -> str:
-    data = _byte_json() if kind == "byte" else _train(kind)
-    return json.dumps(data, ensure_ascii=False)
+    return json.dumps(_byte_json(), ensure_ascii=False) if kind == "byte" else _trained_text(kind)
 
 
 def builtin_json(kind: str) -> dict[str, Any]:
