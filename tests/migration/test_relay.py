@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleetward.fleet.clock import SYSTEM_CLOCK
+from fleetward.fleet.clock import SYSTEM_CLOCK, ManualClock
 from fleetward.fleet.vocab import load_vocabulary
 from fleetward.migration import wire
 from fleetward.migration.downstream import SseOutput
@@ -135,7 +135,7 @@ def reference(j: Journal, events: list[bytes], *, trace: bool) -> bytes:
 
 def wired(j: Journal, out: SseOutput, progress: ProgressModel) -> tuple[_Conn, _Transport, UpstreamStream, Relay]:
     """One attempt of ``j`` on worker w0, its relay feeding ``out``, on a connection the test feeds by hand."""
-    relay = Relay(j, "w0", out, _Tries(), Active(j), progress=progress, metrics=RouterMetrics(), clock=SYSTEM_CLOCK,
+    relay = Relay(j, "w0", out, _Tries(), Active(j), progress=progress, metrics=RouterMetrics(), clock=progress.clock,
                   on_moved=lambda _: None)
     stream = UpstreamStream("w0", relay)
     conn, transport = _Conn(), _Transport()
@@ -196,9 +196,12 @@ def test_a_paused_stream_is_not_silence_and_resumes_its_reading(kind: Kind) -> N
     silent while it waits; once the client drains, reading and the silence clock start again."""
 
     async def run() -> None:
-        progress = ProgressModel(floor_s=0.0)
+        # Its own clock, jumped: on the system clock a busy host's pause between two events of one read
+        # counted as a token gap, and the allowance grew past the wait (seen under load).
+        clock = ManualClock()
+        progress = ProgressModel(clock=clock, floor_s=0.0)
         j = journal(kind, {})
-        out = SseOutput(j, 0, metrics=RouterMetrics(), progress=progress, clock=SYSTEM_CLOCK)
+        out = SseOutput(j, 0, metrics=RouterMetrics(), progress=progress, clock=clock)
         progress.dispatched("w0", j.id, 4)
         conn, transport, stream, _ = wired(j, out, progress)
         events = worker_events(kind, [[1], [2], [3]], usage=False)
@@ -207,11 +210,11 @@ def test_a_paused_stream_is_not_silence_and_resumes_its_reading(kind: Kind) -> N
         conn.data_received(response[:half])
         out.pause()  # what the client's connection says once its buffer is past the high-water mark
         assert not transport.reading
-        await asyncio.sleep(0.01)
+        clock.advance(0.01)
         assert progress.stalled() == [], "a stream paused for its client is not the worker's silence"
         out.resume()
         assert transport.reading
-        await asyncio.sleep(0.01)
+        clock.advance(0.01)
         assert [w for w, *_ in progress.stalled()] == ["w0"], "resumed, its silence counts again"
         conn.data_received(response[half:])
         assert stream.ended is not None and stream.ended.done() and stream.finished
