@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from fleetward.chaos import faults
-from fleetward.chaos.fault import CATALOGUE, Target
+from fleetward.chaos.fault import CATALOGUE, Fault, Target
 from fleetward.chaos.harness import TestFleet
 from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.bus import Event
@@ -62,12 +62,10 @@ FAULTS = {"kill API server": ("process.kill_worker", {"scope": "root"}),
           "SIGSTOP EngineCore": ("process.hang", {"mode": "silent"})}
 
 
-def fault_for(how: str, worker: str) -> faults.BaseFault:
+def fault_for(how: str, worker: str) -> Fault:
     name, params = FAULTS[how]
     spec = CATALOGUE[name]
-    fault = spec.factory(spec.params(recover_timeout_s=240, **params), Target(kind="worker", ids=(worker,)))
-    assert isinstance(fault, faults.BaseFault)
-    return fault
+    return spec.factory(spec.params(recover_timeout_s=240, **params), Target(kind="worker", ids=(worker,)))
 
 
 async def answers_500_or_nothing(url: str) -> bool:
@@ -99,6 +97,7 @@ async def test_each_engine_failure_is_detected_and_streams_stay_exact(vllm_fleet
     assert any("EngineCore" in p.name() for p in engine), [p.name() for p in engine]
     ctx = vllm_fleet.fault_context()
     fault = fault_for(how, victim)
+    assert isinstance(fault, faults.BaseFault)  # its detail: what it touched
     # The tiny model streams ~500 tokens/s on this CPU: a whole stream can sit in socket buffers before a test
     # reacts. The worker the router picks is throttled to a sliver of a CPU, so the fault lands while it is still
     # generating (a slow worker, exactly as a throttled GPU host would be).
