@@ -29,10 +29,21 @@ def trace(tmp_path: Path) -> Path:
     return path
 
 
+def heavy(tmp_path: Path) -> Path:
+    """Long requests, 2 a second: one worker's capacity is below 1 req/s, so profiling it takes a second."""
+    path = tmp_path / "heavy.csv"
+    path.write_text("arrival_s,input_tokens,output_tokens\n" + "".join(f"{k / 2:.3f},4000,1000\n" for k in range(200)))
+    return path
+
+
 def test_replay_simulate_json_prints_every_policy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["replay", str(trace(tmp_path)), "--simulate", "--json", "--out", str(tmp_path / "out")])
+    """The first 15 minutes (``--limit``): the quiet start and half of the burst."""
+    code = main(["replay", str(trace(tmp_path)), "--simulate", "--limit", "900", "--json", "--out",
+                 str(tmp_path / "out")])
     assert code == 0
     result = json.loads(capsys.readouterr().out)
+    assert result["mode"] == "simulated" and 0 < result["trace"]["requests"] < 6025
+    assert result["trace"]["duration_s"] <= 900
     assert set(result["policies"]) == set(POLICIES)
     for entry in result["policies"].values():
         keys = {"sla_attainment", "worker_hours", "cut_streams", "goodput_per_worker_hour", "scale_events"}
@@ -49,9 +60,11 @@ def test_replay_refuses_bad_input_clearly(tmp_path: Path, capsys: pytest.Capture
     good = trace(tmp_path)
     assert main(["replay", str(good), "--policies", "oracle"]) == 2
     assert "oracle cannot run live (the oracle needs the future: use --simulate)" in capsys.readouterr().err
-    assert main(["replay", str(good), "--simulate", "--itl", "0.001", "--no-plots"]) == 2
+    # Errors found by profiling the worker: on long requests, which a worker carries few of.
+    long = heavy(tmp_path)
+    assert main(["replay", str(long), "--simulate", "--itl", "0.001", "--no-plots"]) == 2
     assert "no measured load meets the SLA" in capsys.readouterr().err
-    assert main(["replay", str(good), "--simulate", "--max", "1", "--no-plots"]) == 2
+    assert main(["replay", str(long), "--simulate", "--max", "1", "--no-plots"]) == 2
     assert "raise it or scale the trace's rate down" in capsys.readouterr().err
 
 
