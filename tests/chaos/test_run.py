@@ -1,4 +1,7 @@
-"""Experiments end to end on real simulated workers, a real router, etcd and broker; and the CLI's exit codes."""
+"""Experiments end to end on real simulated workers, a real router, etcd and broker; and the CLI's exit codes.
+
+``chaos run`` and ``chaos faults --json`` run as processes (``python -m fleetward.cli``, as fleetward starts its
+own); the other ``chaos`` commands run through the same entry in this process (:func:`chaos_here`)."""
 
 from __future__ import annotations
 
@@ -49,12 +52,24 @@ def chaos(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -
     return subprocess.run([*CHAOS, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def chaos_here(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``fleetward chaos ARGS`` through the CLI's own entry (:func:`fleetward.cli.main.main`) in this process: what
+    :func:`chaos` does without a Python start (the fault doubles are in this process's catalogue too). The
+    process entry point (``python -m fleetward.cli``) is what :func:`chaos` tests."""
+    from fleetward.cli.main import main
+
+    capsys.readouterr()
+    code = main(["chaos", *args])
+    got = capsys.readouterr()
+    return subprocess.CompletedProcess(["fleetward", "chaos", *args], code, got.out, got.err)
+
+
 def statuses(verdicts: list[dict[str, Any]]) -> dict[str, str]:
     return {v["checker"]: v["status"] for v in verdicts}
 
 
 async def test_a_run_writes_its_folder_and_chaos_check_reproduces_its_verdicts(
-        fleetward_experiment: Any, doubles_env: dict[str, str]) -> None:
+        fleetward_experiment: Any, capsys: pytest.CaptureFixture[str]) -> None:
     result = await fleetward_experiment(experiment())
     run = result.run_dir
     assert result.status == "completed" and not result.deviated, result.failures()
@@ -82,14 +97,14 @@ async def test_a_run_writes_its_folder_and_chaos_check_reproduces_its_verdicts(
     assert cancelled and all(r["tokens"] >= 2 for r in cancelled)  # mid-stream, and exact prefixes (above)
     assert "<svg" in (run / "report.html").read_text()
 
-    checked = chaos("check", str(run), "--json", env=doubles_env)
+    checked = chaos_here(capsys, "check", str(run), "--json")
     assert checked.returncode == 0, checked.stderr
     assert statuses(json.loads(checked.stdout)["verdicts"]) == statuses(journal["checks"]["verdicts"])
 
 
 def test_a_run_that_corrupts_streams_exits_1_and_chaos_check_agrees(tmp_path: Path, etcd_endpoint: str,
-                                                                   broker_endpoint: str,
-                                                                   doubles_env: dict[str, str]) -> None:
+                                                                   broker_endpoint: str, doubles_env: dict[str, str],
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     exp = experiment(title="wrong tokens", method=[
         {"name": "sdc", "fault": "process.double_wrong_tokens", "at": 0.5, "duration": 2.0, "params": {"after": 3},
          "target": {"kind": "worker", "ids": ["node-w0"]}}], checkers=["stream_exactness", "fault_verification"])
@@ -109,7 +124,7 @@ def test_a_run_that_corrupts_streams_exits_1_and_chaos_check_agrees(tmp_path: Pa
     assert {d["worker"] for d in exactness["details"]} == {"node-w0"}
     assert all(d["index"] == 3 and d["faults"] == ["sdc"] for d in exactness["details"])
 
-    checked = chaos("check", str(run), env=doubles_env)
+    checked = chaos_here(capsys, "check", str(run))
     assert checked.returncode == 1
     assert check_run(run).journal["checks"]["verdicts"] == journal["checks"]["verdicts"]
 
@@ -147,16 +162,16 @@ def test_a_bad_experiment_file_exits_2_naming_file_line_and_field(tmp_path: Path
     assert not (tmp_path / "run").exists()
 
 
-def test_chaos_faults_lists_the_catalogue_by_family_with_parameters() -> None:
+def test_chaos_faults_lists_the_catalogue_by_family_with_parameters(capsys: pytest.CaptureFixture[str]) -> None:
     done = chaos("faults", "--json")
     assert done.returncode == 0, done.stderr
     faults = {f["name"]: f for f in json.loads(done.stdout)["faults"]}
     burst = faults["load.burst"]
     assert burst["family"] == "load" and burst["targets"] == ["fleet"]
     assert {p["name"]: p["default"] for p in burst["params"]}["count"] == 50
-    text = chaos("faults", "--family", "load")
+    text = chaos_here(capsys, "faults", "--family", "load")
     assert text.returncode == 0 and "load.mass_cancel" in text.stdout and "load (5)" in text.stdout
-    every = chaos("faults")  # every family's table, each fault's needs said in words
+    every = chaos_here(capsys, "faults")  # every family's table, each fault's needs said in words
     assert every.returncode == 0, every.stderr
     assert "partition (4)" in every.stdout and "needs fleet.hosts: 3 or more" in " ".join(every.stdout.split())
 
