@@ -4,7 +4,7 @@ the broker killed and started again) make the alerts they should raise go pendin
 recovery, all read back through Prometheus' HTTP API (``/api/v1/alerts`` and the ``ALERTS`` series).
 
 Prometheus runs the shipped rule file with every duration divided by ``SCALE`` (a 10-minute window becomes
-30 s, ``for: 1m`` 3 s), so that an alert also resolves within the test: the pipeline is the real one
+15 s, ``for: 1m`` 2 s), so that an alert also resolves within the test: the pipeline is the real one
 (exposition, discovery from etcd, scraping, rule evaluation, alert states), the timing is compressed.
 promtool's unit tests (tests/operations/test_alerts.py) check the same expressions at their real durations.
 """
@@ -33,7 +33,7 @@ from fleetward.fleet.prometheus import LocalPrometheus, TargetsWriter
 from fleetward.fleet.sse import sse_lines
 
 RULES = Path(__file__).resolve().parents[2] / "runbooks" / "alerts" / "fleetward.rules.yml"
-SCALE = 20
+SCALE = 40
 SIM = SimConfig(decode_step_ms=8.0, decode_ms_per_seq=0.1, prefill_ms_per_token=0.02, seed=31)
 SUPERVISOR = SupervisorConfig(canary_interval_s=2.0, canary_timeout_s=2.0, backoff_initial_s=0.05,
                               backoff_max_s=0.2, lease_ttl_s=3, progress_interval_s=0.1)
@@ -55,8 +55,8 @@ def scaled_rules(dst: Path) -> Path:
 def test_the_scaled_rules_keep_every_alert_and_only_shorten_time(tmp_path: Path) -> None:
     original, scaled = RULES.read_text(), scaled_rules(tmp_path / "rules.yml").read_text()
     assert re.findall(r"alert: (\w+)", original) == re.findall(r"alert: (\w+)", scaled)
-    assert "[10m]" in original and "[30s]" in scaled and "[10m]" not in scaled
-    assert "for: 1m" in original and "for: 3s" in scaled
+    assert "[10m]" in original and "[15s]" in scaled and "[10m]" not in scaled
+    assert "for: 1m" in original and "for: 2s" in scaled and "for: 1m" not in scaled
     strip = re.compile(r"\[\d+[smh]\]|for: \d+[smh]")
     assert strip.sub("", original) == strip.sub("", scaled), "nothing but durations changed"
 
@@ -175,15 +175,15 @@ async def test_alerts_stay_quiet_without_faults_then_fire_and_resolve_on_a_kill_
     try:
         # -- a fault-free stretch under load: no alert, not even pending, at any evaluation ----------------
         # Until Prometheus has scraped everything once, "no leader" may rightly be pending (even fire, at the
-        # scaled 3 s): the stretch starts once no alert is active, and lasts longer than the longest scaled
-        # window of a non-SLO alert.
+        # scaled 2 s): the stretch starts once no alert is active, and lasts longer than the scaled 10-minute
+        # window of the worker alerts.
         async def none_active() -> bool:
             return not await alerts.now()
 
         await wait_until(none_active, timeout=30, interval=0.5,
                          message="the start-up alerts resolve once every target is scraped")
         loop = asyncio.get_running_loop()
-        quiet_s, started = 35, loop.time()
+        quiet_s, started = 600 // SCALE + 5, loop.time()
         seen: set[str] = set()
         while loop.time() - started < quiet_s:
             seen |= {f"{n} ({s})" for n, s in (await alerts.now()).items()}
