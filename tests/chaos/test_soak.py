@@ -1,7 +1,8 @@
-"""The soak, short (``chaos/experiments/soak-short.yaml``): every fault kind of the 30-minute soak at least once in
-two minutes, run as a user runs it (``fleetward chaos run FILE``: its own etcd cluster, broker, controllers and
-routers as processes). It must pass every checker: no token lost, duplicated or corrupted, every failure with a
-reason, resources within the file's bounds and no process left behind. About three minutes.
+"""The soak, short (``chaos/experiments/soak-short.yaml``): every fault kind of the 30-minute soak at least once,
+kills and hangs repeated, run as a user runs it (``fleetward chaos run FILE``: its own etcd cluster, broker,
+controllers and routers as processes). Its two minutes are compressed to 50 s (:data:`COMPRESSED`): every fault,
+target, parameter and checker of the file. It must pass every checker: no token lost, duplicated or corrupted,
+every failure with a reason, resources within the file's bounds and no process left behind. About 80 s.
 
 The rest checks the pieces the soak stands on without a fleet: repeated faults in the file format, and the
 ``resources`` and ``failure_reasons`` checkers on hand-made histories.
@@ -27,6 +28,15 @@ from fleetward.fleet.errors import ConfigError
 LIBRARY = Path(__file__).resolve().parents[2] / "chaos" / "experiments"
 KINDS = {"process.kill_worker", "process.hang", "control.router_restart", "control.etcd_leader_loss",
          "control.broker_restart", "network.partition", "load.slow_clients"}
+# The short soak's schedule in 50 s instead of 120: four kills (every 12 s, as in the file) and two hangs (every
+# 23 s; the file has three), the other kinds once each, in the file's order and apart from one another as there (a
+# kill overlaps a hang and the slow clients). A hang still holds 6 s: long enough to be confirmed and restarted by
+# the supervisor. Nothing restarts around 20 s into the method, when the resources checker's warm-up ends.
+COMPRESSED: dict[str, dict[str, float]] = {
+    "kill": {"at": 2, "every": 12, "duration": 2}, "hang": {"at": 5, "every": 23},
+    "slow-clients": {"at": 16.5, "duration": 6}, "router-kill": {"at": 22.5, "duration": 1.5},
+    "etcd-leader-loss": {"at": 42, "duration": 2}, "broker-restart": {"at": 45.5, "duration": 2},
+    "partition": {"at": 48, "duration": 3}}
 
 
 def test_the_soak_files_schedule_every_fault_kind_and_repeat_kills_and_hangs() -> None:
@@ -40,9 +50,42 @@ def test_the_soak_files_schedule_every_fault_kind_and_repeat_kills_and_hangs() -
         assert exp.blast_radius is not None and exp.blast_radius.max_capacity_share * exp.fleet.workers >= 2
 
 
+def compressed_soak() -> dict[str, Any]:
+    """soak-short.yaml with its schedule compressed (:data:`COMPRESSED`), nothing else changed."""
+    import yaml
+
+    data: dict[str, Any] = yaml.safe_load((LIBRARY / "soak-short.yaml").read_text())
+    data["workload"]["duration_s"] = 50
+    for act in data["method"]:
+        assert set(COMPRESSED[act["name"]]) <= {"at", "every", "duration"} & set(act)  # what the file already says
+        act.update(COMPRESSED[act["name"]])
+    return data
+
+
+def test_the_compressed_short_soak_keeps_every_fault_checker_and_repetition_of_the_file() -> None:
+    import yaml
+
+    shipped, fast = yaml.safe_load((LIBRARY / "soak-short.yaml").read_text()), compressed_soak()
+    timing = {"at", "every", "duration"}
+    assert {k: v for k, v in fast.items() if k != "workload"} | {"method": None} == {
+        k: v for k, v in shipped.items() if k != "workload"} | {"method": None}
+    assert [{k: v for k, v in a.items() if k not in timing} for a in fast["method"]] == [
+        {k: v for k, v in a.items() if k not in timing} for a in shipped["method"]]
+    assert {k: v for k, v in fast["workload"].items() if k != "duration_s"} == {
+        k: v for k, v in shipped["workload"].items() if k != "duration_s"}
+    exp = validate_experiment(fast)
+    assert {a.fault for a in exp.method} == KINDS
+    repeated = {a.fault: a.occurrences(a.at or 0.0, exp.workload.duration_s) for a in exp.method if a.every}
+    assert len(repeated["process.kill_worker"]) == 4 and len(repeated["process.hang"]) == 2
+
+
 def test_the_short_soak_passes_every_checker(tmp_path: Path) -> None:
+    import yaml
+
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "fleetward.cli", "chaos", "run", str(LIBRARY / "soak-short.yaml"),
+    path = tmp_path / "soak-short.yaml"
+    path.write_text(yaml.safe_dump(compressed_soak(), sort_keys=False))
+    done = subprocess.run([sys.executable, "-m", "fleetward.cli", "chaos", "run", str(path),
                            "--out", str(out), "--no-report"], capture_output=True, text=True, timeout=420)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     journal = json.loads((out / "journal.json").read_text())
