@@ -250,7 +250,10 @@ def run_experiment(file: str, out: Path, *, timeout: float = 300) -> dict[str, A
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     journal: dict[str, Any] = json.loads((out / "journal.json").read_text())
     verdicts = {v["checker"]: v["status"] for v in journal["checks"]["verdicts"]}
-    assert verdicts and set(verdicts.values()) == {"pass"}, verdicts
+    # What a checker that did not pass said, and when each fault ran: an "unknown" is diagnosed from this.
+    said = {v["checker"]: v["summary"] for v in journal["checks"]["verdicts"] if v["status"] != "pass"}
+    timeline = [(a["activity"].get("name"), a.get("t_start"), a.get("t_end"), a.get("status")) for a in journal["run"]]
+    assert verdicts and set(verdicts.values()) == {"pass"}, (verdicts, said, timeline, journal.get("duration"))
     return journal
 
 
