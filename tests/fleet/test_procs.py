@@ -187,8 +187,10 @@ LOADING = "import time\nwhile True:\n    print('loading weights', time.monotonic
 
 
 def _span(log: Path) -> float:
-    """Seconds between the first and the last line the loader logged, by its own clock."""
-    stamps = [float(line.split()[-1]) for line in log.read_text().splitlines() if line.startswith("loading")]
+    """Seconds between the first and the last line the loader logged, by its own clock. Only whole lines count:
+    the log is read while the loader writes, so its last line may be cut short ("loading weights")."""
+    whole = log.read_text().split("\n")[:-1]
+    stamps = [float(line.split()[-1]) for line in whole if line.startswith("loading")]
     return stamps[-1] - stamps[0] if len(stamps) > 1 else 0.0
 
 
