@@ -68,6 +68,12 @@ def instant_sim(**overrides: Any) -> SimConfig:
 # Restarts as often as a test kills, quickly: the tests are about what clients see, not the crash-loop budget.
 PATIENT_SUPERVISOR = SupervisorConfig(restart_budget=1000, backoff_initial_s=0.05, backoff_max_s=0.2)
 
+# The leases (agents', controllers', routers') of a test fleet beside real vLLM: two vLLM servers streaming, or
+# one restarting and compiling its kernels, starve the other processes' loops on 2 cores for 5-11 s at a time.
+# With 5 s and 10 s leases a healthy worker was deregistered mid-test (its stream answered 503), a controller
+# lost its lease mid-drain and a router's record lapsed. No vLLM test is about a lease running out.
+VLLM_LEASE_S = 15
+
 
 @contextlib.asynccontextmanager
 async def routed_fleet(etcd: str, mqtt: str, run_dir: Path, cluster: str, sim: SimConfig, *, workers: int = 3,

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from testkit import VLLM_LEASE_S
 
 from fleetward.chaos.harness import TestFleet
 from fleetward.fleet.backends import VllmBackend
@@ -82,15 +83,11 @@ async def _vllm_session(tiny_model: Path, etcd_endpoint: str, broker_endpoint: s
     backend = VllmBackend(VllmConfig(), tiny_model)
     servers = tmp_path_factory.mktemp("vllm-servers")
     attach = [vllm_server(backend, f"cpu-w{i}", servers, cores) for i, cores in enumerate(spread_cores(2))]
-    # Leases of 15 s, as in test_a_moves_on_vllm: a restarted vLLM server compiles its kernels on both cores and
-    # starves this process's loop (the agent's, the controller's, the routers') for 5-11 s at a time. With the
-    # default 5 s and 10 s leases a healthy worker was deregistered mid-test and its stream answered 503. No
-    # test here is about a lease running out (tests/supervisor and tests/chaos are).
     fleet = TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="vllm", backend=backend, attach=attach,
-                      run_dir=tmp_path_factory.mktemp("vllm"), workers=0, node="cpu", lease_ttl=15,
-                      routing=RouterConfig(stall_floor_s=1.0, lease_ttl_s=15),
+                      run_dir=tmp_path_factory.mktemp("vllm"), workers=0, node="cpu", lease_ttl=VLLM_LEASE_S,
+                      routing=RouterConfig(stall_floor_s=1.0, lease_ttl_s=VLLM_LEASE_S),
                       supervisor=SupervisorConfig(canary_timeout_s=5.0, canary_interval_s=30.0, restart_budget=1000,
-                                                  backoff_initial_s=0.1, backoff_max_s=1.0, lease_ttl_s=15))
+                                                  backoff_initial_s=0.1, backoff_max_s=1.0, lease_ttl_s=VLLM_LEASE_S))
     try:
         await fleet.start()
         await ensure_healthy(fleet, session_processes)  # which warms every server up before the first test

@@ -31,7 +31,7 @@ import orjson
 import psutil
 import pytest
 import pytest_asyncio
-from testkit import eventually, metric
+from testkit import VLLM_LEASE_S, eventually, metric
 
 from fleetward.chaos.harness import TestFleet
 from fleetward.chaos.workload import sse_lines
@@ -60,14 +60,14 @@ async def moving(tiny_model: Path, etcd_endpoint: str, broker_endpoint: str, tmp
     kv.mkdir()
     backend = VllmBackend(VllmConfig(extra_args=connector(kv)), tiny_model)
     servers = [start_vllm_server(backend, w, root, cores) for w, cores in zip(WORKERS, spread_cores(2), strict=True)]
-    # Leases of 15 s: two vLLM servers streaming on two cores starve the other processes' loops (this one, with
-    # the agent and controller, and the router's) for seconds at a time. A controller that loses its lease
-    # mid-drain orders no move, and a router whose record lapses is not asked what runs where.
+    # Leases of VLLM_LEASE_S: a controller that loses its lease mid-drain orders no move, and a router whose
+    # record lapses is not asked what runs where.
     fleet = TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="vllm-moves", workers=0, node="cpu",
                       backend=VllmBackend(VllmConfig(), tiny_model), attach=servers, run_dir=root / "fleet",
-                      routing=RouterConfig(stall_floor_s=15.0, affinity_tokens=0, lease_ttl_s=15), lease_ttl=15,
+                      routing=RouterConfig(stall_floor_s=15.0, affinity_tokens=0, lease_ttl_s=VLLM_LEASE_S),
+                      lease_ttl=VLLM_LEASE_S,
                       supervisor=SupervisorConfig(canary_timeout_s=5.0, canary_interval_s=30.0, drain_move_s=30.0,
-                                                  lease_ttl_s=15))
+                                                  lease_ttl_s=VLLM_LEASE_S))
     try:
         await fleet.start()
         await fleet.restore(timeout=240)
