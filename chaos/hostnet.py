@@ -43,6 +43,8 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from fleetward.fleet.claims import claim, release
+
 __all__ = ["Drop", "Host", "HostNetwork", "leftover_namespaces"]
 
 SUBNET = "10.77.0"
@@ -180,6 +182,7 @@ class HostNetwork:
         if reason:
             raise RuntimeError(reason)
         self.created = True
+        claim("netns", self.prefix)  # what a reaper killed with the run leaves goes at the next one's reclaim
         if reaper:  # first: whatever happens from here on, it removes what was made
             self._reaper = subprocess.Popen(
                 [sys.executable, "-m", "fleetward.chaos.hostnet", "--reap", str(os.getpid()), self.prefix],
@@ -233,6 +236,8 @@ class HostNetwork:
                 self._reaper.kill()
             self._reaper.wait()
             self._reaper = None
+        if self.created and not leftover_namespaces(self.prefix):
+            release("netns", self.prefix)
         self.created = False
 
     def __enter__(self) -> HostNetwork:
@@ -321,6 +326,7 @@ def _reap(parent: int, prefix: str) -> None:
             return
         seen = seen or left
     remove_namespaces(leftover_namespaces(prefix))
+    release("netns", prefix)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

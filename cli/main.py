@@ -318,9 +318,10 @@ def _mark_this_run() -> None:
     """Mark this process's environment: every process the run starts inherits it (see LocalFleet)."""
     import uuid
 
-    from fleetward.fleet.procs import RUN_MARK
+    from fleetward.fleet.procs import KEEP_ENVIRON, RUN_MARK
 
     os.environ[RUN_MARK] = uuid.uuid4().hex
+    os.environ.update(KEEP_ENVIRON)
 
 
 def _install_signal_handlers(stop: asyncio.Event) -> None:

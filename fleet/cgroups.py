@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 
+from fleetward.fleet.claims import claim, release
 from fleetward.fleet.errors import FleetwardError
 
 __all__ = ["CpuGroup", "cgroups_available"]
@@ -54,6 +55,7 @@ class CpuGroup:
                 (root / "cgroup.subtree_control").write_text("+cpu")
                 (parent / "cgroup.subtree_control").write_text("+cpu")
         self.path = parent / name
+        claim("cgroup", str(self.path))  # a run killed before remove() leaves it to the next one's reclaim
         self.path.mkdir(parents=True, exist_ok=True)
 
     def limit(self, cpus: float | None) -> None:
@@ -97,3 +99,5 @@ class CpuGroup:
                     (root / "cgroup.procs").write_text(line)
         with contextlib.suppress(OSError):
             self.path.rmdir()
+        if not self.path.exists():
+            release("cgroup", str(self.path))

@@ -47,6 +47,7 @@ import psutil
 from fleetward.fleet.errors import PortInUseError, ProcessError
 
 __all__ = [
+    "KEEP_ENVIRON",
     "RUN_MARK",
     "AdoptedProcess",
     "ManagedProcess",
@@ -613,6 +614,10 @@ class AdoptedProcess:
 
 
 RUN_MARK = "FLEETWARD_RUN"  # set by a fleet in its own environment: every process it starts inherits it
+# ... and this, so that the mark stays readable: setproctitle (vLLM's EngineCore and workers name themselves
+# with it) writes the title over /proc/<pid>/environ unless SPT_NOENV is set; the title is then as long as the
+# command line was, which is longer than vLLM's titles.
+KEEP_ENVIRON = {"SPT_NOENV": "1"}
 
 
 def marked_processes(mark: str, var: str = RUN_MARK) -> list[psutil.Process]:

@@ -61,6 +61,7 @@ import pytest
 import pytest_asyncio
 from costreport import pytest_runtest_logreport, pytest_terminal_summary
 
+from fleetward.chaos.runguard import MARK, MARK_VAR
 from fleetward.fleet.bus import MqttBus
 from fleetward.fleet.config import AttachConfig, SimConfig
 from fleetward.fleet.errors import FleetwardError
@@ -99,15 +100,14 @@ _SESSION_PROCESSES = SessionProcesses()
 _SUSPECTS: dict[int, tuple[psutil.Process, str]] = {}
 
 
-# Every process started from this session inherits the mark, so one that was orphaned (reparented to
-# init, no longer a descendant of pytest) is still found.
-_MARK_VAR, _MARK = "FLEETWARD_TEST_SESSION", uuid.uuid4().hex
-os.environ[_MARK_VAR] = _MARK
+# Every process started from this session inherits the run's mark (fleetward.chaos.runguard, loaded by the pytest
+# config), so one that was orphaned (reparented to init, no longer a descendant of pytest) is still found; the
+# run's reaper ends it if the run itself dies first.
 
 
 def _marked(p: psutil.Process) -> bool:
     with contextlib.suppress(psutil.Error, OSError):
-        return p.environ().get(_MARK_VAR) == _MARK
+        return p.environ().get(MARK_VAR) == MARK
     return False
 
 

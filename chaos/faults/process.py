@@ -62,6 +62,7 @@ from fleetward.chaos.faults._base import (
     running_tree,
     service_of,
 )
+from fleetward.fleet.claims import claim, release
 from fleetward.fleet.handle import Fleet
 from fleetward.fleet.procs import ManagedProcess, kill_tree
 
@@ -474,6 +475,7 @@ class FreezerGroup:
         else:
             self.version, self.root = 2, _V2
         self.path = self.root / "fleetward" / name
+        claim("cgroup", str(self.path))  # a run killed while it is frozen leaves it to the next one's reclaim
         self.path.mkdir(parents=True, exist_ok=True)
         self._homes: dict[int, Path] = {}  # pid -> the cgroup it came from
 
@@ -536,6 +538,7 @@ class FreezerGroup:
         """Thaw, move every process back where it came from, delete the group. Idempotent; False while the
         group cannot be deleted yet (a process killed while frozen is still exiting)."""
         if not self.path.exists():
+            release("cgroup", str(self.path))
             return True
         with contextlib.suppress(OSError):
             self.thaw()
@@ -546,6 +549,7 @@ class FreezerGroup:
             self.path.rmdir()
         except OSError:
             return False
+        release("cgroup", str(self.path))
         return True
 
 
@@ -571,6 +575,7 @@ class MemoryGroup:
                 (root / "fleetward" / "cgroup.subtree_control").write_text("+memory")
         self.root = root
         self.path = root / "fleetward" / name
+        claim("cgroup", str(self.path))  # a run killed before remove() leaves it to the next one's reclaim
         self.path.mkdir(parents=True, exist_ok=True)
 
     @staticmethod
@@ -633,6 +638,8 @@ class MemoryGroup:
                 (self.root / "cgroup.procs").write_text(str(pid))
         with contextlib.suppress(OSError):
             self.path.rmdir()
+        if not self.path.exists():
+            release("cgroup", str(self.path))
 
 
 def _oom_prefer(pid: int) -> None:

@@ -12,6 +12,8 @@ import os
 import shutil
 from typing import Literal
 
+from fleetward.fleet.claims import claim, release
+
 __all__ = ["IptablesFilter"]
 
 
@@ -51,6 +53,7 @@ class IptablesFilter:
         reason = self.unavailable_reason()
         if reason:
             raise RuntimeError(reason)
+        claim("iptables", self.chain)  # a run killed before clear() leaves it to the next one's reclaim
         await self._run("-N", self.chain, check=False)
         await self._run("-I", "OUTPUT", "-o", "lo", "-j", self.chain)
         self._installed = True
@@ -73,4 +76,5 @@ class IptablesFilter:
             pass
         await self._run("-F", self.chain, check=False)
         await self._run("-X", self.chain, check=False)
+        release("iptables", self.chain)
         self._installed = False
