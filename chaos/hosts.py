@@ -49,7 +49,7 @@ from fleetward.fleet.launch import (
     start_service,
     write_service_config,
 )
-from fleetward.fleet.procs import ManagedProcess, tree_of
+from fleetward.fleet.procs import ManagedProcess, is_the_process, tree_of
 from fleetward.fleet.registry import read_fleet, read_leader
 
 __all__ = ["PORTS", "HostsFleet", "HostsView"]
@@ -256,4 +256,6 @@ class HostsView(AttachedFleet):
 
     def processes(self, worker: str) -> list[psutil.Process]:
         rec = self.records.get(worker)
-        return tree_of(rec.pid) if rec is not None and rec.pid else []
+        tree = tree_of(rec.pid) if rec is not None and rec.pid else []
+        # A pid read from etcd is acted on only if it is the process the record was written for.
+        return tree if rec is not None and tree and is_the_process(tree[0], started_by=rec.started_at) else []

@@ -11,7 +11,8 @@ cgroups         ``fleetward/*`` in the freezer, memory and cpu hierarchies (v1) 
                 thawed, emptied (members moved to the root group) and removed
 iptables chains ``FW-*`` chains of the filter table, with their jumps from ``OUTPUT``
 namespaces      the host networks' ``fw<id>-*`` namespaces, with what runs inside them
-run folders     folders a caller names (a test's ``fleetward up`` run dirs) whose ``fleet.lock`` is free
+run folders     folders a caller names (a test's ``fleetward up`` run dirs) whose ``fleet.lock`` is free,
+                and folders claimed by a dead owner (a fault's state under ``/tmp``)
 =============== ======================================================================================
 
 What a live process claimed (:mod:`fleetward.fleet.claims`) is never touched; what a dead one claimed, or
@@ -252,10 +253,22 @@ def _lock_is_free(lock: Path) -> bool:
 
 
 def _remove_folders(folders: Iterable[Path], out: Reclaimed) -> None:
+    """The run folders named (removed unless a live fleet holds them), and the folders claimed by a dead owner
+    (a fault's state under /tmp)."""
     for folder in folders:
         if folder.is_dir() and _lock_is_free(folder / "fleet.lock"):
             shutil.rmtree(folder, ignore_errors=True)
             (out.errors if folder.exists() else out.folders).append(str(folder))
+    for name, owner in claims("folder").items():
+        if owner is not None and owner.alive:
+            continue
+        folder = Path(name)
+        shutil.rmtree(folder, ignore_errors=True)
+        if folder.exists():
+            out.errors.append(str(folder))
+            continue
+        release("folder", name)
+        out.folders.append(name)
 
 
 # -- all of it ------------------------------------------------------------------------------------------------

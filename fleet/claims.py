@@ -77,11 +77,24 @@ def _path(kind: str, name: str) -> Path:
     return claims_dir() / kind / urllib.parse.quote(name, safe="")
 
 
+def _trusted(folder: Path) -> bool:
+    """Whether claims in ``folder`` were written by this user: it and the claims dir are ours and nobody else
+    may write there. A reclaim removes what a claim names; a claim planted by another user must not count."""
+    for f in (claims_dir(), folder):
+        try:
+            st = f.stat()
+        except OSError:
+            return False
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            return False
+    return True
+
+
 def claim(kind: str, name: str, owner: Owner | None = None) -> None:
     """Record that ``owner`` (this process by default) is about to make ``name`` of ``kind``: call it *before*
     making it, so that nothing exists unclaimed while its maker lives."""
     path = _path(kind, name)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(json.dumps({"owner": str(owner or Owner.of()), "since": time.time()}))
     tmp.replace(path)
@@ -94,9 +107,12 @@ def release(kind: str, name: str) -> None:
 
 
 def claims(kind: str) -> dict[str, Owner | None]:
-    """Every claim of ``kind``: the name claimed and its owner (None when the claim cannot be read)."""
+    """Every claim of ``kind``: the name claimed and its owner (None when the claim cannot be read); none when
+    the claims dir is not this user's alone."""
     found: dict[str, Owner | None] = {}
     folder = claims_dir() / kind
+    if not _trusted(folder):
+        return found
     with contextlib.suppress(FileNotFoundError):
         for path in folder.iterdir():
             if path.name.startswith("."):

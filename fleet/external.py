@@ -34,9 +34,9 @@ from fleetward.fleet.procs import (
     RUN_MARK,
     AdoptedProcess,
     ManagedProcess,
-    pid_from_file,
     pid_matching,
     pid_of_container,
+    pid_of_pidfile,
     pid_of_unit,
 )
 from fleetward.fleet.worker import WorkerSpec
@@ -114,7 +114,7 @@ class ExternalBackend:
             return None
         if ref.pidfile is not None:
             pidfile = ref.pidfile
-            return lambda: pid_from_file(pidfile)
+            return lambda: pid_of_pidfile(pidfile)
         if ref.systemd_unit is not None:
             unit = ref.systemd_unit
             return lambda: pid_of_unit(unit)

@@ -57,12 +57,15 @@ __all__ = [
     "free_port",
     "is_gone",
     "is_local_only",
+    "is_the_process",
     "kill_tree",
     "last_log_line",
     "listening_socket",
     "marked_processes",
+    "never_a_target",
     "pid_from_file",
     "pid_of_container",
+    "pid_of_pidfile",
     "pid_of_unit",
     "port_is_free",
     "reserve_port",
@@ -518,6 +521,9 @@ class AdoptedProcess:
         if self._locate is not None:
             with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):
                 pid = self._locate()
+        if pid in never_a_target():  # a unit, container or search that names init or the agent's own
+            log.warning("%s: its locator named pid %d (init, or this process or an ancestor); ignored", self.name, pid)
+            pid = None
         proc = None
         if pid:
             with contextlib.suppress(psutil.Error):
@@ -634,13 +640,62 @@ def marked_processes(mark: str, var: str = RUN_MARK) -> list[psutil.Process]:
     return found
 
 
+def never_a_target() -> set[int]:
+    """The pids no process found by a pidfile, a record or a search may be: init (pid 1; in a pod that shares its
+    process namespace, the pause container), this process and its ancestors (the shell, service manager or
+    container runtime that runs it). Signalling one of them would take down the host's or the caller's own."""
+    me = psutil.Process()
+    with contextlib.suppress(psutil.Error):
+        return {1, me.pid, *(p.pid for p in me.parents())}
+    return {1, me.pid}
+
+
+def is_the_process(proc: psutil.Process, *, started_by: float, slack_s: float = 1.0) -> bool:
+    """Whether ``proc`` can be the process a pidfile or a record written at ``started_by`` (seconds since the
+    epoch) names: it runs, it is not :func:`never_a_target`, and it started no later than that (a pid reused
+    after its process died belongs to one that started later). ``slack_s``: the clocks' resolution."""
+    try:
+        return (proc.pid not in never_a_target() and proc.create_time() <= started_by + slack_s
+                and proc.status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False
+
+
 def pid_from_file(path: Path) -> int | None:
-    """The pid written in ``path`` (a pidfile), or None when there is none."""
+    """The pid written in ``path`` (a pidfile), or None when there is none. Not checked: a pid to be signalled
+    comes from :func:`pid_of_pidfile`."""
     try:
         text = path.read_text().strip()
     except FileNotFoundError:
         return None
     return int(text) if text else None
+
+
+def pid_of_pidfile(path: Path) -> int | None:
+    """The pid a pidfile names, when that process can be the one the file was written for
+    (:func:`is_the_process`, by the file's modification time): a stale pidfile whose pid now belongs to
+    another process, or one that names init or the caller, gives None."""
+    try:
+        written = path.stat().st_mtime
+        pid = pid_from_file(path)
+    except (FileNotFoundError, ValueError):
+        return None
+    if not pid:
+        return None
+    try:
+        proc = psutil.Process(pid)
+    except psutil.Error:
+        return None
+    if not is_the_process(proc, started_by=written):
+        if (path, pid) not in _STALE_SAID:
+            _STALE_SAID.add((path, pid))
+            log.warning("pidfile %s names pid %d, which is not the process it was written for (it started after "
+                        "the file was written, or is init or this process's own); ignored", path, pid)
+        return None
+    return pid
+
+
+_STALE_SAID: set[tuple[Path, int]] = set()  # each stale pidfile is said once, not at every look
 
 
 def pid_of_unit(unit: str) -> int | None:
@@ -658,15 +713,17 @@ def pid_of_container(name: str) -> int | None:
 
 
 def pid_matching(pattern: str) -> int | None:
-    """The oldest live process (but this one) whose command line, its arguments joined by spaces, contains a
-    match of the regular expression ``pattern``, or None. The oldest, so a server's children that share or
-    extend its command line (forked workers, vLLM's EngineCore) are never taken for it."""
+    """The oldest live process whose command line, its arguments joined by spaces, contains a match of the
+    regular expression ``pattern``, or None; never init, this process or one of its ancestors
+    (:func:`never_a_target`: a pattern that also matches the command that started the agent). The oldest, so a
+    server's children that share or extend its command line (forked workers, vLLM's EngineCore) are never taken
+    for it."""
     regex = re.compile(pattern)
-    me = os.getpid()
+    spared = never_a_target()
     found: list[tuple[float, int]] = []
     for p in psutil.process_iter(["pid", "cmdline", "create_time", "status"]):
         info = p.info
-        if info["pid"] == me or not info["cmdline"] or info["status"] == psutil.STATUS_ZOMBIE:
+        if info["pid"] in spared or not info["cmdline"] or info["status"] == psutil.STATUS_ZOMBIE:
             continue
         if regex.search(" ".join(info["cmdline"])):
             found.append((info["create_time"], info["pid"]))

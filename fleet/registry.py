@@ -86,6 +86,7 @@ class FleetSnapshot:
                 "node": rec.node if rec else None,
                 "pid": rec.pid if rec else None,
                 "pids": list(rec.pids or ([rec.pid] if rec.pid is not None else [])) if rec else [],
+                "started_at": rec.started_at if rec else None,  # with pid: which process it is (a pid is reused)
                 "health": h.state.value if h else ("unknown" if rec else HealthState.DEAD.value),
                 "since": h.since if h else (rec.started_at if rec else None),
                 "reason": h.reason if h else "",

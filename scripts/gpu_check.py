@@ -13,7 +13,9 @@ pidfile. It then prints, and checks:
    it announced (``fleetward status``).
 
 Exit status 0 when every check passed, 1 when any is missing or failed (the summary names it). Everything it
-started is stopped, whatever happens. ``--no-cuda-context`` runs the same path where there is no CUDA (the
+started is stopped, whatever happens: on SIGTERM or SIGHUP it stops them as on Ctrl-C, and if it is killed
+(SIGKILL, a device's timeout) they get a parent-death signal (the fleet SIGTERM, to stop in order; the holder
+SIGKILL). ``--no-cuda-context`` runs the same path where there is no CUDA (the
 tests run it so over a fake of NVML's bindings; the self-test then fails, as it must).
 """
 
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import ctypes.util
 import json
 import os
 import shlex
@@ -81,6 +85,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)  # loaded before any fork
+_PR_SET_PDEATHSIG = 1
+
+
+def dies_with_me(sig: int) -> Any:
+    """A ``preexec_fn``: the child gets ``sig`` when this process dies, however it dies."""
+    parent = os.getpid()
+
+    def setup() -> None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:  # it died between fork and prctl
+            os._exit(1)
+
+    return setup
+
+
+def _stop_on(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # as Ctrl-C does: the finally below stops what was started
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("gpu-check"), help="where the run's files and logs go")
@@ -93,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     check = Check()
     started = time.monotonic()
     procs: list[subprocess.Popen[bytes]] = []
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _stop_on)
     try:
         run(args, out, check, procs)
     except Exception as exc:  # a check that could not even run is a failed check, with why
@@ -138,7 +164,7 @@ def run(args: argparse.Namespace, out: Path, check: Check, procs: list[subproces
     holder_env = {**ENV, "GPU_CHECK_CUDA": "1" if args.cuda else "0", "CUDA_VISIBLE_DEVICES": nvml["gpus"][0]["uuid"]}
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(pidfile), str(port)], env=holder_env,
                               stdout=open(out / "cuda-worker.log", "wb"), stderr=subprocess.STDOUT,
-                              start_new_session=True)
+                              start_new_session=True, preexec_fn=dies_with_me(signal.SIGKILL))
     procs.append(holder)
     fleet_file = out / "fleet.yaml"
     fleet_file.write_text(json.dumps({  # JSON is YAML
@@ -148,7 +174,8 @@ def run(args: argparse.Namespace, out: Path, check: Check, procs: list[subproces
     }, indent=2))
     print(fleet_file.read_text(), flush=True)
     up = subprocess.Popen([*FLEETWARD, "up", "--config", str(fleet_file)], env=ENV, start_new_session=True,
-                          stdout=open(out / "up.log", "wb"), stderr=subprocess.STDOUT)
+                          stdout=open(out / "up.log", "wb"), stderr=subprocess.STDOUT,
+                          preexec_fn=dies_with_me(signal.SIGTERM))
     procs.append(up)
     where = ("--config", str(fleet_file))
     deadline = time.monotonic() + args.timeout

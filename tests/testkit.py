@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 import orjson
+import psutil
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -36,7 +37,7 @@ from fleetward.chaos.harness import TestFleet
 from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock, ManualClock
 from fleetward.fleet.config import RouterConfig, SimConfig, SupervisorConfig
-from fleetward.fleet.procs import free_port
+from fleetward.fleet.procs import free_port, is_the_process
 from fleetward.fleet.sse import sse_data, sse_lines
 from fleetward.migration.checkpoint import read_checkpoint
 from fleetward.sim.engine import Faults
@@ -136,6 +137,15 @@ async def fleet_serves(fleet: TestFleet, config: SimConfig, tag: str, *, tokens:
 
 
 # -- the simulated worker in-process ---------------------------------------------------------------------------
+
+
+def signal_named(entry: dict[str, Any], sig: int) -> None:
+    """Send ``sig`` to the process a status answer or an etcd record names (its ``pid`` and ``started_at``), once
+    it is checked to be that process: a pid read from an answer may belong to someone else by the time it is
+    signalled (fleet/procs.is_the_process)."""
+    proc = psutil.Process(entry["pid"])
+    assert is_the_process(proc, started_by=entry["started_at"]), f"pid {entry['pid']} is not the one named: {entry}"
+    proc.send_signal(sig)
 
 
 async def eventually(cond: Callable[[], object], *, within: float = 10.0) -> None:

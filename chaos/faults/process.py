@@ -353,6 +353,7 @@ class CrashLoop(_WorkerFault[CrashLoopParams]):
     def setup(self) -> None:
         self._state: dict[str, Path] = {}
         self._dir = Path(tempfile.mkdtemp(prefix="fleetward-crashloop-"))
+        claim("folder", str(self._dir))  # a run killed before recover() leaves it to the next one's reclaim
 
     def starts(self, worker: str) -> int:
         """Failed or succeeded starts through the launcher since injection."""
@@ -396,6 +397,7 @@ class CrashLoop(_WorkerFault[CrashLoopParams]):
             f.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             self._dir.rmdir()
+            release("folder", str(self._dir))
 
 
 class SlowStartParams(FaultParams):

@@ -154,8 +154,10 @@ class Run:
 
     def __init__(self, folder: Path, lock: Path, test: str, env: dict[str, str]) -> None:
         self.lock = lock
+        base = folder / f"base-{time.monotonic_ns()}"  # not /tmp/pytest-of-<user>, whose older runs it would rotate
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest", test], cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "pytest", test, f"--basetemp={base}"], cwd=folder, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             bufsize=0, start_new_session=True,
             env={**os.environ, "FLEETWARD_TEST_LOCK": str(lock), "PYTHONSAFEPATH": "1", **env})
         self.lines: list[str] = []

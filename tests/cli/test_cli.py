@@ -76,7 +76,7 @@ async def test_up_starts_a_fleet_that_status_shows_and_sigterm_leaves_nothing(tm
         data = await wait_until(status, timeout=90, interval=0.5, message="3 ready workers and a router")
         assert data["cluster"] == "clitest" and data["routers"][0]["url"] == f"http://127.0.0.1:{router_port}"
         assert {tuple(sorted(w)) for w in data["workers"]} == {
-            ("health", "id", "model", "node", "phase", "pid", "pids", "reason", "role", "since", "url")}
+            ("health", "id", "model", "node", "phase", "pid", "pids", "reason", "role", "since", "started_at", "url")}
         assert all(w["role"] == "aggregated" and w["model"] == "sim-tiny" for w in data["workers"])
         tree = up.tree()
         assert all(w["pid"] in w["pids"] and set(w["pids"]) <= {p.pid for p in tree} for w in data["workers"])

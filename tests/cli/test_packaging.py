@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tomllib
@@ -44,19 +45,42 @@ def test_subpackages_depend_only_the_way_the_design_allows() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_dev_setup_with_fewer_extras_than_installed_changes_nothing_and_says_nothing() -> None:
+def _unreachable_index() -> dict[str, str]:
+    """An environment in which pip's only package index refuses connections (no config file, no local wheels)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    return {**env, "PIP_INDEX_URL": f"http://127.0.0.1:{port}/simple", "PIP_CONFIG_FILE": os.devnull,
+            "PIP_RETRIES": "0", "PIP_DEFAULT_TIMEOUT": "5"}
+
+
+def test_dev_setup_with_fewer_extras_than_installed_changes_nothing_says_nothing_and_fetches_nothing() -> None:
     """`./dev test` installs the most extras; `./dev up` or `./dev setup` after it must not reinstall (they
-    used to, alternately, each time) nor print anything when all is in place."""
+    used to, alternately, each time) nor print anything when all is in place, nor reach a registry: with the
+    package index unreachable it still has nothing to do."""
     venv = Path(sys.prefix)
     stamp = venv / ".fleetward-installed"
     if not stamp.exists():
         pytest.skip("this venv was not set up by ./dev")
     before = stamp.read_text()
     result = subprocess.run([str(ROOT / "dev"), "setup"], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "FLEETWARD_VENV": str(venv)})
+                            env={**_unreachable_index(), "FLEETWARD_VENV": str(venv)})
     assert result.returncode == 0, result.stderr
     assert (result.stdout, result.stderr) == ("", ""), "nothing to do, nothing said"
     assert stamp.read_text() == before
+
+
+def test_dev_setup_with_the_package_index_unreachable_names_what_it_could_not_fetch(tmp_path: Path) -> None:
+    """A fresh machine whose package index is down: `./dev` fails within its bounded retries, without a prompt,
+    and says what it could not fetch from where."""
+    env = {**_unreachable_index(), "FLEETWARD_VENV": str(tmp_path / "venv")}
+    result = subprocess.run([str(ROOT / "dev"), "setup"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env=env, stdin=subprocess.DEVNULL)
+    assert result.returncode == 1, result.stderr
+    assert f"could not fetch from the package index ({env['PIP_INDEX_URL']}):" in result.stderr, result.stderr
+    assert "No matching distribution found for setuptools" in result.stderr, result.stderr
+    assert "installing failed; the whole log is" in result.stderr
 
 
 @pytest.mark.parametrize(("smi", "args", "extras"), [

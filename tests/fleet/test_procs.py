@@ -297,3 +297,48 @@ async def test_a_command_line_match_finds_the_oldest_process_not_its_children(tm
         assert pid_matching(mark + "-not-running") is None
     finally:
         await parent.stop(grace=2)
+
+
+# A process that runs `pid_matching(argv[1])` and prints what it found: its parent (this test's pytest, the
+# shell, ...) and init are never an answer, even when the pattern matches them.
+MATCH_FROM_A_CHILD = "import sys; from fleetward.fleet.procs import pid_matching; print(pid_matching(sys.argv[1]))"
+
+
+def test_a_command_line_match_never_takes_init_or_an_ancestor_of_the_caller() -> None:
+    """``process.match`` in a pod that shares its process namespace: a pattern that also matches pid 1 or the
+    command that started the agent must not hand either over to be killed."""
+    import re
+    import subprocess
+
+    me = psutil.Process()
+    forbidden = {"1", str(me.pid), *(str(p.pid) for p in me.parents())}  # init and the child's ancestors
+    init = re.escape(" ".join(psutil.Process(1).cmdline()))
+    ancestor = re.escape(" ".join(me.cmdline()))  # this pytest: the child's parent
+    for pattern in (init, ancestor):
+        out = subprocess.run([sys.executable, "-c", MATCH_FROM_A_CHILD, pattern], capture_output=True, text=True,
+                             check=True, env={**os.environ, "PYTHONSAFEPATH": "1"}).stdout.strip()
+        assert out not in forbidden, (pattern, out)
+
+
+async def test_a_pidfile_names_its_process_only_while_that_process_is_the_one_it_was_written_for(
+        tmp_path: Path) -> None:
+    """A stale pidfile whose pid now belongs to a process started after the file was written, or one that names
+    init or the caller, names nobody: an agent would otherwise restart (kill) a stranger."""
+    from fleetward.fleet.procs import pid_of_pidfile
+
+    server = ManagedProcess("server", [sys.executable, "-c", "import time; time.sleep(60)"],
+                            log_path=tmp_path / "s.log").start()
+    pidfile = tmp_path / "server.pid"
+    try:
+        pidfile.write_text(str(server.pid))  # as its start script writes it: after the process started
+        assert pid_of_pidfile(pidfile) == server.pid
+        started = psutil.Process(server.pid).create_time()
+        os.utime(pidfile, (started - 60, started - 60))  # written a minute before this process started: stale
+        assert pid_of_pidfile(pidfile) is None
+        for stranger in (1, os.getpid()):  # init, the caller itself
+            pidfile.write_text(str(stranger))
+            assert pid_of_pidfile(pidfile) is None
+        pidfile.unlink()
+        assert pid_of_pidfile(pidfile) is None
+    finally:
+        await server.stop(grace=2)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import os
 import signal
 import socket
 import time
@@ -17,7 +16,7 @@ import orjson
 import psutil
 import pytest
 import pytest_asyncio
-from testkit import PATIENT_SUPERVISOR, checkpointed, fleet_sim, routed_fleet
+from testkit import PATIENT_SUPERVISOR, checkpointed, fleet_sim, routed_fleet, signal_named
 
 from fleetward.chaos.harness import RouterProcess, TestFleet
 from fleetward.chaos.workload import sse_lines
@@ -621,7 +620,7 @@ async def test_a_router_group_serves_one_port_from_several_processes(healthy: Te
         assert got + rest == reference(prompt, 200)
 
         victim = next(iter(first))
-        os.kill(first[victim]["pid"], signal.SIGKILL)
+        signal_named(first[victim], signal.SIGKILL)
 
         async def restarted() -> bool:
             now = (await members()).get(victim)

@@ -5,7 +5,6 @@ within the detection time, and the worker comes back on the page."""
 from __future__ import annotations
 
 import html
-import os
 import re
 import signal
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 
 import httpx
 import yaml
+from testkit import signal_named
 
 from fleetward.fleet.bus import EVENT_KINDS, Event
 from fleetward.supervisor.fleetpage import Timeline, describe, parse_alerts, runbook_html
@@ -119,7 +119,7 @@ async def test_the_fleet_page_in_a_browser_shows_a_killed_worker_within_the_dete
         assert {w for kind, w, _ in events(dom) if kind == "worker.up"} == set(ids)
 
         victim = data["workers"][0]
-        os.kill(victim["pid"], signal.SIGKILL)
+        signal_named(victim, signal.SIGKILL)
 
         async def shown() -> list[tuple[str, str, str]]:
             seen = events(await browser.dom(page))

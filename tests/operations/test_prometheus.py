@@ -5,7 +5,6 @@ link); then every query of every dashboard panel returns data."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 
 import httpx
 import orjson
+from testkit import signal_named
 
 from fleetward.cli.dashboards import panel_queries
 from fleetward.fleet.sse import sse_lines
@@ -53,9 +53,9 @@ async def test_up_prometheus_scrapes_the_fleet_and_an_alert_fires_on_a_silent_ha
                 async for line in sse_lines(r.aiter_bytes()):
                     if not stopped and line.startswith("data: {"):
                         worker = orjson.loads(line[6:])["fleetward"]["worker"]
-                        pid = next(w["pid"] for w in data["workers"] if w["id"] == worker)
-                        os.kill(pid, signal.SIGSTOP)
-                        stopped.append(pid)
+                        named = next(w for w in data["workers"] if w["id"] == worker)
+                        signal_named(named, signal.SIGSTOP)
+                        stopped.append(named["pid"])
 
             async def hung_alert() -> bool:
                 alerts = (await client.get(prom + "/api/v1/alerts")).json()["data"]["alerts"]
