@@ -73,7 +73,10 @@ class Reclaimed:
         return "; ".join(parts) or "nothing"
 
 
-def _owned_by_the_living(name: str, table: dict[str, Owner | None]) -> bool:
+def _owned_by_the_living(name: str, table: dict[str, Owner | None] | None) -> bool:
+    """Whether a live process claimed ``name``; claims that cannot be trusted (None) spare everything."""
+    if table is None:
+        return True
     owner = table.get(name)
     return owner is not None and owner.alive
 
@@ -259,7 +262,7 @@ def _remove_folders(folders: Iterable[Path], out: Reclaimed) -> None:
         if folder.is_dir() and _lock_is_free(folder / "fleet.lock"):
             shutil.rmtree(folder, ignore_errors=True)
             (out.errors if folder.exists() else out.folders).append(str(folder))
-    for name, owner in claims("folder").items():
+    for name, owner in (claims("folder") or {}).items():
         if owner is not None and owner.alive:
             continue
         folder = Path(name)

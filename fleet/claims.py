@@ -94,7 +94,8 @@ def claim(kind: str, name: str, owner: Owner | None = None) -> None:
     """Record that ``owner`` (this process by default) is about to make ``name`` of ``kind``: call it *before*
     making it, so that nothing exists unclaimed while its maker lives."""
     path = _path(kind, name)
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    claims_dir().mkdir(mode=0o700, parents=True, exist_ok=True)  # its own and its kind's: this user's alone
+    path.parent.mkdir(mode=0o700, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(json.dumps({"owner": str(owner or Owner.of()), "since": time.time()}))
     tmp.replace(path)
@@ -106,13 +107,16 @@ def release(kind: str, name: str) -> None:
         _path(kind, name).unlink()
 
 
-def claims(kind: str) -> dict[str, Owner | None]:
-    """Every claim of ``kind``: the name claimed and its owner (None when the claim cannot be read); none when
-    the claims dir is not this user's alone."""
+def claims(kind: str) -> dict[str, Owner | None] | None:
+    """Every claim of ``kind``: the name claimed and its owner (None when the claim cannot be read). None in
+    place of them all when they cannot be trusted (the claims dir is another user's, or others may write to
+    it): then nothing may be taken for unclaimed either."""
     found: dict[str, Owner | None] = {}
     folder = claims_dir() / kind
+    if not folder.exists():
+        return found  # nothing of this kind was ever claimed here
     if not _trusted(folder):
-        return found
+        return None
     with contextlib.suppress(FileNotFoundError):
         for path in folder.iterdir():
             if path.name.startswith("."):
