@@ -17,7 +17,8 @@ run folders     folders a caller names (a test's ``fleetward up`` run dirs) whos
 
 What a live process claimed (:mod:`fleetward.fleet.claims`) is never touched; what a dead one claimed, or
 what nobody claimed, is left over (everything fleetward makes is claimed before it is made). Nothing here
-imports more than the standard library and psutil: a reaper runs it in a process of its own.
+imports more than the standard library, psutil and fleet's process helpers: a reaper runs it in a process of
+its own.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import psutil
 
 from fleetward.chaos.hostnet import leftover_namespaces, remove_namespaces
 from fleetward.fleet.claims import Owner, claims, release
+from fleetward.fleet.procs import never_a_target
 
 __all__ = ["MARK_VAR", "Reclaimed", "mark_owner", "reclaim"]
 
@@ -84,14 +86,8 @@ def _owned_by_the_living(name: str, table: dict[str, Owner | None] | None) -> bo
 # -- processes ------------------------------------------------------------------------------------------------
 
 
-def _spared() -> set[int]:
-    """This process and its ancestors: a run started from inside an older one's process must not end itself."""
-    me = psutil.Process()
-    return {me.pid, *(p.pid for p in me.parents())}
-
-
 def _orphaned_marked(var: str) -> list[psutil.Process]:
-    spared = _spared()
+    spared = never_a_target()  # a run started from inside an older one's process must not end itself
     found = []
     for p in psutil.process_iter():
         if p.pid in spared:
@@ -116,7 +112,9 @@ def _sessions_of(leaders: list[psutil.Process]) -> list[psutil.Process]:
     """The other members of the sessions these processes lead (a detached server's children, whatever their
     environment)."""
     sids = {p.pid for p in leaders if _sid(p.pid) == p.pid}
-    spared = _spared()
+    if not sids:
+        return []
+    spared = never_a_target()
     return [p for p in psutil.process_iter() if p.pid not in spared and p.pid not in sids and _sid(p.pid) in sids]
 
 

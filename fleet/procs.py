@@ -53,6 +53,7 @@ __all__ = [
     "ManagedProcess",
     "WorkerProcess",
     "advertised_host",
+    "dies_with_parent",
     "ensure_port",
     "free_port",
     "is_gone",
@@ -89,10 +90,14 @@ def _load_libc() -> ctypes.CDLL | None:
 _LIBC = _load_libc()
 
 
-def _pdeathsig_setup(parent_pid: int) -> Callable[[], None]:
+def dies_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets ``sig`` (``PR_SET_PDEATHSIG``) when the thread that forks it (this
+    process's) dies, however it dies; SIGTERM for a child that should stop in order."""
+    parent_pid = os.getpid()
+
     def setup() -> None:  # runs in the child between fork and exec: no allocation-heavy work here
         if _LIBC is not None:
-            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            _LIBC.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
         # The parent may have died between fork and prctl; then no signal will ever come.
         if os.getppid() != parent_pid:
             os._exit(1)
@@ -270,7 +275,7 @@ class ManagedProcess:
                 self._popen = subprocess.Popen(
                     self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                     cwd=self.cwd, start_new_session=True,
-                    preexec_fn=_pdeathsig_setup(os.getpid()),
+                    preexec_fn=dies_with_parent(),
                 )
             except OSError as exc:
                 raise ProcessError(f"{self.name}: cannot start {self.argv[0]}: {exc.strerror}",

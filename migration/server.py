@@ -108,7 +108,7 @@ async def serve_router_group(config: RouterConfig, child_argv: Callable[[str, in
     """
     import signal
 
-    from fleetward.fleet.procs import _pdeathsig_setup, free_port
+    from fleetward.fleet.procs import dies_with_parent, free_port
 
     port = config.port or free_port(config.host)
     # Held (bound with SO_REUSEPORT, never listening, so it takes no connection) while the group runs:
@@ -135,7 +135,7 @@ async def serve_router_group(config: RouterConfig, child_argv: Callable[[str, in
             started = loop.time()
             proc = procs[rid] = await asyncio.create_subprocess_exec(
                 *child_argv(rid, port), stdout=asyncio.subprocess.PIPE, stderr=None, stdin=asyncio.subprocess.DEVNULL,
-                preexec_fn=_pdeathsig_setup(os.getpid()))
+                preexec_fn=dies_with_parent())
             assert proc.stdout is not None
             async for line in proc.stdout:
                 if line.startswith(b"READY "):

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
-import ctypes.util
 import json
 import os
 import shlex
@@ -34,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from fleetward.fleet.procs import dies_with_parent
 
 FLEETWARD = [sys.executable, "-m", "fleetward.cli"]
 CLUSTER = "gpucheck"
@@ -83,22 +83,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)  # loaded before any fork
-_PR_SET_PDEATHSIG = 1
-
-
-def dies_with_me(sig: int) -> Any:
-    """A ``preexec_fn``: the child gets ``sig`` when this process dies, however it dies."""
-    parent = os.getpid()
-
-    def setup() -> None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-        if os.getppid() != parent:  # it died between fork and prctl
-            os._exit(1)
-
-    return setup
 
 
 def _stop_on(signum: int, frame: object) -> None:
@@ -164,7 +148,7 @@ def run(args: argparse.Namespace, out: Path, check: Check, procs: list[subproces
     holder_env = {**ENV, "GPU_CHECK_CUDA": "1" if args.cuda else "0", "CUDA_VISIBLE_DEVICES": nvml["gpus"][0]["uuid"]}
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(pidfile), str(port)], env=holder_env,
                               stdout=open(out / "cuda-worker.log", "wb"), stderr=subprocess.STDOUT,
-                              start_new_session=True, preexec_fn=dies_with_me(signal.SIGKILL))
+                              start_new_session=True, preexec_fn=dies_with_parent(signal.SIGKILL))
     procs.append(holder)
     fleet_file = out / "fleet.yaml"
     fleet_file.write_text(json.dumps({  # JSON is YAML
@@ -175,7 +159,7 @@ def run(args: argparse.Namespace, out: Path, check: Check, procs: list[subproces
     print(fleet_file.read_text(), flush=True)
     up = subprocess.Popen([*FLEETWARD, "up", "--config", str(fleet_file)], env=ENV, start_new_session=True,
                           stdout=open(out / "up.log", "wb"), stderr=subprocess.STDOUT,
-                          preexec_fn=dies_with_me(signal.SIGTERM))
+                          preexec_fn=dies_with_parent(signal.SIGTERM))
     procs.append(up)
     where = ("--config", str(fleet_file))
     deadline = time.monotonic() + args.timeout

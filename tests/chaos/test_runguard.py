@@ -63,9 +63,17 @@ def finalized(name):
     print(f"FINALIZED {name}", flush=True)
 
 
+def titled(p):
+    """Whether the process has set a vLLM process title (False once it is gone: a short-lived helper)."""
+    try:
+        return p.name().startswith("VLLM::")
+    except psutil.Error:
+        return False
+
+
 async def engine_started(pid):
     """Until the server's engine process runs: vLLM's EngineCore, which sets its process title."""
-    while not any(p.name().startswith("VLLM::") for p in tree_of(pid)[1:]):
+    while not any(titled(p) for p in tree_of(pid)[1:]):
         assert psutil.pid_exists(pid), "the vLLM server died while it loaded"
         await asyncio.sleep(0.2)
 
@@ -142,8 +150,10 @@ async def fleet(fleetward_fleet):
 
 
 async def test_hold(fleet, frozen, chain, network, vllm_server):  # the vLLM server last: it loads on both cores
-    engine = [p.pid for p in tree_of(vllm_server)[1:]] if vllm_server else []
+    tree = tree_of(vllm_server)[1:] if vllm_server else []  # some are short-lived helpers of multiprocessing
+    engine = [p.pid for p in tree if titled(p)]  # the engine's processes, which live as long as the server
     print("HOLDING " + json.dumps({"mark": MARK, "pytest": os.getpid(), "vllm": vllm_server, "engine": engine,
+                                   "tree": [p.pid for p in tree],
                                    "frozen": frozen, "chain": chain, "network": network}), flush=True)
     await asyncio.sleep(3600)
 '''
@@ -243,7 +253,7 @@ def _namespaces() -> str:
 
 def _nothing_left(held: dict[str, Any]) -> bool:
     """Nothing the run held is left: no process of its mark, no freezer group, chain or namespace."""
-    return not (_with_mark(held["mark"]) or any(psutil.pid_exists(p) for p in held["engine"])
+    return not (_with_mark(held["mark"]) or any(psutil.pid_exists(p) for p in held["tree"])
                 or (held["frozen"] and (Path(held["frozen"]["group"]).exists()
                                         or psutil.pid_exists(held["frozen"]["pid"])))
                 or (held["chain"] and f"-N {held['chain']}" in _chains())
