@@ -207,7 +207,7 @@ class SseOutput:
     def fail(self, exc: RouterError) -> None:
         """The stream cannot go on: vLLM's in-band error, then ``[DONE]``."""
         self.metrics.requests.labels(self.j.kind.value, f"failed_{exc.status}").inc()
-        self._parts += (self.encoder.error(self.delivered, exc.status, exc.message), wire.DONE)
+        self._parts += (self.encoder.error(self.delivered, exc.status, exc.message, exc.body), wire.DONE)
         self.flush()
 
     def pending(self) -> bytes:

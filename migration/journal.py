@@ -51,6 +51,7 @@ __all__ = [
     "new_request_id",
     "request_schema",
     "validate_body",
+    "whole_reason",
 ]
 
 
@@ -101,22 +102,33 @@ def _int_field(body: dict[str, Any], key: str, *, minimum: int) -> int | None:
     return value
 
 
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                             for t in value)
+
+
+def _batched(prompt: Any) -> bool:
+    """A list of prompts, as vLLM takes it: strings, or lists of token ids (one request, one choice each)."""
+    return isinstance(prompt, list) and len(prompt) > 0 and all(
+        (isinstance(p, str) and p) or _is_ids(p) for p in prompt) and not _is_ids(prompt)
+
+
 def validate_body(body: Any, kind: Kind) -> None:
-    """Refuse what no worker should see: wrong types, missing prompt, unsupported fan-out."""
+    """Refuse what no worker should see: wrong types, a missing prompt; and a fan-out in a stream, which the
+    router cannot journal choice by choice yet (answered whole, a fan-out is served: :func:`whole_reason`)."""
     if not isinstance(body, dict):
         raise RequestRefused("the request body must be a JSON object")
     if not isinstance(body.get("model"), str) or not body.get("model"):
         raise RequestRefused("model is required (a string; see GET /v1/models)", param="model")
+    stream = bool(body.get("stream"))
     if kind is Kind.COMPLETION:
         prompt = body.get("prompt")
-        ok = (isinstance(prompt, str) and prompt) or (
-            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                        for t in prompt))
-        if not ok:
-            if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-                raise RequestRefused("batched prompts (a list of prompts) are not supported by the router; "
-                                     "send one request per prompt", param="prompt")
-            raise RequestRefused("prompt must be a non-empty string or a non-empty list of token ids",
+        if not ((isinstance(prompt, str) and prompt) or _is_ids(prompt) or _batched(prompt)):
+            raise RequestRefused("prompt must be a non-empty string, a non-empty list of token ids, or a list of "
+                                 "those", param="prompt")
+        if stream and _batched(prompt):
+            raise RequestRefused("a list of prompts is served whole (stream: false); the router cannot stream "
+                                 "several prompts in one request yet: send one streamed request per prompt",
                                  param="prompt")
     else:
         messages = body.get("messages")
@@ -124,9 +136,10 @@ def validate_body(body: Any, kind: Kind) -> None:
             raise RequestRefused("messages must be a non-empty list of message objects", param="messages")
     for key in ("n", "best_of"):
         value = _int_field(body, key, minimum=1)
-        if value is not None and value > 1:
-            raise RequestRefused(f"{key}={value} is not supported by the router: a fan-out of samples cannot be "
-                                 "journaled and resumed token by token; send separate requests", param=key)
+        if value is not None and value > 1 and stream:
+            raise RequestRefused(f"{key}={value} is served whole (stream: false); the router cannot stream a "
+                                 "fan-out of samples yet: send it unstreamed, or separate streamed requests",
+                                 param=key)
     _int_field(body, "max_tokens", minimum=1)
     _int_field(body, "max_completion_tokens", minimum=1)
     _int_field(body, "min_tokens", minimum=0)
@@ -137,6 +150,31 @@ def validate_body(body: Any, kind: Kind) -> None:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise RequestRefused("stream_options must be an object", param="stream_options")
+
+
+def whole_reason(body: dict[str, Any], kind: Kind) -> str | None:
+    """Why a request answered whole (not streamed) is relayed to one worker as it was sent, and its answer
+    passed back as the worker wrote it, instead of being made from the router's journal; None when it is not.
+
+    The journal is one stream of tokens, made from the chunks of a streamed attempt. Some answers hold what
+    no such stream carries: several choices (``n``, ``best_of``, a list of prompts), the prompt's logprobs
+    (``prompt_logprobs``, and ``echo``, which vLLM answers with them), or a state that is not a function of
+    the token prefix (:func:`migration_blocker`: constrained decoding, tools, chat logprobs). The client reads
+    nothing of a whole answer until it is complete, so when its worker fails first, the request is sent again
+    from its start to another worker (:class:`~fleetward.migration.passthrough.Passthrough`): exact for greedy
+    requests, a fresh sample otherwise, and never a partial answer.
+    """
+    if body.get("stream"):
+        return None
+    for key in ("n", "best_of"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            return f"{key}={value}"
+    if kind is Kind.COMPLETION and _batched(body.get("prompt")):
+        return "a list of prompts"
+    if body.get("prompt_logprobs") is not None:
+        return "prompt_logprobs"
+    return migration_blocker(body, kind)
 
 
 def request_schema(kind: Kind) -> dict[str, Any]:
@@ -153,7 +191,7 @@ def request_schema(kind: Kind) -> dict[str, Any]:
                                                              "continuous_usage_stats": {"type": "boolean"}}},
         "max_tokens": {"type": "integer", "minimum": 1},
         "min_tokens": {"type": "integer", "minimum": 0},
-        "n": {"type": "integer", "minimum": 1, "maximum": 1, "description": "more than 1 is refused"},
+        "n": {"type": "integer", "minimum": 1, "description": "more than 1: not streamed (stream: false) only"},
         "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
         "include_stop_str_in_output": {"type": "boolean"},
         "return_token_ids": {"type": "boolean"},
@@ -161,8 +199,12 @@ def request_schema(kind: Kind) -> dict[str, Any]:
         "seed": {"type": "integer"},
     }
     if kind is Kind.COMPLETION:
-        props["prompt"] = {"oneOf": [{"type": "string", "minLength": 1}, token_ids]}
-        props["best_of"] = {"type": "integer", "minimum": 1, "maximum": 1, "description": "more than 1 is refused"}
+        props["prompt"] = {"oneOf": [
+            {"type": "string", "minLength": 1}, token_ids,
+            {"type": "array", "minItems": 1, "description": "a list of prompts: not streamed (stream: false) only",
+             "items": {"oneOf": [{"type": "string", "minLength": 1}, token_ids]}}]}
+        props["best_of"] = {"type": "integer", "minimum": 1,
+                            "description": "more than 1: not streamed (stream: false) only"}
         required = ["model", "prompt"]
     else:
         message = {"type": "object", "required": ["role", "content"],
@@ -349,6 +391,17 @@ class Journal:
         if min_tokens:
             body["min_tokens"] = max(0, int(min_tokens) - len(self.emitted))
         return path, body
+
+    def echo_text(self) -> str:
+        """The prompt's text a streamed completion with ``echo`` opens with, as vLLM writes it: the prompt
+        string as sent, or token ids decoded with their special tokens (empty without a vocabulary). The
+        attempts ask for token ids, and with those vLLM leaves the echo out, so the router puts it back."""
+        prompt = self.body.get("prompt")
+        if isinstance(prompt, str):
+            return prompt
+        if self.vocab is None or self.prompt_ids is None:
+            return ""
+        return self.vocab.decode(self.prompt_ids, skip_special_tokens=False)
 
     def text_after(self, n: int) -> str:
         """The text the client has not seen if it holds the first ``n`` tokens."""

@@ -144,6 +144,7 @@ class Router:
         self.checkpointer.on_slice = self.metrics.checkpoint_slice.observe
         self._accepting = False
         self.orphans: set[str] = set()
+        self.fingerprints: dict[str, str] = {}  # each worker's system_fingerprint, as its last stream sent it
         self._seen_flushes = self._seen_txns = self._seen_bytes = 0
         self._side: set[asyncio.Future[None]] = set()
 
@@ -239,6 +240,7 @@ class Router:
             self._evacuate(worker, why)
             if gone:
                 self.progress.forget(worker)
+                self.fingerprints.pop(worker, None)
 
     def _evacuate(self, worker: str, reason: str) -> None:
         for a in self.active.values():
@@ -452,7 +454,7 @@ class Router:
             self._spawn(self.moves.done(move, None, stall_s, request=j.id, worker=worker))
 
         relay = Relay(j, worker, out, t, active, progress=self.progress, metrics=self.metrics, clock=self.clock,
-                      on_moved=moved)
+                      on_moved=moved, fingerprints=self.fingerprints)
         try:
             await self.upstream.stream(url, path, body, UpstreamStream(worker, relay))
         finally:
@@ -465,9 +467,12 @@ class Router:
         task.add_done_callback(self._side.discard)
 
     def _failed(self, j: Journal, worker: str, exc: UpstreamError, t: _Tries) -> None:
-        """The attempt on ``worker`` failed: the next goes elsewhere. A worker's 4xx before any token is the
-        client's answer (:class:`RouterError`)."""
-        if exc.is_client_error and not j.emitted:
+        """The attempt on ``worker`` failed: the next goes elsewhere. A worker's refusal of the request itself
+        (a 4xx, or an in-band error with a 4xx code) is the client's answer (:class:`RouterError` with the
+        worker's body), never retried: another worker would refuse it too."""
+        if exc.is_client_error:
+            log.debug("request %s: worker %s refused it (%s %s); answered as it was", j.id, worker, exc.status,
+                      exc.message)
             raise RouterError(exc.status or 400, exc.message, body=exc.body) from None
         t.reason = f"{exc.kind}: {exc.message}" if exc.kind != "aborted" else exc.message
         self.metrics.upstream_errors.labels(exc.kind).inc()

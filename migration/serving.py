@@ -7,6 +7,10 @@
   (:mod:`.downstream`). A request with ``Last-Event-ID: <request id>:<tokens held>``
   resumes that request instead (here, or from its checkpoint in etcd when another router held it), and only
   with the API key it started with.
+  A request answered whole whose answer the journal cannot make (:func:`~fleetward.migration.journal.whole_reason`:
+  ``n``, ``best_of``, a list of prompts, ``prompt_logprobs``, ``echo``, constrained decoding, chat logprobs)
+  is passed through to one worker as it was sent, and sent again from its start when that worker fails
+  before answering.
 - :meth:`Serving.relay`: every other vLLM endpoint, passed through (:mod:`.passthrough`).
 
 New requests past ``routing.max_in_flight`` are shed (503); none are taken while the router starts or stops.
@@ -25,13 +29,16 @@ from fleetward.migration import wire
 from fleetward.migration.apikeys import ApiKeys
 from fleetward.migration.checkpoint import NotResumable
 from fleetward.migration.downstream import SseOutput, StreamResponse, until_disconnected
-from fleetward.migration.journal import Journal, Kind, RequestRefused, new_request_id, validate_body
+from fleetward.migration.journal import Journal, Kind, RequestRefused, new_request_id, validate_body, whole_reason
 from fleetward.migration.passthrough import Route
 from fleetward.migration.relay import Whole
 from fleetward.migration.router import Active, Router
 from fleetward.migration.wire import RouterError
 
 __all__ = ["Serving"]
+
+# The generation endpoints, as passed through whole (journal.whole_reason).
+_WHOLE = {kind: Route(kind.path, "POST", kind.value, "json") for kind in Kind}
 
 
 class Serving:
@@ -85,6 +92,10 @@ class Serving:
             return RouterError(exc.status, exc.message, param=exc.param).response()
 
         last_event = request.headers.get("last-event-id")
+        if not last_event and whole_reason(body, kind) is not None:
+            # An answer the journal cannot make (several choices, the prompt's logprobs, a state not made of
+            # tokens): relayed to one worker whole, sent again from its start if that worker fails first.
+            return self._shed(endpoint) or await self.router.passthrough.handle(_WHOLE[kind], request)
         skip = 0
         if last_event:
             try:
@@ -203,7 +214,8 @@ class Serving:
         """
         active = self.router.active[j.id]
 
-        work = asyncio.create_task(self.router.relay(j, Whole()), name=f"complete-{j.id}")
+        whole = Whole()
+        work = asyncio.create_task(self.router.relay(j, whole), name=f"complete-{j.id}")
         watch = asyncio.create_task(until_disconnected(request.receive), name=f"watch-{j.id}")
         active.tasks.add(work)
         try:
@@ -228,4 +240,4 @@ class Serving:
             self.router.release(j.id)
             await asyncio.wait({watch})  # reaped (a cancellation of this handler still propagates)
         self.metrics.requests.labels(j.kind.value, "ok").inc()
-        return JSONResponse(wire.final_response(j), headers={"X-Request-Id": j.id})
+        return JSONResponse(wire.final_response(j, whole.logprobs), headers={"X-Request-Id": j.id})

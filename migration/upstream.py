@@ -15,7 +15,8 @@ status        answered with an error status before streaming (``status`` holds i
               is bad and must not be retried elsewhere, 5xx = the worker is)
 reset         the connection broke mid-stream
 eof           the stream ended without a finish reason (or without ``[DONE]`` before one)
-error_event   vLLM's in-band ``data: {"error": ...}`` (e.g. its engine died mid-stream)
+error_event   vLLM's in-band ``data: {"error": ...}`` (e.g. its engine died mid-stream; ``status`` holds its
+              ``code``: a 4xx is the request's fault, as for ``status``)
 aborted       the router aborted the stream on purpose (``reason`` says why: stalled, unhealthy, ...)
 bad_chunk     a chunk that is not valid JSON or lacks token ids
 ============  =====================================================================================
@@ -49,8 +50,11 @@ class UpstreamError(Exception):
 
     @property
     def is_client_error(self) -> bool:
-        """The worker refused the request itself (4xx): retrying elsewhere would be refused too."""
-        return self.kind == "status" and self.status is not None and 400 <= self.status < 500 and self.status != 429
+        """The worker refused the request itself, with a 4xx status or an in-band error whose code is a 4xx
+        (vLLM validates a streamed request's prompt after its 200: ``Token id 7205 is out of vocabulary``):
+        retrying elsewhere would be refused too. A 429 is the worker's load, not the request."""
+        return self.kind in ("status", "error_event") and self.status is not None and 400 <= self.status < 500 \
+            and self.status not in (408, 429)
 
 
 @dataclass(slots=True)
@@ -84,7 +88,9 @@ def _parse(payload: bytes) -> Chunk | None:
     if "error" in data:
         err = data["error"]
         message = err.get("message", str(err)) if isinstance(err, dict) else str(err)
-        raise UpstreamError("error_event", str(message), body=data)
+        code = err.get("code") if isinstance(err, dict) else None
+        raise UpstreamError("error_event", str(message), body=data,
+                            status=code if type(code) is int and 100 <= code < 600 else None)
     choices = data.get("choices")
     if not choices:
         return None  # the usage chunk

@@ -71,9 +71,11 @@ def event(data: dict[str, Any] | bytes, event_id: str | None = None) -> bytes:
     return head + b"data: " + payload + b"\n\n"
 
 
-def error_event(status: int, message: str, event_id: str | None = None) -> bytes:
-    """The in-band error of a stream that cannot go on, as vLLM writes its own (``json.dumps``' separators)."""
-    return event(json.dumps(error_body(status, message), ensure_ascii=False).encode(), event_id)
+def error_event(status: int, message: str, event_id: str | None = None, *,
+                body: dict[str, Any] | None = None) -> bytes:
+    """The in-band error of a stream that cannot go on, as vLLM writes its own (``json.dumps``' separators);
+    ``body``: a worker's own error, passed on as it wrote it."""
+    return event(json.dumps(body or error_body(status, message), ensure_ascii=False).encode(), event_id)
 
 
 def _object(j: Journal) -> str:
@@ -107,9 +109,10 @@ def chat_role(j: Journal) -> str:
 
 def _choice(j: Journal, tokens: list[int], text: str, finish_reason: str | None, stop_reason: str | int | None,
             logprobs: Any, first: bool, wants_token_ids: bool) -> dict[str, Any]:
-    if j.kind is Kind.COMPLETION:
+    if j.kind is Kind.COMPLETION:  # vLLM sends the prompt's ids first when asked for ids, and with echo
+        prompt_ids = j.prompt_ids if first and (wants_token_ids or j.body.get("echo")) else None
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-                "stop_reason": stop_reason, "prompt_token_ids": j.prompt_ids if first and wants_token_ids else None,
+                "stop_reason": stop_reason, "prompt_token_ids": prompt_ids,
                 "token_ids": tokens if wants_token_ids else None}
     choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": logprobs,
                               "finish_reason": finish_reason}
@@ -189,8 +192,8 @@ class StreamEncoder:
         """Any other event of this stream (the role chunk, usage, an error): with its id when ids are on."""
         return event(chunk, f"{self.j.id}:{n}" if self.ids else None)
 
-    def error(self, n: int, status: int, message: str) -> bytes:
-        return error_event(status, message, f"{self.j.id}:{n}" if self.ids else None)
+    def error(self, n: int, status: int, message: str, body: dict[str, Any] | None = None) -> bytes:
+        return error_event(status, message, f"{self.j.id}:{n}" if self.ids else None, body=body)
 
 
 def usage_chunk(j: Journal) -> dict[str, Any]:
@@ -205,12 +208,13 @@ def _full_usage(j: Journal) -> dict[str, Any]:
     return {**usage(j, len(j.emitted)), "prompt_tokens_details": None, "completion_tokens_details": None}
 
 
-def final_response(j: Journal) -> dict[str, Any]:
-    """The non-streamed response, assembled from the journal, as vLLM 0.32 writes it."""
+def final_response(j: Journal, logprobs: Any = None) -> dict[str, Any]:
+    """The non-streamed response, assembled from the journal (and the chunks' ``logprobs``, joined), as vLLM
+    0.32 writes it."""
     wants = j.wants_token_ids
     tail = {"service_tier": None, "system_fingerprint": j.fingerprint, "usage": _full_usage(j)}
     if j.kind is Kind.COMPLETION:
-        choice: dict[str, Any] = {"index": 0, "text": j.text, "logprobs": None, "finish_reason": j.finish_reason,
+        choice: dict[str, Any] = {"index": 0, "text": j.text, "logprobs": logprobs, "finish_reason": j.finish_reason,
                                   "stop_reason": j.stop_reason, "token_ids": j.emitted if wants else None,
                                   "prompt_logprobs": None, "prompt_token_ids": j.prompt_ids if wants else None,
                                   "routed_experts": None}
@@ -219,7 +223,7 @@ def final_response(j: Journal) -> dict[str, Any]:
                 "metrics": None}
     message = {"role": chat_role(j), "content": j.text, "refusal": None, "annotations": None, "audio": None,
                "function_call": None, "reasoning": None}
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": j.finish_reason,
+    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": j.finish_reason,
               "stop_reason": j.stop_reason, "token_ids": j.emitted if wants else None, "routed_experts": None}
     return {"id": j.id, "object": "chat.completion", "created": int(j.created), "model": j.model,
             "choices": [choice], **tail, "prompt_logprobs": None, "prompt_token_ids": j.prompt_ids if wants else None,

@@ -308,6 +308,9 @@ def _merge(prev: dict[str, Any], new: dict[str, Any]) -> bool:
     for key, value in b.items():
         if key == "token_ids" and isinstance(value, list):
             a["token_ids"] = [*(a.get("token_ids") or []), *value]
+        elif key == "logprobs" and isinstance(value, dict) and isinstance(a.get("logprobs"), dict):
+            a["logprobs"] = {k: [*a["logprobs"].get(k, []), *v] if isinstance(v, list) else v
+                             for k, v in value.items()}
         elif key not in ("delta", "text"):
             a[key] = value
     prev.update({k: v for k, v in new.items() if k != "choices"})

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fleetward.migration.journal import Journal, Kind, RequestRefused, StopChecker, validate_body
+from fleetward.migration.journal import Journal, Kind, RequestRefused, StopChecker, validate_body, whole_reason
 from fleetward.migration.policy import LeastLoadedAffinity, prefix_key
 
 
@@ -62,10 +62,14 @@ def test_constrained_requests_are_not_migrated_after_their_first_token(extra: di
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"model": "m", "prompt": [1], "n": 2}, "n"),
-    ({"model": "m", "prompt": [1], "best_of": 3}, "best_of"),
+    ({"model": "m", "prompt": [1], "n": 2, "stream": True}, "n"),
+    ({"model": "m", "prompt": [1], "best_of": 3, "stream": True}, "best_of"),
+    ({"model": "m", "prompt": ["a", "b"], "stream": True}, "prompt"),
+    ({"model": "m", "prompt": [1], "n": 0}, "n"),
     ({"model": "m", "prompt": ""}, "prompt"),
     ({"model": "m", "prompt": [["a"], ["b"]]}, "prompt"),
+    ({"model": "m", "prompt": ["a", ""]}, "prompt"),
+    ({"model": "m", "prompt": [[1], []]}, "prompt"),
     ({"prompt": "x"}, "model"),
     ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"model": "m", "prompt": "x", "max_tokens": "3"}, "max_tokens"),
@@ -75,6 +79,30 @@ def test_invalid_bodies_are_refused_with_the_parameter_named(body: dict, param: 
     with pytest.raises(RequestRefused) as info:
         validate_body(body, Kind.COMPLETION)
     assert info.value.param == param
+
+
+@pytest.mark.parametrize("body, kind, why", [
+    ({"n": 2}, Kind.COMPLETION, "n=2"),
+    ({"best_of": 3}, Kind.COMPLETION, "best_of=3"),
+    ({"prompt": ["a", "b"]}, Kind.COMPLETION, "a list of prompts"),
+    ({"prompt": [[1, 2], [3]]}, Kind.COMPLETION, "a list of prompts"),
+    ({"prompt_logprobs": 1}, Kind.COMPLETION, "prompt_logprobs"),
+    ({"echo": True, "logprobs": 1, "max_tokens": 1}, Kind.COMPLETION, "echo"),
+    ({"response_format": {"type": "json_object"}}, Kind.COMPLETION, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, Kind.CHAT, "logprobs"),
+    ({"n": 1, "logprobs": 2}, Kind.COMPLETION, None),
+    ({"prompt": [1, 2]}, Kind.COMPLETION, None),
+    ({"n": 2, "stream": True}, Kind.COMPLETION, None),
+])
+def test_answers_the_journal_cannot_make_are_relayed_whole(body: dict, kind: Kind, why: str | None) -> None:
+    """Several choices, the prompt's logprobs, or a state not made of tokens: a non-streamed request is relayed
+    whole (a streamed one with a fan-out is refused by validate_body instead); plain ones and completions'
+    logprobs are made from the journal."""
+    full = {"model": "m", "prompt": "x", **body} if kind is Kind.COMPLETION else {"model": "m", **body}
+    if not full.get("stream"):
+        validate_body(full, kind)  # served, not refused
+    reason = whole_reason(full, kind)
+    assert (reason is None) if why is None else (reason is not None and why in reason)
 
 
 def test_stop_strings_are_cut_and_held_back_across_chunks() -> None:

@@ -220,3 +220,56 @@ def test_a_paused_stream_is_not_silence_and_resumes_its_reading(kind: Kind) -> N
         assert stream.ended is not None and stream.ended.done() and stream.finished
 
     asyncio.run(run())
+
+
+def _logprobs(ids: list[int], start: int) -> dict[str, Any]:
+    """A worker's completions logprobs for ``ids``, offsets counted from ``start`` (as vLLM writes them)."""
+    tokens = [VOCAB.decode([t]) for t in ids]
+    offsets = [start + sum(len(x) for x in tokens[:k]) for k in range(len(tokens))]
+    return {"text_offset": offsets, "token_logprobs": [-0.5 - t / 1e4 for t in ids], "tokens": tokens,
+            "top_logprobs": [{tok: -0.5 - t / 1e4} for tok, t in zip(tokens, ids, strict=True)]}
+
+
+def test_a_whole_answer_joins_its_chunks_logprobs_cut_where_its_text_is_and_keeps_the_workers_fingerprint() -> None:
+    """Completions logprobs answered whole: each chunk's lists end to end, as vLLM's whole answer holds them;
+    a stop string that ends the answer inside a chunk of several tokens cuts that chunk's logprobs after the
+    token that completed it. The router ends that answer before the worker's last chunk (which carries the
+    fingerprint), so it gives the fingerprint the worker sent last time."""
+    from fleetward.migration.relay import Whole
+
+    ids = VOCAB.encode(" alpha beta gamma delta", add_special_tokens=False)
+    assert len(ids) >= 4
+    fingerprints: dict[str, str] = {}
+    for stop, finish in ((None, "length"), ([" gamma"], "stop")):
+        body: dict[str, Any] = {"stream": False, "logprobs": 1, "max_tokens": len(ids)}
+        if stop:
+            body["stop"] = stop
+        j = journal(Kind.COMPLETION, body)
+        whole = Whole()
+        relay = Relay(j, "w0", whole, _Tries(), Active(j), progress=ProgressModel(), metrics=RouterMetrics(),
+                      clock=SYSTEM_CLOCK, on_moved=lambda _: None, fingerprints=fingerprints)
+        events = []
+        for k, part in enumerate((ids[:2], ids[2:])):
+            last = k == 1
+            choice = {"index": 0, "text": VOCAB.decode(part), "logprobs": _logprobs(part, 0 if k == 0 else len(
+                VOCAB.decode(ids[:2]))), "finish_reason": "length" if last else None, "stop_reason": None,
+                "prompt_token_ids": PROMPT if k == 0 else None, "token_ids": part}
+            events.append({"id": "x", "choices": [choice], **({"system_fingerprint": "vllm-fp"} if last else {})})
+        relay.opened(UpstreamStream("w0", relay))
+        for e in events:
+            if relay.chunk(_chunk(e)):
+                break
+        assert j.finish_reason == finish
+        kept = len(j.emitted)
+        want = _logprobs(ids, 0)
+        assert whole.logprobs == {k: v[:kept] for k, v in want.items()}
+        assert wire.final_response(j, whole.logprobs)["choices"][0]["logprobs"] == whole.logprobs
+        if stop:
+            assert kept < len(ids) and j.text == VOCAB.decode(ids)[:VOCAB.decode(ids).index(" gamma")]
+        assert j.fingerprint == "vllm-fp", "the first answer read the worker's last chunk; the second used it"
+
+
+def _chunk(event: dict[str, Any]) -> Any:
+    from fleetward.migration.upstream import _parse
+
+    return _parse(orjson.dumps(event))

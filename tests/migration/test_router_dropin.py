@@ -24,6 +24,7 @@ from testkit import PATIENT_SUPERVISOR, routed_fleet
 from fleetward.chaos.harness import TestFleet
 from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.config import SimConfig
+from fleetward.migration.journal import Kind, whole_reason
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -191,6 +192,48 @@ async def test_a_worker_that_fails_before_the_client_has_a_byte_is_passed_over(h
                                          for i in range(8)))
     assert [a.status_code for a in answers] == [200] * 8
     assert await router_metric(healthy, 'fleetward_router_passthrough_retries_total{endpoint="embeddings"') > before
+
+
+async def test_an_answer_the_journal_cannot_make_is_relayed_whole_and_sent_again_when_its_worker_fails(
+        healthy: TestFleet, same_answer: Any) -> None:
+    """A non-streamed request whose state is not a function of its tokens (here chat with a parameter that
+    has no completions equivalent) goes to one worker as it was sent; when that worker answers vLLM's
+    dead-engine 500 before the answer, the request is sent again from its start to the other, and the client
+    reads the answer a healthy worker gives (greedy: the same)."""
+    body = {"model": "sim-tiny", "messages": [{"role": "user", "content": "whole"}], "max_tokens": 9,
+            "temperature": 0, "ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False},
+            "top_logprobs": 0, "parallel_tool_calls": True}
+    assert whole_reason(body, Kind.CHAT) is not None
+    sick, well = healthy.worker_ids
+    async with httpx.AsyncClient(timeout=30) as client:
+        direct = await client.post(healthy.url(well) + "/v1/chat/completions", json=body)
+        await healthy.fault(sick, error_rate=1.0)
+        before = await router_metric(healthy, 'fleetward_router_passthrough_retries_total{endpoint="chat"')
+        answers = await asyncio.gather(*(client.post(router_url(healthy) + "/v1/chat/completions", json=body)
+                                         for _ in range(6)))
+    assert direct.status_code == 200
+    for a in answers:
+        assert a.status_code == 200, a.text
+        same_answer(a.content, direct.content)
+    assert await router_metric(healthy, 'fleetward_router_passthrough_retries_total{endpoint="chat"') > before
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_request_a_worker_refuses_is_the_clients_error_and_is_not_retried(healthy: TestFleet, stream: bool,
+                                                                                  same_answer: Any) -> None:
+    """A prompt with a token id out of the vocabulary: the worker's refusal (a 400, or for a stream vLLM's
+    in-band error after its 200) reaches the client as the worker wrote it, and no other worker is tried."""
+    body = {"model": "sim-tiny", "prompt": [1, 2, 999999], "max_tokens": 3, "stream": stream}
+    async with httpx.AsyncClient(timeout=30) as client:
+        direct = await client.post(healthy.url(healthy.worker_ids[0]) + "/v1/completions", json=body)
+        before = await router_metric(healthy, "fleetward_router_upstream_errors_total")
+        migrations = await router_metric(healthy, "fleetward_router_migrations_total")
+        routed = await client.post(router_url(healthy) + "/v1/completions", json=body)
+    assert b"out of vocabulary" in direct.content
+    assert routed.status_code == direct.status_code
+    same_answer(routed.content, direct.content)
+    assert await router_metric(healthy, "fleetward_router_upstream_errors_total") == before
+    assert await router_metric(healthy, "fleetward_router_migrations_total") == migrations
 
 
 async def test_a_killed_worker_is_passed_over_by_requests_racing_its_death(healthy: TestFleet) -> None:
