@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fleetward.sim.engine import SamplingSpec
@@ -35,68 +35,73 @@ class ParsedRequest:
     continuous_usage: bool
     return_token_ids: bool
     role: str = "assistant"
+    # a completion's other prompts (it sent a list), each with its own budget: one choice each, after the first
+    more: list[tuple[list[int], SamplingSpec]] = field(default_factory=list)
 
 
 def parse_request(body: object, *, chat: bool, served: ServedModel) -> ParsedRequest:
-    """Validate like vLLM, stage by stage (the list is in :mod:`.protocol`)."""
+    """Validate like vLLM, stage by stage (the list is in :mod:`.protocol`). A completion with a list of
+    prompts is one request with a choice per prompt: every prompt is read and checked against the context
+    first, then the sampling parameters, then each prompt against the model, as vLLM does."""
     v = validated(body, chat=chat)
     _refuse_unsupported(v)
 
     served.check(v["model"])
     role = "assistant"
-    prompt: str | list[int]
+    prompts: list[str | list[int]]
     if chat:
         mt_param = "max_completion_tokens" if v["max_completion_tokens"] is not None else "max_tokens"
         max_tokens = v[mt_param]
         if not v["add_generation_prompt"] and v["messages"]:
             role = v["messages"][-1]["role"]
-        prompt = render_chat(v["messages"], add_generation_prompt=v["add_generation_prompt"])
+        prompts = [render_chat(v["messages"], add_generation_prompt=v["add_generation_prompt"])]
     else:
         mt_param = "max_tokens"
         max_tokens = v["max_tokens"]
         if max_tokens is None:
             max_tokens = _COMPLETION_DEFAULT_MAX_TOKENS
-        prompt = _completion_prompt(v["prompt"])
+        prompts = _completion_prompts(v["prompt"], stream=bool(v["stream"]))
         if v["suffix"] is not None:  # the tiny model has no fill-in-the-middle rendering
             raise ApiError("suffix is only supported for models with FIM completion rendering"
-                           if isinstance(prompt, str) else
+                           if isinstance(prompts[0], str) else
                            "suffix requires text prompt input for FIM completion rendering", param="suffix")
     max_len = served.max_model_len
     if max_tokens is not None and max_tokens > max_len:
         raise refused(f"{mt_param}={max_tokens} cannot be greater than max_model_len={max_len}. Please "
                       "request fewer output tokens.", param=mt_param, value=max_tokens)
-    prompt_ids = _prompt_tokens(prompt, max_len, functools.partial(served.encode, special=v["add_special_tokens"]))
-    budget = max_len - len(prompt_ids)
-    max_tokens = budget if max_tokens is None else min(max_tokens, budget)
+    encoder = functools.partial(served.encode, special=v["add_special_tokens"])
+    all_ids = [_prompt_tokens(prompt, max_len, encoder) for prompt in prompts]
+    budgets = [max_len - len(ids) if max_tokens is None else min(max_tokens, max_len - len(ids)) for ids in all_ids]
     bias_ids = _token_keys(v["logit_bias"] or {})
-    _check_sampling(v, max_tokens)
-    _check_engine(v, bias_ids, prompt_ids, served.vocab_size)
+    _check_sampling(v, budgets[0])
+    for ids in all_ids:
+        _check_engine(v, bias_ids, ids, served.vocab_size)
 
     stop = v["stop"]
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     options = v["stream_options"]
     include_usage = options is not None and bool(options.include_usage)
     continuous_usage = include_usage and bool(options.continuous_usage_stats)
-    spec = SamplingSpec(max_tokens=max_tokens, ignore_eos=v["ignore_eos"], stop=stops,
-                        stop_token_ids=frozenset(v["stop_token_ids"] or ()),
-                        include_stop_str_in_output=v["include_stop_str_in_output"], min_tokens=v["min_tokens"],
-                        skip_special_tokens=v["skip_special_tokens"],
-                        spaces_between_special_tokens=v["spaces_between_special_tokens"])
-    return ParsedRequest(prompt_ids, spec, bool(v["stream"]), include_usage, continuous_usage,
-                         bool(v["return_token_ids"]), role)
+    specs = [SamplingSpec(max_tokens=budget, ignore_eos=v["ignore_eos"], stop=stops,
+                          stop_token_ids=frozenset(v["stop_token_ids"] or ()),
+                          include_stop_str_in_output=v["include_stop_str_in_output"], min_tokens=v["min_tokens"],
+                          skip_special_tokens=v["skip_special_tokens"],
+                          spaces_between_special_tokens=v["spaces_between_special_tokens"]) for budget in budgets]
+    return ParsedRequest(all_ids[0], specs[0], bool(v["stream"]), include_usage, continuous_usage,
+                         bool(v["return_token_ids"]), role, more=list(zip(all_ids[1:], specs[1:], strict=True)))
 
 
-def _completion_prompt(prompt: str | list[Any]) -> str | list[int]:
-    """The one prompt of a completion request: text or token ids (vLLM's schema has checked the types)."""
+def _completion_prompts(prompt: str | list[Any], *, stream: bool) -> list[str | list[int]]:
+    """A completion request's prompts: text or token ids, or a list of those (vLLM's schema has checked the
+    types). The sim answers several prompts whole; it streams one."""
     if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
-        return prompt
-    if not prompt:  # vLLM would answer with no choices at all; the sim serves one prompt per request
+        return [prompt]
+    if not prompt:  # vLLM would answer with no choices at all
         raise refused("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
-    if len(prompt) > 1:
-        raise ApiError(f"the simulated worker takes one prompt per request, got {len(prompt)}; send "
-                       "them as separate requests", param="prompt")
-    only: str | list[int] = prompt[0]
-    return only
+    if len(prompt) > 1 and stream:
+        raise ApiError(f"the simulated worker streams one prompt per request, got {len(prompt)}; send them "
+                       "unstreamed, or as separate requests", param="prompt")
+    return list(prompt)
 
 
 def _refuse_unsupported(v: dict[str, Any]) -> None:

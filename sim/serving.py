@@ -1,7 +1,8 @@
 """The serving of ``POST /v1/completions`` and ``POST /v1/chat/completions`` over the simulated engine.
 
 Both stream and non-stream, byte for byte in vLLM's shapes (key order included; see ``tests/data/vllm-0.32``).
-``prompt`` is text, a list of token ids, or a one-element list of either. Honoured: ``max_tokens`` (chat:
+``prompt`` is text, a list of token ids, or a list of either (several prompts: one choice each, answered
+whole; streamed, one prompt only). Honoured: ``max_tokens`` (chat:
 ``max_completion_tokens`` too; clamped to the context left, as vLLM does), ``ignore_eos``, ``stop`` (str or
 list), ``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids``,
 ``stream_options.include_usage`` and ``continuous_usage_stats``, ``min_tokens``, ``add_generation_prompt``
@@ -10,7 +11,7 @@ and ignored, because the simulated model is greedy and deterministic: ``temperat
 ``min_p``, ``seed``, the penalties, ``logit_bias``, ``bad_words``, ``allowed_token_ids``, ``priority``,
 ``user`` (and any other key vLLM would accept), though checked as vLLM checks them. Refused with a 400 naming
 the parameter, although vLLM serves them: ``n`` other than 1 (every choice would be identical), several
-prompts in one request (or none), ``echo``, ``logprobs``/``prompt_logprobs``/``top_logprobs``, beam search.
+prompts in one stream (or none at all), ``echo``, ``logprobs``/``prompt_logprobs``/``top_logprobs``, beam search.
 
 Every request vLLM 0.32 refuses for the tiny model is refused at the same stage, with vLLM's status, type,
 ``param`` and message (the stages and the vLLM files they come from are listed in :mod:`.protocol`): wrong
@@ -82,13 +83,23 @@ class CompletionServing:
             except KvTransferError as exc:
                 return error_response(ApiError(str(exc), status=502, err_type=KV_ERROR_TYPE, param=exc.kind))
         req = self._engine.submit(parsed.prompt_ids, parsed.spec, rid, kv=kv)
-        release = functools.partial(self._engine.release, req)
         if parsed.stream:
             shape = ChatChunks if chat else CompletionChunks
             chunks = shape(parsed, rid, created, self._served.name, self._served.system_fingerprint)
-            return EventStream(events(req, chunks), release)
+            return EventStream(events(req, chunks), functools.partial(self._engine.release, req))
+        # A list of prompts: one engine request each, run side by side, one choice each (in order).
+        reqs = [req, *(self._engine.submit(ids, spec, f"{rid}-{k}") for k, (ids, spec) in enumerate(parsed.more, 1))]
+
+        def release() -> None:
+            for r in reqs:
+                self._engine.release(r)
+
+        outcome: WorkerError | RequestCut | None = None
         try:
-            outcome = await await_or_abort(request, self._engine, req)
+            for r in reqs:
+                outcome = await await_or_abort(request, self._engine, r)
+                if outcome is not None or r.finish_reason == "abort":
+                    break
         except BaseException:
             release()
             raise
@@ -96,11 +107,11 @@ class CompletionServing:
             return Cut(outcome, release)
         if outcome is not None:
             err = engine_dead() if outcome.status >= 500 else ApiError(outcome.message)
-        elif req.finish_reason == "abort":
+        elif any(r.finish_reason == "abort" for r in reqs):
             err = ApiError("Client disconnected")
         else:
-            build = self._chat_body if chat else self._completion_body
-            answer = build(req, parsed, rid, created)
+            answer = self._chat_body(req, parsed, rid, created) if chat else self._completion_body(
+                reqs, parsed, rid, created)
             if isinstance(kv_params, dict) and kv_params.get("do_remote_decode"):
                 offer = self._kv.offer(str(request.base_url).rstrip("/"), parsed.prompt_ids)
                 answer["kv_transfer_params"] = None if offer is None else offer.params()
@@ -109,15 +120,17 @@ class CompletionServing:
 
     # -- non-stream bodies --------------------------------------------------------------------------
 
-    def _completion_body(self, req: SimRequest, p: ParsedRequest, rid: str, created: int) -> dict[str, Any]:
+    def _completion_body(self, reqs: list[SimRequest], p: ParsedRequest, rid: str,
+                         created: int) -> dict[str, Any]:
+        """One choice per prompt, in the order sent; the usage of them all, as vLLM sums it."""
         rt = p.return_token_ids
-        choice = {"index": 0, "text": req.output_text, "logprobs": None, "finish_reason": req.finish_reason,
-                  "stop_reason": req.stop_reason, "token_ids": list(req.output_ids) if rt else None,
-                  "prompt_logprobs": None, "prompt_token_ids": p.prompt_ids if rt else None,
-                  "routed_experts": None}
+        choices = [{"index": k, "text": req.output_text, "logprobs": None, "finish_reason": req.finish_reason,
+                    "stop_reason": req.stop_reason, "token_ids": list(req.output_ids) if rt else None,
+                    "prompt_logprobs": None, "prompt_token_ids": list(req.prompt_ids) if rt else None,
+                    "routed_experts": None} for k, req in enumerate(reqs)]
         return {"id": rid, "object": "text_completion", "created": created, "model": self._served.name,
-                "choices": [choice], "service_tier": None, "system_fingerprint": self._served.system_fingerprint,
-                "usage": _usage(req), "kv_transfer_params": None, "ec_transfer_params": None,
+                "choices": choices, "service_tier": None, "system_fingerprint": self._served.system_fingerprint,
+                "usage": _usage(*reqs), "kv_transfer_params": None, "ec_transfer_params": None,
                 "metrics": None}
 
     def _chat_body(self, req: SimRequest, p: ParsedRequest, rid: str, created: int) -> dict[str, Any]:
@@ -158,7 +171,7 @@ def _request_id(request: Request, body: dict[str, Any], prefix: str) -> str:
     return f"{prefix}{rid if isinstance(rid, str) and rid else secrets.token_hex(8)}"
 
 
-def _usage(req: SimRequest) -> dict[str, Any]:
-    p, c = len(req.prompt_ids), len(req.output_ids)
+def _usage(*reqs: SimRequest) -> dict[str, Any]:
+    p, c = sum(len(r.prompt_ids) for r in reqs), sum(len(r.output_ids) for r in reqs)
     return {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c,
             "prompt_tokens_details": None, "completion_tokens_details": None}

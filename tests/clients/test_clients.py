@@ -4,7 +4,8 @@ One fleet for the module: three simulated workers serving the ``bpe`` vocabulary
 tokenizers; vLLM's benchmark and AIPerf read it from the tiny model's folder) behind a router process, with a
 supervisor that restarts what a test killed. Each test runs one client as its own process, the way its users
 run it: the official ``openai`` Python client, the official OpenAI Node client (npm), ``vllm bench serve``,
-NVIDIA AIPerf, LiteLLM and LangChain's ``ChatOpenAI``. Once tokens flow, the worker that holds the most
+NVIDIA AIPerf, LiteLLM, LangChain's ``ChatOpenAI``, and LangChain's completions ``OpenAI`` LLM, which sends lists
+of prompts answered whole (the worker computing one is killed instead). Once tokens flow, the worker that holds the most
 streams is SIGKILLed (its engine hung first, so that "it holds streams" is still true when the kill lands).
 Then every client must report no failed request, and every output must equal the fault-free reference: what a
 worker answers for the same request (greedy decoding, ``ignore_eos``), text and finish.
@@ -84,13 +85,6 @@ async def reference(fleet: TestFleet, reqs: list[dict[str, str]], max_tokens: in
     return out
 
 
-async def migrations(fleet: TestFleet) -> float:
-    async with httpx.AsyncClient(timeout=10) as client:
-        text = (await client.get(router_url(fleet) + "/metrics")).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("fleetward_router_migrations_total"))
-
-
 async def _busy_worker(fleet: TestFleet, client: httpx.AsyncClient) -> dict[str, dict[str, Any]]:
     view = (await client.get(router_url(fleet) + "/fleetward/v1/progress")).json()["workers"]
     return {w: v for w, v in view.items() if v["in_flight"] > 0 and v["tokens"] > 0
@@ -130,16 +124,21 @@ async def kill_a_worker_mid_stream(fleet: TestFleet, client_proc: asyncio.subpro
 
 
 async def run_killing_a_worker(fleet: TestFleet, argv: list[str], *, log: Path, env: dict[str, str] | None = None,
-                               cwd: Path = HERE) -> bytes:
-    """Run a client to its end, killing a worker mid-run; its stdout. Asserts the kill caused migrations."""
-    before = await migrations(fleet)
+                               cwd: Path = HERE, whole: str | None = None) -> bytes:
+    """Run a client to its end, killing a worker mid-run; its stdout. Asserts the kill caused migrations; with
+    ``whole`` (the endpoint label of requests answered whole), that the killed worker's answer was asked again
+    of another worker."""
+    counter = (f'fleetward_router_passthrough_retries_total{{endpoint="{whole}"' if whole
+               else "fleetward_router_migrations_total")
+    before = await router_counter(fleet, counter)
     with log.open("wb") as err:
         proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stderr=err,
                                                     stdin=asyncio.subprocess.DEVNULL, cwd=cwd,
                                                     env={**os.environ, **(env or {})})
         try:
             output = asyncio.ensure_future(proc.communicate())
-            killer = asyncio.ensure_future(kill_a_worker_mid_stream(fleet, proc))
+            killer = asyncio.ensure_future((kill_a_worker_mid_answer if whole else kill_a_worker_mid_stream)(
+                fleet, proc))
             done, _ = await asyncio.wait({output, killer}, timeout=CLIENT_TIMEOUT_S,
                                          return_when=asyncio.FIRST_EXCEPTION)
             if killer in done:
@@ -155,8 +154,40 @@ async def run_killing_a_worker(fleet: TestFleet, argv: list[str], *, log: Path, 
                     await task
     tail = (await asyncio.to_thread(log.read_text, errors="replace"))[-3000:]
     assert proc.returncode == 0, f"{argv[0]} exited {proc.returncode}:\n{tail}"
-    assert await migrations(fleet) > before, "the killed worker's streams were resumed elsewhere"
+    assert await router_counter(fleet, counter) > before, "the killed worker's requests were served elsewhere"
     return out
+
+
+async def router_counter(fleet: TestFleet, prefix: str) -> float:
+    async with httpx.AsyncClient(timeout=10) as client:
+        text = (await client.get(router_url(fleet) + "/metrics")).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+
+async def kill_a_worker_mid_answer(fleet: TestFleet, client_proc: asyncio.subprocess.Process) -> str:
+    """SIGKILL a worker while it computes a whole (not streamed) answer the client waits for.
+
+    A whole answer is relayed, not journaled, so the router's stream view does not show it: the workers' own
+    ``vllm:num_requests_running`` does. That worker's engine is hung first so the request is still running
+    when the SIGKILL lands (a hung engine holds its requests; the client has no byte of the answer yet)."""
+    async def running(client: httpx.AsyncClient, worker: str) -> float:
+        with contextlib.suppress(httpx.HTTPError):
+            text = (await client.get(fleet.url(worker) + "/metrics")).text
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("vllm:num_requests_running"))
+        return 0.0
+
+    async with httpx.AsyncClient(timeout=10) as client:
+        while client_proc.returncode is None:
+            for worker in fleet.worker_ids:
+                if fleet.processes(worker) and await running(client, worker) > 0:
+                    await fleet.fault(worker, hang=True)
+                    if await running(client, worker) > 0:
+                        fleet.kill(worker)
+                        return worker
+                    await fleet.fault(worker, hang=False)
+            await asyncio.sleep(0.01)
+    raise AssertionError("the client finished before a worker held one of its requests")
 
 
 def assert_exact(got: list[dict[str, Any]], expected: list[dict[str, Any]]) -> None:
@@ -190,6 +221,20 @@ async def test_litellm_streams_through_a_worker_kill(healthy: TestFleet, tmp_pat
 async def test_langchains_chat_openai_streams_through_a_worker_kill(healthy: TestFleet, tmp_path: Path) -> None:
     await _job_client(healthy, tmp_path, [sys.executable, str(HERE / "run_langchain.py")], "langchain",
                       chat_only=True)
+
+
+async def test_langchains_completions_llm_batches_prompts_through_a_worker_kill(healthy: TestFleet,
+                                                                                 tmp_path: Path) -> None:
+    """LangChain's completions ``OpenAI`` LLM sends its prompts as lists (``batch_size`` per request, not
+    streamed), as lm-eval-harness does: every prompt answered, each as a worker answers it alone, though the
+    worker computing one of the lists was SIGKILLed (the list was sent again to another worker, whole)."""
+    reqs = [{"kind": "completion", "prompt": f"langchain batch, prompt {i}: "} for i in range(12)]
+    expected = await reference(healthy, reqs)
+    job = {"base_url": router_url(healthy), "model": SIM.model_name, "max_tokens": MAX_TOKENS, "batch_size": 4,
+           "requests": reqs}
+    out = await run_killing_a_worker(healthy, [sys.executable, str(HERE / "run_langchain_batch.py"), json.dumps(job)],
+                                     log=tmp_path / "langchain-batch.log", whole="completion")
+    assert_exact(json.loads(out), expected)
 
 
 async def test_vllm_bench_serve_completes_every_request_through_a_worker_kill(

@@ -58,7 +58,8 @@ async def post(path: str, body: Any, config: SimConfig = SMALL) -> tuple[httpx.R
     ("/v1/completions", {"max_tokens": 3}, 400, "BadRequestError", "prompt",
      "Either prompt or prompt_embeds must be provided and non-empty."),
     ("/v1/completions", {"prompt": "x", "n": 2}, 400, "BadRequestError", "n", "n=2 is not supported"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "BadRequestError", "prompt", "one prompt per request"),
+    ("/v1/completions", {"prompt": ["a", "b"], "stream": True}, 400, "BadRequestError", "prompt",
+     "streams one prompt per request"),
     ("/v1/chat/completions", {"model": MODEL}, 400, "Bad Request", "body.messages", "Field required"),
 ])
 async def test_bad_requests_get_vllm_like_errors(path: str, body: Any, status: int, err_type: str,

@@ -148,6 +148,34 @@ async def test_non_stream_responses_match_vllm_field_by_field() -> None:
     assert chat["choices"][0]["message"]["content"] == decode(chat["choices"][0]["token_ids"])
 
 
+async def test_a_list_of_prompts_is_answered_whole_with_a_choice_per_prompt_as_vllm_answers_it() -> None:
+    """LangChain's completions LLM and lm-eval-harness send several prompts in one request: one choice each,
+    in order, each what that prompt alone gets, and the usage of them all (tests/data: real vLLM's answer).
+    The sim streams one prompt per request, and says so."""
+    prompts = ["Hello", "A second one", "A third"]
+    async with asgi(FAST) as (c, _):
+        batch = (await c.post("/v1/completions", json={
+            "model": MODEL, "prompt": prompts, "max_tokens": 4, "return_token_ids": True})).json()
+        alone = [(await c.post("/v1/completions", json={
+            "model": MODEL, "prompt": p, "max_tokens": 4, "return_token_ids": True})).json() for p in prompts]
+        of_ids = (await c.post("/v1/completions", json={"model": MODEL, "prompt": [[72, 105], [1, 2, 3]],
+                                                          "max_tokens": 2})).json()
+        mixed = await c.post("/v1/completions", json={"model": MODEL, "prompt": ["Hello", [72, 105]]})
+        streamed = await c.post("/v1/completions", json={"model": MODEL, "prompt": prompts, "stream": True})
+    assert [ch["text"] for ch in of_ids["choices"]] == [decode(SIM.continuation(p, 2)) for p in ([72, 105], [1, 2, 3])]
+    assert mixed.status_code == 400, "vLLM's schema takes strings or lists of ids, not both"
+    recorded = json.loads((DATA / "completion_batch.json").read_text())
+    assert_same_shape(batch, {**recorded, "choices": recorded["choices"][:1] * 3})
+    assert [ch["index"] for ch in batch["choices"]] == [0, 1, 2]
+    for choice, one in zip(batch["choices"], alone, strict=True):
+        assert {**choice, "index": 0} == one["choices"][0]
+    used = [a["usage"] for a in alone]
+    assert batch["usage"]["prompt_tokens"] == sum(u["prompt_tokens"] for u in used)
+    assert batch["usage"]["completion_tokens"] == sum(u["completion_tokens"] for u in used)
+    assert batch["usage"]["total_tokens"] == sum(u["total_tokens"] for u in used)
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt"
+
+
 async def test_models_lists_the_served_model_with_max_model_len() -> None:
     async with asgi(FAST) as (c, _):
         r = await c.get("/v1/models")
