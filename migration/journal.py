@@ -47,6 +47,7 @@ __all__ = [
     "Kind",
     "RequestRefused",
     "StopChecker",
+    "fanout",
     "migration_blocker",
     "new_request_id",
     "request_schema",
@@ -92,11 +93,14 @@ _PORTABLE = {"model", "temperature", "top_p", "top_k", "min_p", "seed", "repetit
 
 
 def _int_field(body: dict[str, Any], key: str, *, minimum: int) -> int | None:
+    """An integer field as vLLM reads it (pydantic's lax mode: ``3.0`` is 3)."""
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestRefused(f"{key} must be an integer, got {value!r}", param=key)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not -2**63 <= value < 2**63:
+        raise RequestRefused(f"{key} must be a 64-bit integer, got {value!r}", param=key)
     if value < minimum:
         raise RequestRefused(f"{key} must be at least {minimum}, got {value}.", param=key)
     return value
@@ -114,8 +118,9 @@ def _batched(prompt: Any) -> bool:
 
 
 def validate_body(body: Any, kind: Kind) -> None:
-    """Refuse what no worker should see: wrong types, a missing prompt; and a fan-out in a stream, which the
-    router cannot journal choice by choice yet (answered whole, a fan-out is served: :func:`whole_reason`)."""
+    """Refuse what the journal cannot take: wrong types, a missing prompt, and a fan-out in a stream, which it
+    cannot journal choice by choice yet. A refused body is not refused to the client: it goes to a worker as
+    sent (:mod:`.serving`), which answers it as vLLM does."""
     if not isinstance(body, dict):
         raise RequestRefused("the request body must be a JSON object")
     if not isinstance(body.get("model"), str) or not body.get("model"):
@@ -126,20 +131,16 @@ def validate_body(body: Any, kind: Kind) -> None:
         if not ((isinstance(prompt, str) and prompt) or _is_ids(prompt) or _batched(prompt)):
             raise RequestRefused("prompt must be a non-empty string, a non-empty list of token ids, or a list of "
                                  "those", param="prompt")
-        if stream and _batched(prompt):
-            raise RequestRefused("a list of prompts is served whole (stream: false); the router cannot stream "
-                                 "several prompts in one request yet: send one streamed request per prompt",
-                                 param="prompt")
     else:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise RequestRefused("messages must be a non-empty list of message objects", param="messages")
     for key in ("n", "best_of"):
-        value = _int_field(body, key, minimum=1)
-        if value is not None and value > 1 and stream:
-            raise RequestRefused(f"{key}={value} is served whole (stream: false); the router cannot stream a "
-                                 "fan-out of samples yet: send it unstreamed, or separate streamed requests",
-                                 param=key)
+        _int_field(body, key, minimum=1)
+    several = fanout(body, kind)
+    if several is not None and stream:
+        raise RequestRefused(f"a stream of several choices ({several}) is not journaled choice by choice yet",
+                             param="prompt" if several == "a list of prompts" else several.partition("=")[0])
     _int_field(body, "max_tokens", minimum=1)
     _int_field(body, "max_completion_tokens", minimum=1)
     _int_field(body, "min_tokens", minimum=0)
@@ -150,6 +151,17 @@ def validate_body(body: Any, kind: Kind) -> None:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise RequestRefused("stream_options must be an object", param="stream_options")
+
+
+def fanout(body: dict[str, Any], kind: Kind) -> str | None:
+    """The request's several choices (``n`` or ``best_of`` above 1, a list of prompts), or None for one."""
+    for key in ("n", "best_of"):
+        value = body.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 1:  # 2.0 is 2 to vLLM
+            return f"{key}={value}"
+    if kind is Kind.COMPLETION and _batched(body.get("prompt")):
+        return "a list of prompts"
+    return None
 
 
 def whole_reason(body: dict[str, Any], kind: Kind) -> str | None:
@@ -166,12 +178,9 @@ def whole_reason(body: dict[str, Any], kind: Kind) -> str | None:
     """
     if body.get("stream"):
         return None
-    for key in ("n", "best_of"):
-        value = body.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
-            return f"{key}={value}"
-    if kind is Kind.COMPLETION and _batched(body.get("prompt")):
-        return "a list of prompts"
+    several = fanout(body, kind)
+    if several is not None:
+        return several
     if body.get("prompt_logprobs") is not None:
         return "prompt_logprobs"
     return migration_blocker(body, kind)

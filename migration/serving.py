@@ -7,10 +7,12 @@
   (:mod:`.downstream`). A request with ``Last-Event-ID: <request id>:<tokens held>``
   resumes that request instead (here, or from its checkpoint in etcd when another router held it), and only
   with the API key it started with.
-  A request answered whole whose answer the journal cannot make (:func:`~fleetward.migration.journal.whole_reason`:
-  ``n``, ``best_of``, a list of prompts, ``prompt_logprobs``, ``echo``, constrained decoding, chat logprobs)
-  is passed through to one worker as it was sent, and sent again from its start when that worker fails
-  before answering.
+  What the journal does not take is passed through to one worker as it was sent (:mod:`.passthrough`): a
+  body the journal refuses (vLLM answers for it, in its words: the router's own checks would word it
+  otherwise, or refuse what vLLM serves), a stream of several choices (``n``, ``best_of``, a list of prompts;
+  it fails over before its first byte only), and a request answered whole whose answer the journal cannot
+  make (:func:`~fleetward.migration.journal.whole_reason`: those, ``prompt_logprobs``, ``echo``, constrained
+  decoding, chat logprobs), sent again from its start when its worker fails before answering.
 - :meth:`Serving.relay`: every other vLLM endpoint, passed through (:mod:`.passthrough`).
 
 New requests past ``routing.max_in_flight`` are shed (503); none are taken while the router starts or stops.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 import orjson
 from fastapi import Request
@@ -29,7 +32,15 @@ from fleetward.migration import wire
 from fleetward.migration.apikeys import ApiKeys
 from fleetward.migration.checkpoint import NotResumable
 from fleetward.migration.downstream import SseOutput, StreamResponse, until_disconnected
-from fleetward.migration.journal import Journal, Kind, RequestRefused, new_request_id, validate_body, whole_reason
+from fleetward.migration.journal import (
+    Journal,
+    Kind,
+    RequestRefused,
+    fanout,
+    new_request_id,
+    validate_body,
+    whole_reason,
+)
 from fleetward.migration.passthrough import Route
 from fleetward.migration.relay import Whole
 from fleetward.migration.router import Active, Router
@@ -80,22 +91,33 @@ class Serving:
             self.metrics.requests.labels(endpoint, "unavailable").inc()
             return RouterError(503, "router is starting or shutting down", retry_after=1).response()
         raw = await request.body()
+        last_event = request.headers.get("last-event-id")
+        body: Any = None
         try:
             body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            self.metrics.requests.labels(endpoint, "bad_request").inc()
-            return RouterError(400, f"malformed JSON body: {exc}").response()
-        try:
             validate_body(body, kind)
-        except RequestRefused as exc:
-            self.metrics.requests.labels(endpoint, "bad_request").inc()
-            return RouterError(exc.status, exc.message, param=exc.param).response()
-
-        last_event = request.headers.get("last-event-id")
-        if not last_event and whole_reason(body, kind) is not None:
-            # An answer the journal cannot make (several choices, the prompt's logprobs, a state not made of
-            # tokens): relayed to one worker whole, sent again from its start if that worker fails first.
-            return self._shed(endpoint) or await self.router.passthrough.handle(_WHOLE[kind], request)
+            relayed = None if last_event else whole_reason(body, kind)
+            valid = True
+        except (orjson.JSONDecodeError, RequestRefused) as exc:
+            if last_event:  # a resume is the router's own: refused in its words
+                self.metrics.requests.labels(endpoint, "bad_request").inc()
+                if isinstance(exc, RequestRefused):
+                    return RouterError(exc.status, exc.message, param=exc.param).response()
+                return RouterError(400, f"malformed JSON body: {exc}").response()
+            relayed = str(exc)
+            valid = isinstance(body, dict) and fanout(body, kind) is not None  # a stream of several choices
+        if relayed is not None:
+            # What the journal does not take goes to one worker as it was sent, and the worker's answer comes
+            # back as it wrote it: a request vLLM refuses, in vLLM's words (the router's own checks would
+            # word it otherwise, or refuse what vLLM serves); an answer the journal cannot make whole (several
+            # choices, the prompt's logprobs, a state not made of tokens), sent again from its start if the
+            # worker fails first; a stream of several choices, which fails over before its first byte only.
+            shed = self._shed(endpoint)
+            if shed is not None:
+                return shed
+            if valid:
+                self.metrics.received.labels(endpoint).inc()  # a request the autoscaler plans for
+            return await self.router.passthrough.handle(_WHOLE[kind], request)
         skip = 0
         if last_event:
             try:

@@ -151,6 +151,10 @@ class SamplingSpec:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Which of a request's ``n`` sampled choices this is: 0 is the model's own (greedy) continuation; another
+    # continues from the prompt's state mixed with this salt, so each choice reads differently, and the same
+    # request (seed included) gives the same choices on every worker.
+    salt: int = 0
 
 
 @dataclass(slots=True)
@@ -427,8 +431,10 @@ class SimScheduler:
         worker: they cost no prefill here, and generation starts from ``state`` (what that KV gives, right
         or wrong; see :meth:`fleetward.sim.model.SimModel.state_from_kv`).
         """
-        req = SimRequest(request_id, prompt_ids, params, arrival=now,
-                         state=self.model.state(prompt_ids) if kv is None else kv[1], vocab=self.vocab)
+        state = self.model.state(prompt_ids) if kv is None else kv[1]
+        if params.salt:
+            state = SimModel.advance(state, params.salt)
+        req = SimRequest(request_id, prompt_ids, params, arrival=now, state=state, vocab=self.vocab)
         # KV loaded from another worker, or the KV of a stream held here that this prompt continues (.heldkv).
         req.kv_cached = kv[0] if kv is not None else self.streams.covered(prompt_ids, now)
         return req

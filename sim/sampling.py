@@ -7,6 +7,7 @@ vLLM serves and the sim does not. :func:`parse_request` runs every stage in vLLM
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -37,6 +38,19 @@ class ParsedRequest:
     role: str = "assistant"
     # a completion's other prompts (it sent a list), each with its own budget: one choice each, after the first
     more: list[tuple[list[int], SamplingSpec]] = field(default_factory=list)
+    n: int = 1  # choices per prompt (``n``), sampled: each with its own salt (SamplingSpec.salt)
+    seed: int | None = None
+
+    def choices(self) -> list[tuple[list[int], SamplingSpec]]:
+        """Every choice's prompt and spec, in vLLM's order: prompt by prompt, ``n`` choices each."""
+        prompts = [(self.prompt_ids, self.spec), *self.more]
+        return [(ids, spec if k == 0 else dataclasses.replace(spec, salt=_salt(self.seed, k)))
+                for ids, spec in prompts for k in range(self.n)]
+
+
+def _salt(seed: int | None, k: int) -> int:
+    """The salt of choice ``k`` (k >= 1) of a request with ``seed``: any positive number that differs by both."""
+    return ((seed or 0) * 1_000_003 + k) % (1 << 62) or k
 
 
 def parse_request(body: object, *, chat: bool, served: ServedModel) -> ParsedRequest:
@@ -88,7 +102,8 @@ def parse_request(body: object, *, chat: bool, served: ServedModel) -> ParsedReq
                           skip_special_tokens=v["skip_special_tokens"],
                           spaces_between_special_tokens=v["spaces_between_special_tokens"]) for budget in budgets]
     return ParsedRequest(all_ids[0], specs[0], bool(v["stream"]), include_usage, continuous_usage,
-                         bool(v["return_token_ids"]), role, more=list(zip(all_ids[1:], specs[1:], strict=True)))
+                         bool(v["return_token_ids"]), role, more=list(zip(all_ids[1:], specs[1:], strict=True)),
+                         n=v["n"] or 1, seed=v["seed"])
 
 
 def _completion_prompts(prompt: str | list[Any], *, stream: bool) -> list[str | list[int]]:
@@ -105,11 +120,11 @@ def _completion_prompts(prompt: str | list[Any], *, stream: bool) -> list[str | 
 
 
 def _refuse_unsupported(v: dict[str, Any]) -> None:
-    """What vLLM serves and the sim does not: its model is greedy and deterministic, one sample per request."""
+    """What vLLM serves and the sim does not: several choices in a stream, echo, logprobs, beam search."""
     n = v["n"]
-    if n is not None and n > 1:
-        raise ApiError(f"n={n} is not supported by the simulated worker: its model is greedy and "
-                       "deterministic, so every choice would be the same; send n=1", param="n")
+    if n is not None and n > 1 and v["stream"]:
+        raise ApiError(f"n={n} is not streamed by the simulated worker: it streams one choice per request; send "
+                       "it unstreamed", param="n")
     for key in ("echo", "use_beam_search"):
         if v.get(key):
             raise ApiError(f"{key} is not supported by the simulated worker", param=key)
@@ -196,6 +211,8 @@ def _check_sampling(v: dict[str, Any], max_tokens: int) -> None:
     bad_words = list(dict.fromkeys(v["bad_words"] or []))
     if "" in bad_words:
         raise refused(f"bad_words cannot contain an empty string. Got bad_words={bad_words}")
+    if n > 1 and t < 1e-5:  # vLLM's _SAMPLING_EPS: greedy
+        raise refused(f"n must be 1 when using greedy sampling, got {n}.")
 
 
 def _check_engine(v: dict[str, Any], bias_ids: list[int], prompt_ids: list[int], vocab_size: int) -> None:

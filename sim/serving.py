@@ -9,9 +9,12 @@ list), ``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids``,
 (chat), the ``X-Request-Id`` header, ``kv_transfer_params`` (prefill/decode: :mod:`.kvtransfer`). Accepted
 and ignored, because the simulated model is greedy and deterministic: ``temperature``, ``top_p``, ``top_k``,
 ``min_p``, ``seed``, the penalties, ``logit_bias``, ``bad_words``, ``allowed_token_ids``, ``priority``,
-``user`` (and any other key vLLM would accept), though checked as vLLM checks them. Refused with a 400 naming
-the parameter, although vLLM serves them: ``n`` other than 1 (every choice would be identical), several
-prompts in one stream (or none at all), ``echo``, ``logprobs``/``prompt_logprobs``/``top_logprobs``, beam search.
+``user`` (and any other key vLLM would accept), though checked as vLLM checks them. ``n`` > 1 (not greedy,
+as in vLLM) is answered whole: choice 0 is the model's own continuation, each other one continues from the
+prompt's state mixed with its salt (``SamplingSpec.salt``: the choice and the seed), the same on every
+worker. Refused with a 400 naming the
+parameter, although vLLM serves them: several choices in one stream, several prompts in one stream (or none
+at all), ``echo``, ``logprobs``/``prompt_logprobs``/``top_logprobs``, beam search.
 
 Every request vLLM 0.32 refuses for the tiny model is refused at the same stage, with vLLM's status, type,
 ``param`` and message (the stages and the vLLM files they come from are listed in :mod:`.protocol`): wrong
@@ -87,8 +90,9 @@ class CompletionServing:
             shape = ChatChunks if chat else CompletionChunks
             chunks = shape(parsed, rid, created, self._served.name, self._served.system_fingerprint)
             return EventStream(events(req, chunks), functools.partial(self._engine.release, req))
-        # A list of prompts: one engine request each, run side by side, one choice each (in order).
-        reqs = [req, *(self._engine.submit(ids, spec, f"{rid}-{k}") for k, (ids, spec) in enumerate(parsed.more, 1))]
+        # A list of prompts, ``n`` choices: one engine request per choice, run side by side (in vLLM's order).
+        reqs = [req, *(self._engine.submit(ids, spec, f"{rid}-{k}")
+                       for k, (ids, spec) in enumerate(parsed.choices()[1:], 1))]
 
         def release() -> None:
             for r in reqs:
@@ -110,7 +114,7 @@ class CompletionServing:
         elif any(r.finish_reason == "abort" for r in reqs):
             err = ApiError("Client disconnected")
         else:
-            answer = self._chat_body(req, parsed, rid, created) if chat else self._completion_body(
+            answer = self._chat_body(reqs, parsed, rid, created) if chat else self._completion_body(
                 reqs, parsed, rid, created)
             if isinstance(kv_params, dict) and kv_params.get("do_remote_decode"):
                 offer = self._kv.offer(str(request.base_url).rstrip("/"), parsed.prompt_ids)
@@ -130,19 +134,20 @@ class CompletionServing:
                     "routed_experts": None} for k, req in enumerate(reqs)]
         return {"id": rid, "object": "text_completion", "created": created, "model": self._served.name,
                 "choices": choices, "service_tier": None, "system_fingerprint": self._served.system_fingerprint,
-                "usage": _usage(*reqs), "kv_transfer_params": None, "ec_transfer_params": None,
+                "usage": _usage(*reqs, n=p.n), "kv_transfer_params": None, "ec_transfer_params": None,
                 "metrics": None}
 
-    def _chat_body(self, req: SimRequest, p: ParsedRequest, rid: str, created: int) -> dict[str, Any]:
+    def _chat_body(self, reqs: list[SimRequest], p: ParsedRequest, rid: str, created: int) -> dict[str, Any]:
         rt = p.return_token_ids
-        message = {"role": p.role, "content": req.output_text, "refusal": None, "annotations": None,
-                   "audio": None, "function_call": None, "reasoning": None}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": req.finish_reason,
-                  "stop_reason": req.stop_reason, "token_ids": list(req.output_ids) if rt else None,
-                  "routed_experts": None}
+        choices = [{"index": k, "message": {"role": p.role, "content": req.output_text, "refusal": None,
+                                            "annotations": None, "audio": None, "function_call": None,
+                                            "reasoning": None},
+                    "logprobs": None, "finish_reason": req.finish_reason, "stop_reason": req.stop_reason,
+                    "token_ids": list(req.output_ids) if rt else None, "routed_experts": None}
+                   for k, req in enumerate(reqs)]
         return {"id": rid, "object": "chat.completion", "created": created, "model": self._served.name,
-                "choices": [choice], "service_tier": None, "system_fingerprint": self._served.system_fingerprint,
-                "usage": _usage(req), "prompt_logprobs": None,
+                "choices": choices, "service_tier": None, "system_fingerprint": self._served.system_fingerprint,
+                "usage": _usage(*reqs, n=p.n), "prompt_logprobs": None,
                 "prompt_token_ids": p.prompt_ids if rt else None, "prompt_text": None,
                 "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
 
@@ -171,7 +176,8 @@ def _request_id(request: Request, body: dict[str, Any], prefix: str) -> str:
     return f"{prefix}{rid if isinstance(rid, str) and rid else secrets.token_hex(8)}"
 
 
-def _usage(*reqs: SimRequest) -> dict[str, Any]:
-    p, c = sum(len(r.prompt_ids) for r in reqs), sum(len(r.output_ids) for r in reqs)
+def _usage(*reqs: SimRequest, n: int = 1) -> dict[str, Any]:
+    """vLLM's usage of a request's choices: each prompt counted once (not once per choice), every output."""
+    p, c = sum(len(r.prompt_ids) for r in reqs[::n]), sum(len(r.output_ids) for r in reqs)
     return {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c,
             "prompt_tokens_details": None, "completion_tokens_details": None}

@@ -60,6 +60,7 @@ import psutil
 import pytest
 import pytest_asyncio
 from costreport import pytest_runtest_logreport, pytest_terminal_summary
+from testkit import same_answer_of
 
 from fleetward.chaos.runguard import MARK, MARK_VAR
 from fleetward.fleet.bus import MqttBus
@@ -282,79 +283,10 @@ def wait_until() -> WaitUntil:
     return _wait_until
 
 
-# -- comparing two servers' answers to one request ----------------------------------------------------------
-
-# What differs between two answers to the same request: the ids a server makes up and the clock.
-_VOLATILE = re.compile(rb'"(id|item_id)":"(cmpl|chatcmpl|resp|msg|embd|pooling|score|modelperm)[-_][^"]*"'
-                       rb'|"(created|created_at)":\d+')
-
-
-def normalized(raw: bytes) -> bytes:
-    """``raw`` with the ids a server makes up and its clock replaced by ``"_"``."""
-    return _VOLATILE.sub(lambda m: m.group(0).split(b":")[0] + b':"_"', raw)
-
-
-def _merge(prev: dict[str, Any], new: dict[str, Any]) -> bool:
-    """Fold chunk ``new`` into ``prev`` when both carry text of one choice and ``prev`` did not end it."""
-    if not (prev.get("choices") and new.get("choices")) or len(prev["choices"]) != 1 or len(new["choices"]) != 1:
-        return False
-    a, b = prev["choices"][0], new["choices"][0]
-    if a.get("finish_reason") is not None or "role" in (a.get("delta") or {}) or "role" in (b.get("delta") or {}):
-        return False
-    if "delta" in a:
-        a["delta"]["content"] = (a["delta"].get("content") or "") + (b["delta"].get("content") or "")
-    else:
-        a["text"] += b["text"]
-    for key, value in b.items():
-        if key == "token_ids" and isinstance(value, list):
-            a["token_ids"] = [*(a.get("token_ids") or []), *value]
-        elif key == "logprobs" and isinstance(value, dict) and isinstance(a.get("logprobs"), dict):
-            a["logprobs"] = {k: [*a["logprobs"].get(k, []), *v] if isinstance(v, list) else v
-                             for k, v in value.items()}
-        elif key not in ("delta", "text"):
-            a[key] = value
-    prev.update({k: v for k, v in new.items() if k != "choices"})
-    return True
-
-
-def canonical(raw: bytes) -> Any:
-    """A body as a client reads it, less what may differ between two servers' answers to one request: the ids
-    they make up, the clock, and where a stream's events break. vLLM puts several engine steps' tokens in one
-    event when its API server falls behind, so two runs of a request may cut the same text in different places
-    (the router passes that on: one event per worker event); text, tokens, usage and every other field may not
-    differ."""
-    text = normalized(raw)
-    if not text.startswith((b"data: ", b"event: ")):
-        return text
-    events: list[list[Any]] = []
-    for block in filter(None, text.split(b"\n\n")):
-        fields = dict(line.split(b": ", 1) for line in block.split(b"\n"))
-        kind, data = fields.get(b"event", b""), fields[b"data"]
-        obj: Any = data.decode() if data == b"[DONE]" else json.loads(data)
-        if isinstance(obj, dict):
-            obj.pop("sequence_number", None)  # numbered in order; checked where it matters
-        if events and kind == events[-1][0] == b"response.output_text.delta":
-            events[-1][1]["delta"] += obj["delta"]
-        elif not (events and isinstance(obj, dict) and isinstance(events[-1][1], dict) and not kind
-                  and _merge(events[-1][1], obj)):
-            events.append([kind, obj])
-    return events
-
-
-def _same_answer(got: bytes, want: bytes) -> None:
-    """Two answers to one request read the same: byte for byte but for ids and times when their streams broke
-    into the same number of events; what a client reads (:func:`canonical`) when one server put several
-    steps into one event because its reader fell behind (timing, not content)."""
-    if got.count(b"\n\n") == want.count(b"\n\n"):
-        assert normalized(got) == normalized(want)
-    else:
-        assert canonical(got) == canonical(want)
-
-
 @pytest.fixture
 def same_answer() -> Callable[[bytes, bytes], None]:
-    """``same_answer(got, want)``: asserts two answers to one request read the same (:func:`_same_answer`)."""
-    return _same_answer
+    """``same_answer(got, want)``: asserts two answers to one request read the same (``testkit.same_answer_of``)."""
+    return same_answer_of
 
 
 @pytest_asyncio.fixture

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -278,3 +279,72 @@ async def checkpointed(fleet: TestFleet, request_id: str, tokens: int = 0) -> bo
     router killed before its first flush leaves nothing to resume, so a test waits on this before a kill."""
     found = await read_checkpoint(fleet.store, fleet.keys, request_id)
     return found is not None and len(found[0].emitted) >= tokens
+
+
+# -- comparing two servers' answers to one request ----------------------------------------------------------
+
+# What differs between two answers to the same request: the ids a server makes up and the clock.
+_VOLATILE = re.compile(rb'"(id|item_id)":"(cmpl|chatcmpl|resp|msg|embd|pooling|score|modelperm)[-_][^"]*"'
+                       rb'|"(created|created_at)":\d+')
+
+
+def normalized(raw: bytes) -> bytes:
+    """``raw`` with the ids a server makes up and its clock replaced by ``"_"``."""
+    return _VOLATILE.sub(lambda m: m.group(0).split(b":")[0] + b':"_"', raw)
+
+
+def merge_chunk(prev: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Fold chunk ``new`` into ``prev`` when both carry text of one choice and ``prev`` did not end it."""
+    if not (prev.get("choices") and new.get("choices")) or len(prev["choices"]) != 1 or len(new["choices"]) != 1:
+        return False
+    a, b = prev["choices"][0], new["choices"][0]
+    if a.get("finish_reason") is not None or "role" in (a.get("delta") or {}) or "role" in (b.get("delta") or {}):
+        return False
+    if "delta" in a:
+        a["delta"]["content"] = (a["delta"].get("content") or "") + (b["delta"].get("content") or "")
+    else:
+        a["text"] += b["text"]
+    for key, value in b.items():
+        if key == "token_ids" and isinstance(value, list):
+            a["token_ids"] = [*(a.get("token_ids") or []), *value]
+        elif key == "logprobs" and isinstance(value, dict) and isinstance(a.get("logprobs"), dict):
+            a["logprobs"] = {k: [*a["logprobs"].get(k, []), *v] if isinstance(v, list) else v
+                             for k, v in value.items()}
+        elif key not in ("delta", "text"):
+            a[key] = value
+    prev.update({k: v for k, v in new.items() if k != "choices"})
+    return True
+
+
+def canonical(raw: bytes) -> Any:
+    """A body as a client reads it, less what may differ between two servers' answers to one request: the ids
+    they make up, the clock, and where a stream's events break. vLLM puts several engine steps' tokens in one
+    event when its API server falls behind, so two runs of a request may cut the same text in different places
+    (the router passes that on: one event per worker event); text, tokens, usage and every other field may not
+    differ."""
+    text = normalized(raw)
+    if not text.startswith((b"data: ", b"event: ")):
+        return text
+    events: list[list[Any]] = []
+    for block in filter(None, text.split(b"\n\n")):
+        fields = dict(line.split(b": ", 1) for line in block.split(b"\n"))
+        kind, data = fields.get(b"event", b""), fields[b"data"]
+        obj: Any = data.decode() if data == b"[DONE]" else json.loads(data)
+        if isinstance(obj, dict):
+            obj.pop("sequence_number", None)  # numbered in order; checked where it matters
+        if events and kind == events[-1][0] == b"response.output_text.delta":
+            events[-1][1]["delta"] += obj["delta"]
+        elif not (events and isinstance(obj, dict) and isinstance(events[-1][1], dict) and not kind
+                  and merge_chunk(events[-1][1], obj)):
+            events.append([kind, obj])
+    return events
+
+
+def same_answer_of(got: bytes, want: bytes) -> None:
+    """Two answers to one request read the same: byte for byte but for ids and times when their streams broke
+    into the same number of events; what a client reads (:func:`canonical`) when one server put several
+    steps into one event because its reader fell behind (timing, not content)."""
+    if got.count(b"\n\n") == want.count(b"\n\n"):
+        assert normalized(got) == normalized(want)
+    else:
+        assert canonical(got) == canonical(want)

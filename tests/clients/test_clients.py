@@ -4,8 +4,9 @@ One fleet for the module: three simulated workers serving the ``bpe`` vocabulary
 tokenizers; vLLM's benchmark and AIPerf read it from the tiny model's folder) behind a router process, with a
 supervisor that restarts what a test killed. Each test runs one client as its own process, the way its users
 run it: the official ``openai`` Python client, the official OpenAI Node client (npm), ``vllm bench serve``,
-NVIDIA AIPerf, LiteLLM, LangChain's ``ChatOpenAI``, and LangChain's completions ``OpenAI`` LLM, which sends lists
-of prompts answered whole (the worker computing one is killed instead). Once tokens flow, the worker that holds the most
+NVIDIA AIPerf, LiteLLM, LangChain's ``ChatOpenAI``, LangChain's completions ``OpenAI`` LLM, which sends lists of
+prompts, and an RL rollout sampler asking for ``n = 4`` samples; those two are answered whole (the worker
+computing one of their requests is killed instead). Once tokens flow, the worker that holds the most
 streams is SIGKILLed (its engine hung first, so that "it holds streams" is still true when the kill lands).
 Then every client must report no failed request, and every output must equal the fault-free reference: what a
 worker answers for the same request (greedy decoding, ``ignore_eos``), text and finish.
@@ -235,6 +236,28 @@ async def test_langchains_completions_llm_batches_prompts_through_a_worker_kill(
     out = await run_killing_a_worker(healthy, [sys.executable, str(HERE / "run_langchain_batch.py"), json.dumps(job)],
                                      log=tmp_path / "langchain-batch.log", whole="completion")
     assert_exact(json.loads(out), expected)
+
+
+async def test_an_rl_rollout_sampler_gets_every_sample_through_a_worker_kill(healthy: TestFleet,
+                                                                            tmp_path: Path) -> None:
+    """``n = 4`` seeded samples per prompt, not streamed, as RL rollout jobs ask for them: every prompt gets its
+    four samples, each the one a worker gives for that request (seeded: the same on every worker), though
+    the worker computing one request was SIGKILLed (that request was sent again whole)."""
+    prompts = [f"rollout {i}: " for i in range(8)]
+    url = healthy.url(healthy.worker_ids[0])
+    async with httpx.AsyncClient(timeout=60) as client:
+        expected = [[c["text"] for c in (await client.post(url + "/v1/completions", json={
+            "model": SIM.model_name, "prompt": p, "max_tokens": MAX_TOKENS, "n": 4, "temperature": 1.0, "seed": i,
+            "ignore_eos": True})).json()["choices"]] for i, p in enumerate(prompts)]
+    job = {"base_url": router_url(healthy), "model": SIM.model_name, "max_tokens": MAX_TOKENS, "n": 4,
+           "concurrency": 2, "requests": [{"prompt": p} for p in prompts]}
+    out = await run_killing_a_worker(healthy, [sys.executable, str(HERE / "run_rollouts.py"), json.dumps(job)],
+                                     log=tmp_path / "rollouts.log", whole="completion")
+    got = json.loads(out)
+    assert [g["error"] for g in got] == [None] * len(prompts), [g["error"] for g in got if g["error"]]
+    assert [g["samples"] for g in got] == expected
+    assert all(len(set(s)) == 4 for s in expected), "four different samples each"
+    assert {r for g in got for r in g["finish_reasons"]} == {"length"}
 
 
 async def test_vllm_bench_serve_completes_every_request_through_a_worker_kill(

@@ -191,15 +191,27 @@ async def _controller_url(fleet: TestFleet) -> str:
 def _router_spec_for(model: str, *, only_generations: bool = False) -> Callable[[dict[str, Any]], None]:
     """The router's spec with ``model`` the one model it serves, so what the spec allows reaches a worker;
     ``only_generations``: just the two operations that link to their resume (the rest, passed through to a
-    worker, leave the state machine no link to follow)."""
+    worker, leave the state machine no link to follow), with bodies the journal takes and a worker serves, so
+    that most answers are 200s with a link to follow: the prompt, a few tokens, ``stream`` and
+    ``temperature`` (what the journal does not take is passed through, what a worker refuses is its 400, and
+    neither has an id of the router's to resume)."""
 
     def edit(raw: dict[str, Any]) -> None:
         generations = ("/v1/completions", "/v1/chat/completions")
         for item in raw["paths"].values():
             for operation in item.values():
                 for content in operation.get("requestBody", {}).get("content", {}).values():
-                    if "model" in content["schema"].get("properties", {}):
-                        content["schema"]["properties"]["model"] = {"type": "string", "enum": [model]}
+                    props = content["schema"].get("properties", {})
+                    if "model" in props:
+                        props["model"] = {"type": "string", "enum": [model]}
+                    if only_generations:
+                        content["schema"]["additionalProperties"] = False
+                        for key in set(props) - {"model", "prompt", "messages", "stream"}:
+                            props.pop(key)
+                        props["max_tokens"] = {"type": "integer", "minimum": 1, "maximum": 8}
+                        props["temperature"] = {"type": "number", "minimum": 0, "maximum": 1}
+                        if "prompt" in props:
+                            props["prompt"] = {"oneOf": props["prompt"]["oneOf"][:2]}  # one prompt
         if only_generations:
             raw["paths"] = {path: raw["paths"][path] for path in generations}
 
