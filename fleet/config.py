@@ -215,6 +215,8 @@ class RouterConfig(Frozen):
     stall_hold_s: float = Field(30.0, ge=0, description="after moving a worker's streams away for silence, send it "
                                 "no new request for this long, unless it emits a token or the supervisor finds "
                                 "it ready again")
+    adapters_interval_s: float = Field(5.0, gt=0, description="how often the router asks each worker which LoRA "
+                                       "adapters it serves (and at once after a load or unload passed through it)")
     itl_multiplier: float = Field(8.0, gt=1, description="allowed silence as a multiple of the fleet's p99 ITL")
     prefill_s_per_token: float = Field(0.002, ge=0, description="initial prefill estimate (learned at run time)")
     policy: Literal["least_loaded_affinity", "least_loaded"] = Field(

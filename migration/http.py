@@ -31,10 +31,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fleetward.migration.adapters import ADAPTER_ROUTES
 from fleetward.migration.apikeys import ApiKey
 from fleetward.migration.downstream import StreamResponse
 from fleetward.migration.journal import Kind
-from fleetward.migration.openapi import keyed_spec, openapi_passthrough, openapi_post, operation_id
+from fleetward.migration.openapi import keyed_spec, openapi_adapters, openapi_passthrough, openapi_post, operation_id
 from fleetward.migration.passthrough import ROUTES, Route
 from fleetward.migration.replicas import NotClaimable, authorized
 from fleetward.migration.router import Router
@@ -99,9 +100,20 @@ def router_app(router: Router) -> FastAPI:
         app.add_api_route(route.path, _passthrough(serving, route), methods=[route.method],
                           operation_id=operation_id(route), openapi_extra=openapi_passthrough(route))
 
+    for path in ADAPTER_ROUTES:  # LoRA adapters loaded or unloaded on every routable worker (.adapters)
+        app.add_api_route(path, _adapters(serving), methods=["POST"], operation_id=path.strip("/").replace("/", "_"),
+                          openapi_extra=openapi_adapters(path))
+
     if serving.api_keys is not None:  # the spec says which operations take a key, and what a key adds
         keyed_spec(app.openapi())
     return app
+
+
+def _adapters(serving: Serving) -> Callable[[Request], Awaitable[Response]]:
+    async def change(request: Request) -> Response:
+        return await keyed(serving, request, lambda _owner: serving.router.adapters.change(request))
+
+    return change
 
 
 def _replica_routes(app: FastAPI, router: Router) -> None:
@@ -168,7 +180,10 @@ async def merged_models(router: Router) -> list[dict[str, Any]]:
         return {"id": model, "object": "model", "created": now, "owned_by": "fleetward", "root": model,
                 "parent": None, "fleetward": router.text_status(model)}
 
-    return list(await asyncio.gather(*(card(m) for m in router.placement.models())))
+    cards = await asyncio.gather(*(card(m) for m in router.placement.models()))
+    adapters = router.adapters  # each LoRA adapter as a worker that serves it lists it, after its base model
+    return [*cards, *({**c, "fleetward": router.text_status(str(c["parent"]))} for name in adapters.names()
+                      if (c := adapters.card(name)) is not None)]
 
 
 def api_key(serving: Serving, request: Request) -> ApiKey | RouterError:

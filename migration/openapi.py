@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from fleetward.migration.adapters import ADAPTER_ROUTES
 from fleetward.migration.journal import Kind, request_schema
 from fleetward.migration.passthrough import ROUTES, Route
 
-__all__ = ["keyed_spec", "openapi_passthrough", "openapi_post", "operation_id"]
+__all__ = ["keyed_spec", "openapi_adapters", "openapi_passthrough", "openapi_post", "operation_id"]
 
 
 def operation_id(route: Route) -> str:
@@ -37,6 +38,23 @@ def openapi_passthrough(route: Route) -> dict[str, Any]:
             "type": "object", "properties": {"model": {"type": "string", "minLength": 1}},
             "additionalProperties": True}}}}
     return extra
+
+
+def openapi_adapters(path: str) -> dict[str, Any]:
+    """What the spec says of loading or unloading a LoRA adapter on the fleet (:mod:`.adapters`)."""
+    props: dict[str, Any] = {"lora_name": {"type": "string", "minLength": 1}}
+    if path.endswith("/load_lora_adapter"):
+        props["lora_path"] = {"type": "string", "minLength": 1}
+    return {
+        "description": f"vLLM's `{path}`, on every routable worker: the first worker's success, else the first "
+                       "worker's refusal. Requests name the adapter as their model.",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "required": list(props), "properties": props, "additionalProperties": True}}}},
+        "responses": {"200": {"description": "done on at least one worker"},
+                      "400": {"description": "the workers refused it (their words)"},
+                      "404": {"description": "no worker has the adapter (unload)"},
+                      "503": {"description": "no healthy worker"}},
+    }
 
 
 def openapi_post(kind: Kind) -> dict[str, Any]:
@@ -74,7 +92,7 @@ def keyed_spec(spec: dict[str, Any]) -> None:
     """Amend ``spec`` for a router that takes API keys: which operations take one, and what a key adds."""
     spec.setdefault("components", {})["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
     keyed_routes = [("/v1/completions", "post"), ("/v1/chat/completions", "post"), ("/v1/models", "get"),
-                    *((r.path, r.method.lower()) for r in ROUTES)]
+                    *((r.path, r.method.lower()) for r in ROUTES), *((path, "post") for path in ADAPTER_ROUTES)]
     for path, method in keyed_routes:
         operation = spec["paths"][path][method]
         operation["security"] = [{"apiKey": []}]

@@ -111,6 +111,10 @@ class Picker(Protocol):
         """Models some registered worker serves."""
         ...
 
+    def known(self, name: str) -> bool:
+        """A model some registered worker serves, or a LoRA adapter some worker serves."""
+        ...
+
     def pick(self, model: str | None, tried: list[str]) -> tuple[str, str] | None:
         """A worker (id, base URL) for ``model`` (None: any model) that is none of ``tried``, or None."""
         ...
@@ -190,7 +194,7 @@ class Passthrough:
         previous = previous if isinstance(previous, str) and previous else None
         models = self.picker.models()
         if isinstance(named, str) and named:
-            if named not in models:
+            if not self.picker.known(named):
                 raise RouterError(404, f"The model `{named}` does not exist. Valid aliases: {', '.join(models)}.",
                                   param="model")
             return named, previous

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from fleetward.fleet.config import RouterConfig
 from fleetward.fleet.registry import FleetView
 from fleetward.fleet.worker import HealthState
+from fleetward.migration.adapters import Adapters
 from fleetward.migration.policy import RoutingPolicy
 from fleetward.migration.progress import ProgressModel
 
@@ -32,6 +33,7 @@ class Placement:
         self.policy = policy
         self._relayed = relayed
         self.seen_models: set[str] = set()  # a model whose workers all died is unavailable (503), not unknown
+        self.adapters: Adapters | None = None  # the LoRA adapters workers serve (.adapters)
 
     def candidates(self, model: str, failed: list[str]) -> tuple[list[str], bool]:
         """Workers a request may go to next, and whether any registered worker serves ``model`` at all.
@@ -43,8 +45,11 @@ class Placement:
         known = False
         ok: list[str] = []
         shunned: list[str] = []
+        # A LoRA adapter: its base model's workers that serve it (.adapters).
+        base = self.adapters.base_of(model) if self.adapters is not None and model not in self.seen_models else None
+        serving = self.adapters.workers_of(model) if base is not None and self.adapters is not None else set()
         for wid, rec in fleet.workers.items():
-            if rec.model != model:
+            if rec.model != (base or model) or (base is not None and wid not in serving):
                 continue
             known = True
             h = fleet.health.get(wid)
@@ -86,6 +91,10 @@ class Placement:
             return None
         worker = self.policy.choose(candidates, self.load(), None)
         return worker, self.view.fleet.workers[worker].url
+
+    def known(self, name: str) -> bool:
+        """A model some registered worker serves, or a LoRA adapter some routable worker serves."""
+        return name in self.models() or (self.adapters is not None and self.adapters.base_of(name) is not None)
 
     def routable(self) -> list[tuple[str, str]]:
         """Every worker (id, base URL) a request may go to now, of any model."""

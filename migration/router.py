@@ -41,6 +41,7 @@ from fleetward.fleet.loops import LoopMetrics, Loops
 from fleetward.fleet.registry import FleetView
 from fleetward.fleet.telemetry import link_gauges
 from fleetward.fleet.worker import HealthState
+from fleetward.migration.adapters import Adapters
 from fleetward.migration.checkpoint import Checkpointer
 from fleetward.migration.journal import Journal
 from fleetward.migration.metrics import RouterMetrics
@@ -135,6 +136,9 @@ class Router:
                                    relayed=lambda: self.passthrough.load())
         self.passthrough = Passthrough(self.placement, lambda: self.upstream.session, metrics=self.metrics,
                                        attempts=config.migration_limit + 1)
+        self.adapters = Adapters(lambda: self.upstream.session, self.placement.routable,
+                                 interval_s=config.adapters_interval_s, clock=clock)
+        self.placement.adapters = self.adapters
         self.moves = Moves(config.moves, active=self.active, placement=self.placement, view=self.view,
                            prefill=self.prefill, store=store, keys=keys, bus=bus, metrics=self.metrics, clock=clock,
                            router_id=self.id)
@@ -173,6 +177,7 @@ class Router:
             self._run("checkpoints", self.checkpointer.run)
         self._run("monitor", self._monitor)
         self._run("moves", self.moves.run)
+        self._run("adapters", self.adapters.run)
         self._run("move-orders", self.moves.watch)
         await self.registration.start()
         self._run("registration", self.registration.run)
@@ -317,8 +322,8 @@ class Router:
         answer; after: the reason for the in-band error). Cancelling it closes the upstream connection.
         """
         t = _Tries()
-        if j.vocab is None and self.config.detokenize:
-            j.vocab = await self.texts.get(j.model)
+        if j.vocab is None and self.config.detokenize:  # a LoRA adapter's text is its base model's
+            j.vocab = await self.texts.get(self.adapters.base_of(j.model) or j.model)
         try:
             while not j.is_done:
                 self._check_limits(j, t.reason, t.planned)
@@ -407,7 +412,7 @@ class Router:
         if not candidates:
             if not known and not failed and placement.models() and j.model not in placement.seen_models:
                 valid = ", ".join(placement.models())
-                raise RouterError(404, f"The model `{j.model}` does not exist. Valid models: {valid}.",
+                raise RouterError(404, f"The model `{j.model}` does not exist. Valid aliases: {valid}.",
                                   param="model")
             if j.attempts > 0:
                 self.metrics.migration_failures.labels("no_worker").inc()

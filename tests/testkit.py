@@ -348,3 +348,29 @@ def same_answer_of(got: bytes, want: bytes) -> None:
         assert normalized(got) == normalized(want)
     else:
         assert canonical(got) == canonical(want)
+
+
+def write_lora_adapter(path: Path, *, seed: int, rank: int = 8) -> Path:
+    """A LoRA adapter for the tiny model (``q_proj`` and ``v_proj`` of its 2 layers), PEFT's files, weights
+    drawn from ``seed``: vLLM loads it, and its greedy output differs from the base model's."""
+    import torch  # the vLLM tier's venv has it
+    from safetensors.torch import save_file
+
+    from fleetward.sim.tinymodel import TINY_SHAPE
+
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    head = TINY_SHAPE["head_dim"]
+    width = {"q_proj": TINY_SHAPE["num_attention_heads"] * head, "v_proj": TINY_SHAPE["num_key_value_heads"] * head}
+    tensors = {}
+    for layer in range(TINY_SHAPE["num_hidden_layers"]):
+        for module, out in width.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, TINY_SHAPE["hidden_size"], generator=g)
+            tensors[f"{name}.lora_B.weight"] = torch.randn(out, rank, generator=g)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "target_modules": list(width), "bias": "none", "base_model_name_or_path": None, "fan_in_fan_out": False,
+        "modules_to_save": None, "use_rslora": False, "use_dora": False}))
+    return path

@@ -36,6 +36,7 @@ from fleetward.chaos.harness import TestFleet
 from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.config import SimConfig, SupervisorConfig
 from fleetward.fleet.worker import WorkerRecord
+from fleetward.migration.adapters import ADAPTER_ROUTES
 from fleetward.migration.passthrough import ROUTES
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
@@ -248,7 +249,8 @@ async def test_a_keyed_router_answers_with_or_without_its_key_without_a_server_e
             spec = (await client.get(router.url + "/openapi.json")).json()
         assert spec["components"]["securitySchemes"]["apiKey"] == {"type": "http", "scheme": "bearer"}
         keyed = {p for p, item in spec["paths"].items() for op in item.values() if "security" in op}
-        assert keyed == {"/v1/completions", "/v1/chat/completions", "/v1/models", *(r.path for r in ROUTES)}, (
+        assert keyed == {"/v1/completions", "/v1/chat/completions", "/v1/models", *(r.path for r in ROUTES),
+                         *ADAPTER_ROUTES}, (
             "every API route takes the key; health, metrics and progress stay open")
         schema = load_spec(router.url, _router_spec_for(SIM.model_name))
         key = {"authorization": f"Bearer {API_KEY}"}

@@ -29,7 +29,8 @@ async def test_a_crashing_router_loop_is_restarted_and_counted_and_aclose_reaps_
     before = set(asyncio.all_tasks())
     await router.start()
     try:
-        assert router.loops.names == {"fleet-view", "checkpoints", "monitor", "registration", "moves", "move-orders"}
+        assert router.loops.names == {"fleet-view", "checkpoints", "monitor", "registration", "moves", "move-orders",
+                                      "adapters"}
 
         def restarts(loop: str) -> float | None:
             return router.metrics.registry.get_sample_value("fleetward_loop_restarts_total",

@@ -60,15 +60,21 @@ open(pidfile, "w").write(str(p.pid))
 """
 
 
-def vllm_server(backend: VllmBackend, worker: str, root: Path, cpus: tuple[int, ...] = ()) -> AttachConfig:
+def vllm_server(backend: VllmBackend, worker: str, root: Path, cpus: tuple[int, ...] = (),
+                env: dict[str, str] | None = None) -> AttachConfig:
     """Start one vLLM server outside fleetward; the ``attach:`` entry that adopts it (same command to restart).
-    ``cpus``: the cores of its OpenMP threads (:func:`spread_cores`), as an operator gives each server its own."""
+    ``cpus``: the cores of its OpenMP threads (:func:`spread_cores`), as an operator gives each server its own;
+    ``env``: more of its environment."""
     spec = WorkerSpec(id=worker, host="127.0.0.1", port=free_port(), model=backend.model_name, node="cpu", cpus=cpus)
-    command = [sys.executable, "-c", START, json.dumps(backend.argv(spec)), json.dumps(backend.env(spec)),
+    command = [sys.executable, "-c", START, json.dumps(backend.argv(spec)),
+               json.dumps({**backend.env(spec), **(env or {})}),
                str(root / f"{worker}.pid"), str(root / f"{worker}.log")]
     subprocess.run(command, check=True, timeout=60)
     return AttachConfig(url=spec.bind_url, id=worker, model=spec.model, node="cpu",
                         process=ProcessRef(pidfile=root / f"{worker}.pid"), restart_command=tuple(command))
+
+
+LORA_ARGS = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")
 
 
 @pytest.fixture(scope="session")
@@ -80,9 +86,11 @@ def start_vllm_server() -> Any:
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def _vllm_session(tiny_model: Path, etcd_endpoint: str, broker_endpoint: str,
                         tmp_path_factory: pytest.TempPathFactory, session_processes: Any) -> AsyncIterator[TestFleet]:
-    backend = VllmBackend(VllmConfig(), tiny_model)
+    # LoRA on, with adapters loaded at run time (test_lora_on_vllm), as fleets that serve adapters run vLLM.
+    backend = VllmBackend(VllmConfig(extra_args=LORA_ARGS), tiny_model)
     servers = tmp_path_factory.mktemp("vllm-servers")
-    attach = [vllm_server(backend, f"cpu-w{i}", servers, cores) for i, cores in enumerate(spread_cores(2))]
+    attach = [vllm_server(backend, f"cpu-w{i}", servers, cores, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+              for i, cores in enumerate(spread_cores(2))]
     fleet = TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="vllm", backend=backend, attach=attach,
                       run_dir=tmp_path_factory.mktemp("vllm"), workers=0, node="cpu", lease_ttl=VLLM_LEASE_S,
                       routing=RouterConfig(stall_floor_s=1.0, lease_ttl_s=VLLM_LEASE_S),
@@ -116,3 +124,15 @@ async def vllm_fleet(_vllm_session: TestFleet, session_processes: Any) -> AsyncI
     await ensure_healthy(_vllm_session, session_processes)
     yield _vllm_session
     await ensure_healthy(_vllm_session, session_processes)
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def vllm_router(vllm_fleet: TestFleet, request: pytest.FixtureRequest) -> AsyncIterator[tuple[TestFleet, str]]:
+    """A router of the test's own (named after its module) in front of the session's servers: the fleet and
+    the router's URL."""
+    name = request.module.__name__.rpartition(".")[2].removeprefix("test_").replace("_", "-")
+    router = await vllm_fleet.start_router(f"vllm-{name}")
+    try:
+        yield vllm_fleet, router.url
+    finally:
+        await vllm_fleet.stop_router(router)

@@ -5,25 +5,14 @@ test_supervisor_on_vllm's (each kind of failure, with the router's migration cou
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
-import pytest_asyncio
 
 from fleetward.chaos.harness import TestFleet
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def dropin(vllm_fleet: TestFleet) -> AsyncIterator[tuple[TestFleet, str]]:
-    router = await vllm_fleet.start_router("vllm-dropin")
-    try:
-        yield vllm_fleet, router.url
-    finally:
-        await vllm_fleet.stop_router(router)
 
 
 DROPIN = [
@@ -78,12 +67,12 @@ DROPIN = [
 
 @pytest.mark.parametrize(("method", "path", "body"), DROPIN,
                          ids=[f"{p.strip('/').replace('/', '-')}-{i}" for i, (_, p, _) in enumerate(DROPIN)])
-async def test_the_router_answers_as_vllm_does_on_every_endpoint(dropin: tuple[TestFleet, str], method: str,
+async def test_the_router_answers_as_vllm_does_on_every_endpoint(vllm_router: tuple[TestFleet, str], method: str,
                                                                   path: str, body: Any, same_answer: Any) -> None:
     """The same request to a vLLM server and through the router: what the client reads is the same (ids,
     times and where vLLM broke a stream's events aside: tests/conftest.py, ``same_answer``). A generation is
     the router's own rendering of the tokens; the rest is passed through."""
-    fleet, url = dropin
+    fleet, url = vllm_router
     async with httpx.AsyncClient(timeout=120) as client:
         direct = await client.request(method, fleet.url(fleet.worker_ids[0]) + path, json=body)
         if body and body.get("stop"):
@@ -96,8 +85,8 @@ async def test_the_router_answers_as_vllm_does_on_every_endpoint(dropin: tuple[T
     same_answer(routed.content, direct.content)
 
 
-async def test_models_are_vllms_cards(dropin: tuple[TestFleet, str]) -> None:
-    _, url = dropin
+async def test_models_are_vllms_cards(vllm_router: tuple[TestFleet, str]) -> None:
+    _, url = vllm_router
     async with httpx.AsyncClient(timeout=30) as client:
         card = (await client.get(url + "/v1/models")).json()["data"][0]
     assert card["id"] == "tiny" and card["owned_by"] == "vllm" and card["max_model_len"] == 2048

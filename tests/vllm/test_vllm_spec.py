@@ -30,11 +30,9 @@ import copy
 import json
 import os
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
 import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
@@ -116,15 +114,6 @@ def answered_as_vllm(url: str, path: str, body: dict[str, Any], direct: requests
         canonical(direct.content))
 
 
-@pytest_asyncio.fixture(loop_scope="session")
-async def pair(vllm_fleet: TestFleet) -> AsyncIterator[tuple[str, str]]:
-    router = await vllm_fleet.start_router("vllm-spec")
-    try:
-        yield vllm_fleet.url(vllm_fleet.worker_ids[0]), router.url
-    finally:
-        await vllm_fleet.stop_router(router)
-
-
 Differ = list[tuple[str, dict[str, Any], str]]
 
 
@@ -164,8 +153,9 @@ def drive_one(operation: Any, direct_url: str, router_url: str, differ: Differ, 
 
 
 async def test_the_router_answers_as_vllm_does_on_requests_drawn_from_vllms_own_spec(
-        pair: tuple[str, str]) -> None:
-    direct_url, router_url = pair
+        vllm_router: tuple[TestFleet, str]) -> None:
+    fleet, router_url = vllm_router
+    direct_url = fleet.url(fleet.worker_ids[0])
     sent, differ, varies = await asyncio.to_thread(drive, direct_url, router_url)
     kinds = Counter(why.split(":")[0] for _, _, why in differ)
     for label, body, why in differ:

@@ -1,0 +1,129 @@
+"""LoRA adapters: which worker serves which, as each worker's own ``GET /v1/models`` says, and loading or
+unloading one on the whole fleet.
+
+vLLM serves LoRA adapters beside its base model (``--enable-lora``, ``--lora-modules``, or at runtime with
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): its ``/v1/models`` lists each adapter as a card whose ``parent`` is the
+base model, and a request naming the adapter as its ``model`` is generated with it. Workers may serve
+different adapters (one loaded on some workers only; a restarted worker has lost what was loaded at runtime),
+so the router asks every routable worker which adapters it serves, every ``interval_s`` and at once after a
+load or unload it passed on, and a request naming an adapter goes only to workers that serve it
+(:class:`~fleetward.migration.placement.Placement`). Its text is the base model's (same tokenizer). A request
+naming an adapter no worker serves gets vLLM's 404.
+
+``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` go to every routable worker: the answer is the
+first worker's success, or, when none succeeded, the first worker's refusal, as it wrote them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import orjson
+from fastapi import Request
+from fastapi.responses import Response
+
+from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
+from fleetward.migration.wire import RouterError, error_body
+
+__all__ = ["ADAPTER_ROUTES", "Adapters"]
+
+log = logging.getLogger(__name__)
+
+ADAPTER_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+_ASK_TIMEOUT_S = 2.0
+_CHANGE_TIMEOUT_S = 120.0  # loading reads the adapter's weights from disk
+
+
+class Adapters:
+    """Each worker's adapters (module docstring). ``workers``: the routable workers (id, base URL) to ask."""
+
+    def __init__(self, session: Callable[[], aiohttp.ClientSession], workers: Callable[[], list[tuple[str, str]]],
+                 *, interval_s: float = 5.0, clock: Clock = SYSTEM_CLOCK) -> None:
+        self._session = session
+        self._workers = workers
+        self.interval_s = interval_s
+        self.clock = clock
+        self.served: dict[str, dict[str, dict[str, Any]]] = {}  # worker -> adapter name -> its card
+
+    # -- what is served where -----------------------------------------------------------------------------
+
+    def base_of(self, name: str) -> str | None:
+        """The base model of adapter ``name`` (None: no worker serves an adapter of that name)."""
+        for cards in self.served.values():
+            card = cards.get(name)
+            if card is not None:
+                return str(card["parent"])
+        return None
+
+    def workers_of(self, name: str) -> set[str]:
+        return {w for w, cards in self.served.items() if name in cards}
+
+    def names(self) -> list[str]:
+        return sorted({name for cards in self.served.values() for name in cards})
+
+    def card(self, name: str) -> dict[str, Any] | None:
+        """The adapter's card, as a worker that serves it lists it."""
+        return next((cards[name] for cards in self.served.values() if name in cards), None)
+
+    # -- asking the workers ---------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            await self.refresh()
+            await self.clock.sleep(self.interval_s)
+
+    async def refresh(self) -> None:
+        """Ask every routable worker which adapters it serves; forget workers no longer routable. A worker that
+        does not answer keeps what it said last (a slow answer is not an unload)."""
+        workers = self._workers()
+        answers = await asyncio.gather(*(self._ask(url) for _, url in workers))
+        routable = {w for w, _ in workers}
+        for (worker, _), cards in zip(workers, answers, strict=True):
+            if cards is not None:
+                self.served[worker] = cards
+        for gone in set(self.served) - routable:
+            del self.served[gone]
+
+    async def _ask(self, url: str) -> dict[str, dict[str, Any]] | None:
+        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError, TypeError,
+                                 KeyError, AttributeError):
+            async with self._session().get(url + "/v1/models",
+                                           timeout=aiohttp.ClientTimeout(total=_ASK_TIMEOUT_S)) as r:
+                if r.status != 200:
+                    return None
+                cards = orjson.loads(await r.read())["data"]
+                return {c["id"]: c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)
+                        and isinstance(c.get("parent"), str) and c["parent"] != c["id"]}
+        return None
+
+    # -- loading and unloading on the fleet ---------------------------------------------------------------
+
+    async def change(self, request: Request) -> Response:
+        """``POST /v1/load_lora_adapter`` or ``/v1/unload_lora_adapter``, on every routable worker."""
+        body = await request.body()
+        workers = self._workers()
+        if not workers:
+            return RouterError(503, "no healthy worker to load or unload the adapter on").response()
+        headers = {"content-type": request.headers.get("content-type", "application/json")}
+
+        async def one(worker: str, url: str) -> tuple[int, bytes, str | None]:
+            try:
+                async with self._session().post(url + request.url.path, data=body, headers=headers,
+                                                timeout=aiohttp.ClientTimeout(total=_CHANGE_TIMEOUT_S)) as r:
+                    return r.status, await r.read(), r.headers.get("content-type")
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                log.warning("%s on worker %s failed: %s", request.url.path, worker, exc)
+                return 502, orjson.dumps(error_body(502, f"worker {worker}: {exc}")), "application/json"
+
+        answers = await asyncio.gather(*(one(w, u) for w, u in workers))
+        for (worker, _), (status, raw, _) in zip(workers, answers, strict=True):
+            if status != 200:
+                log.info("%s on worker %s: %d %s", request.url.path, worker, status, raw[:200])
+        await self.refresh()  # the next request goes where the adapter is now
+        status, raw, ctype = next((a for a in answers if a[0] == 200), answers[0])
+        return Response(raw, status_code=status, headers={"content-type": ctype} if ctype else None)
