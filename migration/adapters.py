@@ -52,23 +52,25 @@ class Adapters:
 
     # -- what is served where -----------------------------------------------------------------------------
 
+    def card(self, name: str) -> dict[str, Any] | None:
+        """Adapter ``name``'s card, as a worker that serves it lists it (None: no worker serves it)."""
+        return next((cards[name] for cards in self.served.values() if name in cards), None)
+
     def base_of(self, name: str) -> str | None:
         """The base model of adapter ``name`` (None: no worker serves an adapter of that name)."""
-        for cards in self.served.values():
-            card = cards.get(name)
-            if card is not None:
-                return str(card["parent"])
-        return None
+        card = self.card(name)
+        return None if card is None else str(card["parent"])
 
     def workers_of(self, name: str) -> set[str]:
         return {w for w, cards in self.served.items() if name in cards}
 
-    def names(self) -> list[str]:
-        return sorted({name for cards in self.served.values() for name in cards})
-
-    def card(self, name: str) -> dict[str, Any] | None:
-        """The adapter's card, as a worker that serves it lists it."""
-        return next((cards[name] for cards in self.served.values() if name in cards), None)
+    def cards(self) -> list[dict[str, Any]]:
+        """Every adapter some worker serves, its card as one of them lists it, by name."""
+        merged: dict[str, dict[str, Any]] = {}
+        for cards in self.served.values():
+            for name, card in cards.items():
+                merged.setdefault(name, card)
+        return [merged[name] for name in sorted(merged)]
 
     # -- asking the workers ---------------------------------------------------------------------------------
 

@@ -181,9 +181,8 @@ async def merged_models(router: Router) -> list[dict[str, Any]]:
                 "parent": None, "fleetward": router.text_status(model)}
 
     cards = await asyncio.gather(*(card(m) for m in router.placement.models()))
-    adapters = router.adapters  # each LoRA adapter as a worker that serves it lists it, after its base model
-    return [*cards, *({**c, "fleetward": router.text_status(str(c["parent"]))} for name in adapters.names()
-                      if (c := adapters.card(name)) is not None)]
+    # each LoRA adapter as a worker that serves it lists it, after the base models
+    return [*cards, *({**c, "fleetward": router.text_status(str(c["parent"]))} for c in router.adapters.cards())]
 
 
 def api_key(serving: Serving, request: Request) -> ApiKey | RouterError:

@@ -111,8 +111,8 @@ class Picker(Protocol):
         """Models some registered worker serves."""
         ...
 
-    def known(self, name: str) -> bool:
-        """A model some registered worker serves, or a LoRA adapter some worker serves."""
+    def is_adapter(self, name: str) -> bool:
+        """A LoRA adapter some worker serves (requests name it as their model)."""
         ...
 
     def pick(self, model: str | None, tried: list[str]) -> tuple[str, str] | None:
@@ -194,7 +194,7 @@ class Passthrough:
         previous = previous if isinstance(previous, str) and previous else None
         models = self.picker.models()
         if isinstance(named, str) and named:
-            if not self.picker.known(named):
+            if named not in models and not self.picker.is_adapter(named):
                 raise RouterError(404, f"The model `{named}` does not exist. Valid aliases: {', '.join(models)}.",
                                   param="model")
             return named, previous

@@ -46,8 +46,9 @@ class Placement:
         ok: list[str] = []
         shunned: list[str] = []
         # A LoRA adapter: its base model's workers that serve it (.adapters).
-        base = self.adapters.base_of(model) if self.adapters is not None and model not in self.seen_models else None
-        serving = self.adapters.workers_of(model) if base is not None and self.adapters is not None else set()
+        adapters = self.adapters if model not in self.seen_models else None
+        base = adapters.base_of(model) if adapters is not None else None
+        serving = adapters.workers_of(model) if adapters is not None and base is not None else set()
         for wid, rec in fleet.workers.items():
             if rec.model != (base or model) or (base is not None and wid not in serving):
                 continue
@@ -92,9 +93,9 @@ class Placement:
         worker = self.policy.choose(candidates, self.load(), None)
         return worker, self.view.fleet.workers[worker].url
 
-    def known(self, name: str) -> bool:
-        """A model some registered worker serves, or a LoRA adapter some routable worker serves."""
-        return name in self.models() or (self.adapters is not None and self.adapters.base_of(name) is not None)
+    def is_adapter(self, name: str) -> bool:
+        """A LoRA adapter some routable worker serves."""
+        return self.adapters is not None and self.adapters.base_of(name) is not None
 
     def routable(self) -> list[tuple[str, str]]:
         """Every worker (id, base URL) a request may go to now, of any model."""
