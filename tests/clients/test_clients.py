@@ -125,10 +125,10 @@ async def kill_a_worker_mid_stream(fleet: TestFleet, client_proc: asyncio.subpro
 
 
 async def run_killing_a_worker(fleet: TestFleet, argv: list[str], *, log: Path, env: dict[str, str] | None = None,
-                               cwd: Path = HERE, whole: str | None = None) -> bytes:
+                               cwd: Path = HERE, whole: str | None = None, per_answer: int = 1) -> bytes:
     """Run a client to its end, killing a worker mid-run; its stdout. Asserts the kill caused migrations; with
-    ``whole`` (the endpoint label of requests answered whole), that the killed worker's answer was asked again
-    of another worker."""
+    ``whole`` (the endpoint label of requests answered whole, each ``per_answer`` engine requests on a worker),
+    that the killed worker's answer was asked again of another worker."""
     counter = (f'fleetward_router_passthrough_retries_total{{endpoint="{whole}"' if whole
                else "fleetward_router_migrations_total")
     before = await router_counter(fleet, counter)
@@ -138,8 +138,8 @@ async def run_killing_a_worker(fleet: TestFleet, argv: list[str], *, log: Path, 
                                                     env={**os.environ, **(env or {})})
         try:
             output = asyncio.ensure_future(proc.communicate())
-            killer = asyncio.ensure_future((kill_a_worker_mid_answer if whole else kill_a_worker_mid_stream)(
-                fleet, proc))
+            killer = asyncio.ensure_future(kill_a_worker_mid_answer(fleet, proc, per_answer) if whole
+                                           else kill_a_worker_mid_stream(fleet, proc))
             done, _ = await asyncio.wait({output, killer}, timeout=CLIENT_TIMEOUT_S,
                                          return_when=asyncio.FIRST_EXCEPTION)
             if killer in done:
@@ -165,12 +165,16 @@ async def router_counter(fleet: TestFleet, prefix: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
 
 
-async def kill_a_worker_mid_answer(fleet: TestFleet, client_proc: asyncio.subprocess.Process) -> str:
+async def kill_a_worker_mid_answer(fleet: TestFleet, client_proc: asyncio.subprocess.Process, per_answer: int) -> str:
     """SIGKILL a worker while it computes a whole (not streamed) answer the client waits for.
 
     A whole answer is relayed, not journaled, so the router's stream view does not show it: the workers' own
-    ``vllm:num_requests_running`` does. That worker's engine is hung first so the request is still running
-    when the SIGKILL lands (a hung engine holds its requests; the client has no byte of the answer yet)."""
+    ``vllm:num_requests_running`` does. A client's answer runs as ``per_answer`` engine requests (one per
+    choice or prompt); a supervisor's canary runs as one, so it takes more than the canaries to show the
+    client's answer there (``per_answer`` > 2: the controller's and the agent's canary may run at once). That
+    worker's engine is hung first so the request is still running when the SIGKILL lands (a hung engine holds
+    its requests; the client has no byte of the answer yet)."""
+    assert per_answer > 2, "a whole answer of one or two engine requests looks like the canaries"
     async def running(client: httpx.AsyncClient, worker: str) -> float:
         with contextlib.suppress(httpx.HTTPError):
             text = (await client.get(fleet.url(worker) + "/metrics")).text
@@ -181,9 +185,9 @@ async def kill_a_worker_mid_answer(fleet: TestFleet, client_proc: asyncio.subpro
     async with httpx.AsyncClient(timeout=10) as client:
         while client_proc.returncode is None:
             for worker in fleet.worker_ids:
-                if fleet.processes(worker) and await running(client, worker) > 0:
+                if fleet.processes(worker) and await running(client, worker) >= per_answer:
                     await fleet.fault(worker, hang=True)
-                    if await running(client, worker) > 0:
+                    if await running(client, worker) >= per_answer:
                         fleet.kill(worker)
                         return worker
                     await fleet.fault(worker, hang=False)
@@ -234,7 +238,8 @@ async def test_langchains_completions_llm_batches_prompts_through_a_worker_kill(
     job = {"base_url": router_url(healthy), "model": SIM.model_name, "max_tokens": MAX_TOKENS, "batch_size": 4,
            "requests": reqs}
     out = await run_killing_a_worker(healthy, [sys.executable, str(HERE / "run_langchain_batch.py"), json.dumps(job)],
-                                     log=tmp_path / "langchain-batch.log", whole="completion")
+                                     log=tmp_path / "langchain-batch.log", whole="completion",
+                                     per_answer=4)
     assert_exact(json.loads(out), expected)
 
 
@@ -252,7 +257,7 @@ async def test_an_rl_rollout_sampler_gets_every_sample_through_a_worker_kill(hea
     job = {"base_url": router_url(healthy), "model": SIM.model_name, "max_tokens": MAX_TOKENS, "n": 4,
            "concurrency": 2, "requests": [{"prompt": p} for p in prompts]}
     out = await run_killing_a_worker(healthy, [sys.executable, str(HERE / "run_rollouts.py"), json.dumps(job)],
-                                     log=tmp_path / "rollouts.log", whole="completion")
+                                     log=tmp_path / "rollouts.log", whole="completion", per_answer=4)
     got = json.loads(out)
     assert [g["error"] for g in got] == [None] * len(prompts), [g["error"] for g in got if g["error"]]
     assert [g["samples"] for g in got] == expected
