@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -34,11 +34,31 @@ from fleetward.migration.progress import ProgressModel
 from fleetward.migration.upstream import UpstreamStream
 from fleetward.migration.wire import RouterError
 
-__all__ = ["ClientConnection", "SseOutput", "StreamResponse", "until_disconnected"]
+__all__ = ["ClientConnection", "ClientStream", "SseOutput", "StreamResponse", "until_disconnected"]
 
 log = logging.getLogger(__name__)
 
 EXTENSION = "fleetward.client"  # the scope's extension that holds the request's ClientConnection
+
+
+class ClientStream(Protocol):
+    """What a streamed response's connection writes and holds back: one request's :class:`SseOutput`, or
+    the choices of one request together (:class:`~fleetward.migration.fanout.FanOut`)."""
+
+    write: Callable[[bytes], None]
+
+    @property
+    def rid(self) -> str:
+        """The response's id."""
+
+    def pending(self) -> bytes:
+        """What was made before the response went out (taken)."""
+
+    def pause(self) -> None:
+        """The client's transport is full: stop reading the workers until it drains."""
+
+    def resume(self) -> None:
+        """The client's transport drained."""
 
 
 class ClientConnection(HttpToolsProtocol):
@@ -46,7 +66,7 @@ class ClientConnection(HttpToolsProtocol):
     (``scope["extensions"]["fleetward.client"]``) and tells the stream it serves when its transport drained
     or went."""
 
-    serving: SseOutput | None = None  # the stream being written on this connection
+    serving: ClientStream | None = None  # the stream being written on this connection
     lost: asyncio.Future[None] | None = None
 
     def on_message_begin(self) -> None:
@@ -63,7 +83,7 @@ class ClientConnection(HttpToolsProtocol):
         if self.lost is not None and not self.lost.done():
             self.lost.set_result(None)
 
-    def hold(self, out: SseOutput) -> asyncio.Future[None]:
+    def hold(self, out: ClientStream) -> asyncio.Future[None]:
         """Serve ``out`` on this connection: the future is done when the connection goes."""
         self.serving = out
         self.lost = asyncio.get_running_loop().create_future()
@@ -90,16 +110,19 @@ class SseOutput:
 
     ``skip``: tokens the client already holds (it resumed with ``Last-Event-ID``). With ``trace`` every chunk
     also carries ``"fleetward": {"worker", "attempt"}``; with ``ids`` every event ``id: <request id>:<n>``.
+    One choice of several (:class:`~fleetward.migration.fanout.FanOut`) is choice ``index`` of the response
+    ``rid``: its events go to the response's writer, which opens the stream and ends it for all of them.
     """
 
     def __init__(self, j: Journal, skip: int, *, metrics: RouterMetrics, progress: ProgressModel, clock: Clock,
-                 trace: bool = False, ids: bool = False) -> None:
+                 trace: bool = False, ids: bool = False, rid: str | None = None, index: int = 0) -> None:
         self.j = j
         self.metrics = metrics
         self.progress = progress
         self.clock = clock
         self.trace = trace
-        self.encoder = wire.StreamEncoder(j, ids=ids)
+        self.encoder = wire.StreamEncoder(j, ids=ids, rid=rid, index=index)
+        self.opening: Callable[[], bytes] = self.encoder.opening  # what the stream's first event follows
         self.started_at = clock.monotonic()
         # done once the response is a stream: a worker accepted the request, or there is a checkpoint to replay
         self.started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -127,6 +150,10 @@ class SseOutput:
         """The response is a stream: failures from here on are in-band."""
         return self.started.done()
 
+    @property
+    def rid(self) -> str:
+        return self.encoder.rid or self.j.id
+
     # -- the relay's side (Output) ----------------------------------------------------------------------
 
     def opened(self) -> None:
@@ -151,7 +178,7 @@ class SseOutput:
                 self.metrics.ttft.labels(j.model).observe(self.first_at - self.started_at)
         first = not self._opened and self.delivered == 0
         if first:
-            self._parts.append(self.encoder.opening())
+            self._parts.append(self.opening())
         extra = {"fleetward": {"worker": worker, "attempt": attempt}} if self.trace else None
         self._parts.append(self.encoder.event(n, tokens=tokens, text=text, finish_reason=finish_reason,
                                               stop_reason=stop_reason, logprobs=logprobs, first=first,
@@ -197,12 +224,16 @@ class SseOutput:
         j = self.j
         if j.wants_usage:  # in a stream: stream_options.include_usage
             self._parts.append(self.encoder.wrap(self.delivered, wire.usage_chunk(j)))
-        if self.first_n >= 0 and self.delivered > self.first_n:
-            self.metrics.itl.labels(j.model).observe(
-                (self.clock.monotonic() - self.first_at) / (self.delivered - self.first_n))
+        self.observe_itl()
         self.metrics.requests.labels(j.kind.value, "ok").inc()
         self._parts.append(wire.DONE)
         self.flush()
+
+    def observe_itl(self) -> None:
+        """The stream's mean inter-token latency, once it ended whole."""
+        if self.first_n >= 0 and self.delivered > self.first_n:
+            self.metrics.itl.labels(self.j.model).observe(
+                (self.clock.monotonic() - self.first_at) / (self.delivered - self.first_n))
 
     def fail(self, exc: RouterError) -> None:
         """The stream cannot go on: vLLM's in-band error, then ``[DONE]``."""
@@ -224,7 +255,7 @@ class StreamResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, out: SseOutput, work: asyncio.Task[None], *, headers: dict[str, str],
+    def __init__(self, out: ClientStream, work: asyncio.Task[None], *, headers: dict[str, str],
                  on_end: Callable[[bool], None]) -> None:
         self.status_code = 200
         self.background = None
@@ -264,7 +295,7 @@ class StreamResponse(Response):
             return False  # the client went away
         if self.work.cancelled() or self.work.exception() is not None:
             if not self.work.cancelled():
-                log.error("request %s: its stream failed", self.out.j.id, exc_info=self.work.exception())
+                log.error("request %s: its stream failed", self.out.rid, exc_info=self.work.exception())
             conn.transport.close()  # cut short (e.g. another router took it over): the client resumes
             return False
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -47,6 +47,7 @@ __all__ = [
     "Kind",
     "RequestRefused",
     "StopChecker",
+    "batched",
     "fanout",
     "migration_blocker",
     "new_request_id",
@@ -111,24 +112,24 @@ def _is_ids(value: Any) -> bool:
                                                              for t in value)
 
 
-def _batched(prompt: Any) -> bool:
-    """A list of prompts, as vLLM takes it: strings, or lists of token ids (one request, one choice each)."""
-    return isinstance(prompt, list) and len(prompt) > 0 and all(
-        (isinstance(p, str) and p) or _is_ids(p) for p in prompt) and not _is_ids(prompt)
+def batched(prompt: Any) -> bool:
+    """A list of prompts, as vLLM takes it: strings, or lists of token ids, not both (one request, one choice
+    each)."""
+    return isinstance(prompt, list) and len(prompt) > 0 and not _is_ids(prompt) and (
+        all(isinstance(p, str) and p for p in prompt) or all(_is_ids(p) for p in prompt))
 
 
 def validate_body(body: Any, kind: Kind) -> None:
-    """Refuse what the journal cannot take: wrong types, a missing prompt, and a fan-out in a stream, which it
-    cannot journal choice by choice yet. A refused body is not refused to the client: it goes to a worker as
-    sent (:mod:`.serving`), which answers it as vLLM does."""
+    """Refuse what the journal cannot take: wrong types, a missing prompt. A refused body is not refused to the
+    client: it goes to a worker as sent (:mod:`.serving`), which answers it as vLLM does. A body of several
+    choices (:func:`fanout`) is taken, to be split into one journal per choice (:mod:`.fanout`)."""
     if not isinstance(body, dict):
         raise RequestRefused("the request body must be a JSON object")
     if not isinstance(body.get("model"), str) or not body.get("model"):
         raise RequestRefused("model is required (a string; see GET /v1/models)", param="model")
-    stream = bool(body.get("stream"))
     if kind is Kind.COMPLETION:
         prompt = body.get("prompt")
-        if not ((isinstance(prompt, str) and prompt) or _is_ids(prompt) or _batched(prompt)):
+        if not ((isinstance(prompt, str) and prompt) or _is_ids(prompt) or batched(prompt)):
             raise RequestRefused("prompt must be a non-empty string, a non-empty list of token ids, or a list of "
                                  "those", param="prompt")
     else:
@@ -137,10 +138,6 @@ def validate_body(body: Any, kind: Kind) -> None:
             raise RequestRefused("messages must be a non-empty list of message objects", param="messages")
     for key in ("n", "best_of"):
         _int_field(body, key, minimum=1)
-    several = fanout(body, kind)
-    if several is not None and stream:
-        raise RequestRefused(f"a stream of several choices ({several}) is not journaled choice by choice yet",
-                             param="prompt" if several == "a list of prompts" else several.partition("=")[0])
     _int_field(body, "max_tokens", minimum=1)
     _int_field(body, "max_completion_tokens", minimum=1)
     _int_field(body, "min_tokens", minimum=0)
@@ -159,7 +156,7 @@ def fanout(body: dict[str, Any], kind: Kind) -> str | None:
         value = body.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 1:  # 2.0 is 2 to vLLM
             return f"{key}={value}"
-    if kind is Kind.COMPLETION and _batched(body.get("prompt")):
+    if kind is Kind.COMPLETION and batched(body.get("prompt")):
         return "a list of prompts"
     return None
 
@@ -169,7 +166,8 @@ def whole_reason(body: dict[str, Any], kind: Kind) -> str | None:
     passed back as the worker wrote it, instead of being made from the router's journal; None when it is not.
 
     The journal is one stream of tokens, made from the chunks of a streamed attempt. Some answers hold what
-    no such stream carries: several choices (``n``, ``best_of``, a list of prompts), the prompt's logprobs
+    no such stream carries: several choices (``n``, ``best_of``, a list of prompts; most are split into one
+    journaled request per choice instead, :mod:`~fleetward.migration.fanout`), the prompt's logprobs
     (``prompt_logprobs``, and ``echo``, which vLLM answers with them), or a state that is not a function of
     the token prefix (:func:`migration_blocker`: constrained decoding, tools, chat logprobs). The client reads
     nothing of a whole answer until it is complete, so when its worker fails first, the request is sent again

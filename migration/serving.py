@@ -21,7 +21,7 @@ New requests past ``routing.max_in_flight`` are shed (503); none are taken while
 from __future__ import annotations
 
 import asyncio
-import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -32,6 +32,7 @@ from fleetward.migration import wire
 from fleetward.migration.apikeys import ApiKeys
 from fleetward.migration.checkpoint import NotResumable
 from fleetward.migration.downstream import SseOutput, StreamResponse, until_disconnected
+from fleetward.migration.fanout import Choices, FanOut, answer, choices
 from fleetward.migration.journal import (
     Journal,
     Kind,
@@ -96,7 +97,7 @@ class Serving:
         try:
             body = orjson.loads(raw)
             validate_body(body, kind)
-            relayed = None if last_event else whole_reason(body, kind)
+            relayed = None if last_event else (fanout(body, kind) or whole_reason(body, kind))
             valid = True
         except (orjson.JSONDecodeError, RequestRefused) as exc:
             if last_event:  # a resume is the router's own: refused in its words
@@ -104,14 +105,17 @@ class Serving:
                 if isinstance(exc, RequestRefused):
                     return RouterError(exc.status, exc.message, param=exc.param).response()
                 return RouterError(400, f"malformed JSON body: {exc}").response()
-            relayed = str(exc)
-            valid = isinstance(body, dict) and fanout(body, kind) is not None  # a stream of several choices
+            relayed, valid = str(exc), False
+        split = choices(body, kind) if relayed is not None and valid else None
+        if split is not None:  # several choices: one journal each
+            return self._shed(endpoint) or await self._fan_out(split, kind, request, owner=owner)
         if relayed is not None:
             # What the journal does not take goes to one worker as it was sent, and the worker's answer comes
             # back as it wrote it: a request vLLM refuses, in vLLM's words (the router's own checks would
-            # word it otherwise, or refuse what vLLM serves); an answer the journal cannot make whole (several
-            # choices, the prompt's logprobs, a state not made of tokens), sent again from its start if the
-            # worker fails first; a stream of several choices, which fails over before its first byte only.
+            # word it otherwise, or refuse what vLLM serves); an answer the journal cannot make whole (the
+            # prompt's logprobs, a state not made of tokens, several choices not split), sent again from its
+            # start if the worker fails first; a stream of several choices not split, which fails over before
+            # its first byte only.
             shed = self._shed(endpoint)
             if shed is not None:
                 return shed
@@ -129,17 +133,86 @@ class Serving:
             shed = self._shed(endpoint)
             if shed is not None:
                 return shed
-            j = Journal(id=new_request_id(kind), kind=kind, body=body, created=self.clock.wall(),
-                        deadline=self.clock.wall() + self.config.request_timeout_s, owner=owner)
-            self.router.active[j.id] = Active(j)
+            j = self._start(new_request_id(kind), kind, body, owner)
             self.metrics.received.labels(endpoint).inc()
-            if self.config.checkpoints:
-                self.router.checkpointer.track(j)
         self.metrics.in_flight.set(len(self.router.active))
         if j.body.get("stream"):
             ids = self.config.event_ids or request.headers.get("x-fleetward-event-ids") == "1"
             return await self._stream(j, skip, trace=request.headers.get("x-fleetward-trace") == "1", ids=ids)
-        return await self._complete(j, request)
+        return await self._complete([j], request, lambda parts: wire.final_response(*parts[0]), rid=j.id)
+
+    def _start(self, rid: str, kind: Kind, body: dict[str, Any], owner: str | None,
+               created: float | None = None) -> Journal:
+        """A new request's journal, held (and checkpointed) by this router."""
+        now = self.clock.wall() if created is None else created
+        j = Journal(id=rid, kind=kind, body=body, created=now, deadline=now + self.config.request_timeout_s,
+                    owner=owner)
+        self.router.active[j.id] = Active(j)
+        if self.config.checkpoints:
+            self.router.checkpointer.track(j)
+        return j
+
+    async def _fan_out(self, split: Choices, kind: Kind, request: Request, *, owner: str | None) -> Response:
+        """A request of several choices (:mod:`.fanout`): each choice's request journaled and generated on
+        its own, side by side; answered together as vLLM answers the request, whole or streamed."""
+        rid, created = new_request_id(kind), self.clock.wall()
+        js = [self._start(f"{rid}-{k}", kind, body, owner, created) for k, body in enumerate(split.bodies)]
+        self.metrics.received.labels(kind.value).inc()
+        self.metrics.in_flight.set(len(self.router.active))
+        if not js[0].body.get("stream"):
+            return await self._complete(js, request, lambda parts: answer(rid, created, parts, split.n), rid=rid)
+        trace = request.headers.get("x-fleetward-trace") == "1"
+        outs = [SseOutput(j, 0, metrics=self.metrics, progress=self.router.progress, clock=self.clock, trace=trace,
+                          rid=rid, index=k) for k, j in enumerate(js)]
+        fan = FanOut(rid, outs, split.n, self.metrics)
+        work = asyncio.create_task(self._generate_choices(outs, fan), name=f"stream-{rid}")
+        try:
+            if not fan.started.done():
+                await asyncio.wait({fan.started, work}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            work.cancel()
+            raise
+        if not fan.started.done():  # no worker took any choice
+            for j in js:
+                self.router.release(j.id)
+            exc = work.exception()
+            if isinstance(exc, RouterError):
+                self.metrics.requests.labels(kind.value, f"http_{exc.status}").inc()
+                return exc.response()
+            raise exc if exc is not None else RuntimeError("the stream ended before it started")
+
+        def ended(finished: bool) -> None:
+            for j in js:
+                self.router.release(j.id)
+            if not finished:
+                self.metrics.requests.labels(kind.value, "client_disconnected").inc()
+
+        return StreamResponse(fan, work, headers={"Cache-Control": "no-cache", "X-Request-Id": rid}, on_end=ended)
+
+    async def _generate_choices(self, outs: list[SseOutput], fan: FanOut) -> None:
+        """Every choice of a stream of several, side by side; the first that cannot be served ends them all
+        (an HTTP error before the stream started, in-band after)."""
+        tasks = [asyncio.create_task(self.router.relay(out.j, out), name=f"choice-{out.j.id}") for out in outs]
+        for out, task in zip(outs, tasks, strict=True):
+            self.router.active[out.j.id].tasks.add(task)
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                await next_done
+        except RouterError as exc:
+            if not fan.signalled:
+                raise
+            fan.fail(exc)
+            return
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+            for out, task in zip(outs, tasks, strict=True):
+                if not task.cancelled():
+                    task.exception()  # retrieved: the first failure is the answer's, the others follow from it
+                if (a := self.router.active.get(out.j.id)) is not None:
+                    a.tasks.discard(task)
+        fan.finish()
 
     async def _resume(self, last_event: str, kind: Kind, owner: str | None) -> tuple[Journal, int]:
         """The request ``Last-Event-ID`` names, taken over by this stream. Another key's request is unknown
@@ -228,38 +301,51 @@ class Serving:
             return
         out.finish()
 
-    async def _complete(self, j: Journal, request: Request) -> Response:
-        """A non-streamed request: generated through the same resumable stream, answered at the end.
+    async def _complete(self, js: list[Journal], request: Request,
+                        respond: Callable[[list[tuple[Journal, Any]]], dict[str, Any]], *, rid: str) -> Response:
+        """A non-streamed request (``js``: its journal, or one per choice): generated through the same
+        resumable streams, answered at the end with ``respond`` of each journal and its joined logprobs.
 
-        If the client goes away first, the generation is cancelled (its upstream connection closes, so the
-        worker stops too) rather than run to the end for nobody.
+        If the client goes away first, the generation is cancelled (its upstream connections close, so the
+        workers stop too) rather than run to the end for nobody. A choice that cannot be served ends the
+        others: the request is answered with its error.
         """
-        active = self.router.active[j.id]
-
-        whole = Whole()
-        work = asyncio.create_task(self.router.relay(j, whole), name=f"complete-{j.id}")
-        watch = asyncio.create_task(until_disconnected(request.receive), name=f"watch-{j.id}")
-        active.tasks.add(work)
+        kind = js[0].kind
+        actives = [self.router.active[j.id] for j in js]
+        wholes = [Whole() for _ in js]
+        works = [asyncio.create_task(self.router.relay(j, whole), name=f"complete-{j.id}")
+                 for j, whole in zip(js, wholes, strict=True)]
+        watch = asyncio.create_task(until_disconnected(request.receive), name=f"watch-{rid}")
+        for a, work in zip(actives, works, strict=True):
+            a.tasks.add(work)
         try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await work
-                self.metrics.requests.labels(j.kind.value, "client_disconnected").inc()
-                return Response(status_code=499)
-            work.result()
+            pending = set(works)
+            while pending:
+                done, pending = await asyncio.wait(pending | {watch}, return_when=asyncio.FIRST_COMPLETED)
+                if watch in done:
+                    self.metrics.requests.labels(kind.value, "client_disconnected").inc()
+                    return Response(status_code=499)
+                pending.discard(watch)
+                for work in done:
+                    work.result()
         except RouterError as exc:
-            self.metrics.requests.labels(j.kind.value, f"http_{exc.status}").inc()
+            self.metrics.requests.labels(kind.value, f"http_{exc.status}").inc()
             return exc.response()
         except asyncio.CancelledError:
-            if work.cancelled():  # another replica claimed the request (see _on_lost)
-                return RouterError(409, f"request {j.id} continues on another router").response()
+            if any(work.cancelled() for work in works):  # another replica claimed the request (see _on_lost)
+                return RouterError(409, f"request {rid} continues on another router").response()
             raise
         finally:
             watch.cancel()
-            active.tasks.discard(work)
-            self.router.release(j.id)
-            await asyncio.wait({watch})  # reaped (a cancellation of this handler still propagates)
-        self.metrics.requests.labels(j.kind.value, "ok").inc()
-        return JSONResponse(wire.final_response(j, whole.logprobs), headers={"X-Request-Id": j.id})
+            for work in works:
+                if not work.done():
+                    work.cancel()
+            await asyncio.wait({watch, *works})  # reaped (a cancellation of this handler still propagates)
+            for a, work in zip(actives, works, strict=True):
+                a.tasks.discard(work)
+            for j in js:
+                self.router.release(j.id)
+        self.metrics.requests.labels(kind.value, "ok").inc()
+        return JSONResponse(respond([(j, whole.logprobs) for j, whole in zip(js, wholes, strict=True)]),
+                            headers={"X-Request-Id": rid})
+

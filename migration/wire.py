@@ -108,13 +108,13 @@ def chat_role(j: Journal) -> str:
 
 
 def _choice(j: Journal, tokens: list[int], text: str, finish_reason: str | None, stop_reason: str | int | None,
-            logprobs: Any, first: bool, wants_token_ids: bool) -> dict[str, Any]:
+            logprobs: Any, first: bool, wants_token_ids: bool, index: int = 0) -> dict[str, Any]:
     if j.kind is Kind.COMPLETION:  # vLLM sends the prompt's ids first when asked for ids, and with echo
         prompt_ids = j.prompt_ids if first and (wants_token_ids or j.body.get("echo")) else None
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                 "stop_reason": stop_reason, "prompt_token_ids": prompt_ids,
                 "token_ids": tokens if wants_token_ids else None}
-    choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": logprobs,
+    choice: dict[str, Any] = {"index": index, "delta": {"content": text}, "logprobs": logprobs,
                               "finish_reason": finish_reason}
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason
@@ -122,8 +122,9 @@ def _choice(j: Journal, tokens: list[int], text: str, finish_reason: str | None,
     return choice
 
 
-def _head(j: Journal) -> dict[str, Any]:
-    return {"id": j.id, "object": _object(j), "created": int(j.created), "model": j.model}
+def _head(j: Journal, rid: str | None = None) -> dict[str, Any]:
+    """A chunk's first keys; ``rid``: the response's id where it is not the journal's (one choice of several)."""
+    return {"id": rid or j.id, "object": _object(j), "created": int(j.created), "model": j.model}
 
 
 def _tail(j: Journal, n: int, finish_reason: str | None) -> dict[str, Any]:
@@ -145,10 +146,11 @@ def stream_chunk(j: Journal, n: int, *, tokens: list[int], text: str, finish_rea
                                             j.wants_token_ids)], **_tail(j, n, finish_reason)}
 
 
-def role_chunk(j: Journal) -> dict[str, Any]:
-    """The chunk a chat stream opens with: the role, no content yet, the prompt's ids."""
-    return {**_head(j), "choices": [{"index": 0, "delta": {"role": chat_role(j), "content": ""}, "logprobs": None,
-                                     "finish_reason": None}],
+def role_chunk(j: Journal, index: int = 0, rid: str | None = None) -> dict[str, Any]:
+    """The chunk a chat stream opens with (each choice's, ``index``): the role, no content yet, the prompt's
+    ids."""
+    return {**_head(j, rid), "choices": [{"index": index, "delta": {"role": chat_role(j), "content": ""},
+                                          "logprobs": None, "finish_reason": None}],
             **_tail(j, 0, None), "prompt_token_ids": j.prompt_ids if j.wants_token_ids else None,
             "prompt_text": None}
 
@@ -158,14 +160,17 @@ class StreamEncoder:
 
     What never changes within a response (id, object, created, model) is encoded once, not per token.
     ``extra`` keys are appended to the chunk after the standard ones (e.g. the router's trace).
-    ``ids``: whether events carry ``id:`` lines (opt-in, see the module docstring).
+    ``ids``: whether events carry ``id:`` lines (opt-in, see the module docstring). One choice of several
+    (:mod:`.fanout`) is choice ``index`` of the response ``rid``.
     """
 
-    def __init__(self, j: Journal, *, ids: bool = False) -> None:
+    def __init__(self, j: Journal, *, ids: bool = False, rid: str | None = None, index: int = 0) -> None:
         self.j = j
         self.ids = ids
+        self.rid = rid
+        self.index = index
         self._wants = j.wants_token_ids
-        head = orjson.dumps(_head(j))
+        head = orjson.dumps(_head(j, rid))
         self._head = head[:-1] + b',"choices":['
         self._id = b"id: " + j.id.encode() + b":"
 
@@ -176,7 +181,8 @@ class StreamEncoder:
         j = self.j
         parts = [self._id, str(n).encode(), b"\n"] if self.ids else []
         parts += [b"data: ", self._head,
-                  orjson.dumps(_choice(j, tokens, text, finish_reason, stop_reason, logprobs, first, self._wants)),
+                  orjson.dumps(_choice(j, tokens, text, finish_reason, stop_reason, logprobs, first, self._wants,
+                                       self.index)),
                   b"]"]
         for key, value in (*_tail(j, n, finish_reason).items(), *(extra or {}).items()):
             parts += (b"," + orjson.dumps(key) + b":", orjson.dumps(value))
@@ -186,7 +192,7 @@ class StreamEncoder:
     def opening(self) -> bytes:
         """What a stream opens with before its first tokens: a chat stream's role chunk (as vLLM's), else
         nothing."""
-        return self.wrap(0, role_chunk(self.j)) if self.j.kind is Kind.CHAT else b""
+        return self.wrap(0, role_chunk(self.j, self.index, self.rid)) if self.j.kind is Kind.CHAT else b""
 
     def wrap(self, n: int, chunk: dict[str, Any]) -> bytes:
         """Any other event of this stream (the role chunk, usage, an error): with its id when ids are on."""

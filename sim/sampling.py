@@ -22,6 +22,7 @@ from fleetward.sim.tokenizer import render_chat
 __all__ = ["ParsedRequest", "parse_request"]
 
 _COMPLETION_DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest default (also for an explicit null)
+_SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 _MAX_CHARS_PER_TOKEN = 5  # the tiny model's longest vocabulary entry ("<unk>"); vLLM bounds text prompts by it
 
 
@@ -40,17 +41,23 @@ class ParsedRequest:
     more: list[tuple[list[int], SamplingSpec]] = field(default_factory=list)
     n: int = 1  # choices per prompt (``n``), sampled: each with its own salt (SamplingSpec.salt)
     seed: int | None = None
+    sampled: bool = False  # temperature above vLLM's epsilon (greedy otherwise)
 
     def choices(self) -> list[tuple[list[int], SamplingSpec]]:
         """Every choice's prompt and spec, in vLLM's order: prompt by prompt, ``n`` choices each."""
         prompts = [(self.prompt_ids, self.spec), *self.more]
-        return [(ids, spec if k == 0 else dataclasses.replace(spec, salt=_salt(self.seed, k)))
+        return [(ids, spec if k == 0 else dataclasses.replace(spec, salt=salt(self.seed, k, sampled=self.sampled)))
                 for ids, spec in prompts for k in range(self.n)]
 
 
-def _salt(seed: int | None, k: int) -> int:
-    """The salt of choice ``k`` (k >= 1) of a request with ``seed``: any positive number that differs by both."""
-    return ((seed or 0) * 1_000_003 + k) % (1 << 62) or k
+def salt(seed: int | None, k: int, *, sampled: bool) -> int:
+    """The salt of choice ``k`` of a request with ``seed`` (:attr:`SamplingSpec.salt`; 0: the model's own
+    continuation). As in vLLM, choice ``k`` of a seeded sampled request is the request with seed ``seed + k``
+    (its child request's), so a seeded sample depends on ``seed + k`` alone; an unseeded one is choice ``k``'s
+    own draw, and an unseeded single choice is the model's continuation (the sim's samples are repeatable)."""
+    if seed is None or not sampled:
+        return k
+    return ((seed + k) * 1_000_003 + 1) % (1 << 62) or 1
 
 
 def parse_request(body: object, *, chat: bool, served: ServedModel) -> ParsedRequest:
@@ -101,9 +108,12 @@ def parse_request(body: object, *, chat: bool, served: ServedModel) -> ParsedReq
                           include_stop_str_in_output=v["include_stop_str_in_output"], min_tokens=v["min_tokens"],
                           skip_special_tokens=v["skip_special_tokens"],
                           spaces_between_special_tokens=v["spaces_between_special_tokens"]) for budget in budgets]
+    sampled = (1.0 if v["temperature"] is None else v["temperature"]) >= _SAMPLING_EPS
+    first = salt(v["seed"], 0, sampled=sampled)
+    specs = [dataclasses.replace(spec, salt=first) for spec in specs] if first else specs
     return ParsedRequest(all_ids[0], specs[0], bool(v["stream"]), include_usage, continuous_usage,
                          bool(v["return_token_ids"]), role, more=list(zip(all_ids[1:], specs[1:], strict=True)),
-                         n=v["n"] or 1, seed=v["seed"])
+                         n=v["n"] or 1, seed=v["seed"], sampled=sampled)
 
 
 def _completion_prompts(prompt: str | list[Any], *, stream: bool) -> list[str | list[int]]:
@@ -211,7 +221,7 @@ def _check_sampling(v: dict[str, Any], max_tokens: int) -> None:
     bad_words = list(dict.fromkeys(v["bad_words"] or []))
     if "" in bad_words:
         raise refused(f"bad_words cannot contain an empty string. Got bad_words={bad_words}")
-    if n > 1 and t < 1e-5:  # vLLM's _SAMPLING_EPS: greedy
+    if n > 1 and t < _SAMPLING_EPS:  # greedy
         raise refused(f"n must be 1 when using greedy sampling, got {n}.")
 
 

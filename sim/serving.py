@@ -7,12 +7,14 @@ whole; streamed, one prompt only). Honoured: ``max_tokens`` (chat:
 list), ``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids``,
 ``stream_options.include_usage`` and ``continuous_usage_stats``, ``min_tokens``, ``add_generation_prompt``
 (chat), the ``X-Request-Id`` header, ``kv_transfer_params`` (prefill/decode: :mod:`.kvtransfer`). Accepted
-and ignored, because the simulated model is greedy and deterministic: ``temperature``, ``top_p``, ``top_k``,
-``min_p``, ``seed``, the penalties, ``logit_bias``, ``bad_words``, ``allowed_token_ids``, ``priority``,
-``user`` (and any other key vLLM would accept), though checked as vLLM checks them. ``n`` > 1 (not greedy,
-as in vLLM) is answered whole: choice 0 is the model's own continuation, each other one continues from the
-prompt's state mixed with its salt (``SamplingSpec.salt``: the choice and the seed), the same on every
-worker. Refused with a 400 naming the
+and ignored, because the simulated model is deterministic: ``top_p``, ``top_k``, ``min_p``, the penalties,
+``logit_bias``, ``bad_words``, ``allowed_token_ids``, ``priority``, ``user`` (and any other key vLLM would
+accept), though checked as vLLM checks them. ``temperature`` and ``seed`` choose a sample only as far as vLLM
+makes them repeatable: a sampled (temperature above 0) request with a ``seed`` continues from the prompt's
+state mixed with a salt of its seed (``SamplingSpec.salt``), anything else is the model's own continuation.
+``n`` > 1 (not greedy, as in vLLM) is answered whole: choice ``k`` of a seeded request is the request with
+seed ``seed + k``, as vLLM's child requests are; unseeded, choice 0 is the model's own continuation and each
+other one is mixed with its own salt; the same on every worker. Refused with a 400 naming the
 parameter, although vLLM serves them: several choices in one stream, several prompts in one stream (or none
 at all), ``echo``, ``logprobs``/``prompt_logprobs``/``top_logprobs``, beam search.
 

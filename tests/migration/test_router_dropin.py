@@ -67,6 +67,11 @@ STREAMS = [
     ("/v1/completions", {"prompt": [75, 104, 111], "max_tokens": 12, "return_token_ids": True}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 9,
                               "return_token_ids": True}),
+    # several choices, answered whole: one journaled request per choice (migration/fanout.py)
+    ("/v1/completions", {"prompt": ["Hello", "World", "again"], "max_tokens": 8, "return_token_ids": True}),
+    ("/v1/completions", {"prompt": ["Roll", "Out"], "max_tokens": 6, "n": 3, "temperature": 1.0, "seed": 4}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "n": 2,
+                              "temperature": 0.9, "seed": 8, "return_token_ids": True}),
 ]
 
 
@@ -216,6 +221,95 @@ async def test_an_answer_the_journal_cannot_make_is_relayed_whole_and_sent_again
         assert a.status_code == 200, a.text
         same_answer(a.content, direct.content)
     assert await router_metric(healthy, 'fleetward_router_passthrough_retries_total{endpoint="chat"') > before
+
+
+async def test_each_choice_of_a_request_is_migrated_on_its_own_when_its_worker_cuts_it(
+        healthy: TestFleet, same_answer: Any) -> None:
+    """A list of eight greedy prompts, answered whole: each prompt is a journaled request of its own, so the
+    choices a worker cuts mid-way (every request there that reaches 4 tokens) continue on the other worker
+    from their tokens (migrations, not the request sent again whole), and the answer is the one a worker
+    gives when nothing fails. A choice the worker refuses is the client's error for the whole request, as
+    vLLM's."""
+    body = {"model": "sim-tiny", "prompt": [f"choice {i}: " for i in range(8)], "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True}
+    bad = {**body, "prompt": ["fine", [75, 10**6]]}
+    sick, well = healthy.worker_ids
+    async with httpx.AsyncClient(timeout=30) as client:
+        direct = await client.post(healthy.url(well) + "/v1/completions", json=body)
+        refused = await client.post(healthy.url(well) + "/v1/completions", json=bad)
+        migrated = await router_metric(healthy, "fleetward_router_migrations_total")
+        resent = await router_metric(healthy, 'fleetward_router_passthrough_retries_total{endpoint="completion"')
+        await healthy.fault(sick, reset_after_tokens=4)
+        try:
+            routed = await client.post(router_url(healthy) + "/v1/completions", json=body)
+            routed_refusal = await client.post(router_url(healthy) + "/v1/completions", json=bad)
+        finally:
+            await healthy.fault(sick, clear=True)
+    assert direct.status_code == routed.status_code == 200, routed.text
+    same_answer(routed.content, direct.content)
+    assert await router_metric(healthy, "fleetward_router_migrations_total") > migrated
+    assert await router_metric(
+        healthy, 'fleetward_router_passthrough_retries_total{endpoint="completion"') == resent
+    assert refused.status_code == routed_refusal.status_code == 400
+    assert routed_refusal.json() == refused.json()
+
+
+def by_choice(raw: bytes) -> tuple[list[dict[str, Any]], list[Any]]:
+    """A stream of several choices as a client reads it: per index, in order, its text, token ids and finish;
+    and every chunk with no choice (the usage chunk)."""
+    got: dict[int, dict[str, Any]] = {}
+    rest = []
+    for line in raw.decode().split("\n\n"):
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line.removeprefix("data: "))
+        if not chunk["choices"]:
+            rest.append({k: v for k, v in chunk.items() if k not in ("id", "created")})
+            continue
+        (c,) = chunk["choices"]
+        mine = got.setdefault(c["index"], {"text": "", "token_ids": [], "finish_reason": None})
+        mine["text"] += (c["delta"].get("content") or "") if "delta" in c else c["text"]
+        mine["token_ids"] += c.get("token_ids") or []
+        mine["finish_reason"] = c["finish_reason"] or mine["finish_reason"]
+    return [got[i] for i in sorted(got)], rest
+
+
+def _whole_choices(answer: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"text": c["message"]["content"] if "message" in c else c["text"], "token_ids": c["token_ids"],
+             "finish_reason": c["finish_reason"]} for c in answer["choices"]]
+
+
+async def test_a_stream_of_several_choices_reads_choice_by_choice_as_the_whole_answer_and_rides_a_cut(
+        healthy: TestFleet) -> None:
+    """Streamed, a request of several choices is one journaled stream per choice: each chunk carries its
+    choice's index and the response's one id, chat opens with every choice's role chunk, and one usage chunk
+    and ``[DONE]`` end it. Choice by choice it reads as a worker's whole answer to the same request: seeded
+    samples (n = 3, chat) with nothing failing, and a list of greedy prompts whose choices a worker cuts
+    mid-way (they continue on the other worker from their tokens)."""
+    chat = {"model": "sim-tiny", "messages": [{"role": "user", "content": "fan out"}], "max_tokens": 7, "n": 3,
+            "temperature": 0.9, "seed": 21, "ignore_eos": True, "return_token_ids": True}
+    prompts = {"model": "sim-tiny", "prompt": [f"stream {i}: " for i in range(6)], "max_tokens": 12,
+               "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    usage = {"stream_options": {"include_usage": True}, "stream": True}
+    sick, well = healthy.worker_ids
+    async with httpx.AsyncClient(timeout=30) as client:
+        chat_whole = (await client.post(healthy.url(well) + "/v1/chat/completions", json=chat)).json()
+        prompts_whole = (await client.post(healthy.url(well) + "/v1/completions", json=prompts)).json()
+        chat_stream = await client.post(router_url(healthy) + "/v1/chat/completions", json={**chat, **usage})
+        migrated = await router_metric(healthy, "fleetward_router_migrations_total")
+        await healthy.fault(sick, reset_after_tokens=4)
+        prompts_stream = await client.post(router_url(healthy) + "/v1/completions", json={**prompts, **usage})
+    assert await router_metric(healthy, "fleetward_router_migrations_total") > migrated
+    for whole, stream in ((chat_whole, chat_stream), (prompts_whole, prompts_stream)):
+        assert stream.status_code == 200 and stream.text.endswith("data: [DONE]\n\n")
+        chunks = [json.loads(e.removeprefix("data: ")) for e in stream.text.split("\n\n")[:-2] if e]
+        assert {c["id"] for c in chunks} == {stream.headers["x-request-id"]}
+        got, rest = by_choice(stream.content)
+        assert got == _whole_choices(whole)
+        assert [r["usage"] for r in rest] == [{k: whole["usage"][k] for k in ("prompt_tokens", "total_tokens",
+                                                                               "completion_tokens")}]
+    roles = [json.loads(e.removeprefix("data: "))["choices"][0] for e in chat_stream.text.split("\n\n")[:3]]
+    assert [(c["index"], c["delta"]) for c in roles] == [(i, {"role": "assistant", "content": ""}) for i in range(3)]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

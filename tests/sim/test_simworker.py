@@ -178,22 +178,29 @@ async def test_a_list_of_prompts_is_answered_whole_with_a_choice_per_prompt_as_v
 
 async def test_n_sampled_choices_are_answered_whole_each_its_own_and_the_same_on_every_asking() -> None:
     """``n`` > 1 (sampling; greedy is refused, as vLLM refuses it): one choice per sample, prompt by prompt
-    (vLLM's order), choice 0 the model's own continuation, the others different from it and from each other,
-    and the same again for the same request (a worker restarted or another one gives the same). Each prompt's
-    tokens count once in the usage, every choice's output does."""
+    (vLLM's order), different from each other, and the same again for the same request (a worker restarted
+    or another one gives the same). Choice ``k`` of a seeded request is the request with seed ``seed + k``
+    (vLLM's child requests); unseeded, choice 0 is the model's own continuation. Each prompt's tokens count
+    once in the usage, every choice's output does."""
     body = {"model": MODEL, "prompt": ["Roll", "Out"], "max_tokens": 8, "n": 3, "temperature": 1.0, "seed": 9,
             "ignore_eos": True}
     async with asgi(FAST) as (c, _):
         first = (await c.post("/v1/completions", json=body)).json()
         again = (await c.post("/v1/completions", json=body)).json()
+        singles = [(await c.post("/v1/completions", json={**body, "prompt": p, "n": 1, "seed": 9 + k})).json()
+                   for p in ("Roll", "Out") for k in range(3)]
+        unseeded = (await c.post("/v1/completions", json={**body, "seed": None})).json()
         chat = (await c.post("/v1/chat/completions", json={"model": MODEL, "messages": [
             {"role": "user", "content": "rollout"}], "max_tokens": 5, "n": 4, "temperature": 0.7})).json()
     texts = [ch["text"] for ch in first["choices"]]
     assert [ch["index"] for ch in first["choices"]] == list(range(6))
-    assert texts[0] == decode(SIM.continuation(encode("Roll"), 8, ignore_eos=True))
-    assert texts[3] == decode(SIM.continuation(encode("Out"), 8, ignore_eos=True))
+    assert texts == [one["choices"][0]["text"] for one in singles]
     assert len(set(texts[:3])) == 3 and len(set(texts[3:])) == 3
     assert [ch["text"] for ch in again["choices"]] == texts
+    plain = [ch["text"] for ch in unseeded["choices"]]
+    assert plain[0] == decode(SIM.continuation(encode("Roll"), 8, ignore_eos=True))
+    assert plain[3] == decode(SIM.continuation(encode("Out"), 8, ignore_eos=True))
+    assert len(set(plain[:3])) == 3 and not set(plain) & set(texts)
     assert first["usage"]["prompt_tokens"] == len(encode("Roll")) + len(encode("Out"))
     assert first["usage"]["completion_tokens"] == 48
     assert len({ch["message"]["content"] for ch in chat["choices"]}) == 4
