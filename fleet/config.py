@@ -104,6 +104,9 @@ class SimConfig(Frozen):
     responses_store: bool = Field(False, description="keep Responses API answers (``store``) for GET "
                                   "/v1/responses/{id} and ``previous_response_id``, as vLLM with "
                                   "VLLM_ENABLE_RESPONSES_API_STORE=1")
+    runtime_lora: bool = Field(False, description="serve vLLM's runtime LoRA endpoints (POST /v1/load_lora_adapter "
+                               "and /v1/unload_lora_adapter; adapters listed in /v1/models), as vLLM with "
+                               "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
     kv_lease_s: float = Field(30.0, gt=0, description="prefill/decode: how long a prefill worker keeps a prompt's "
                               "KV for the decode worker to pull, before it frees the blocks")
     kv_timeout_s: float = Field(1.0, gt=0, description="prefill/decode: how long a decode worker waits for a KV "

@@ -12,6 +12,12 @@ naming an adapter no worker serves gets vLLM's 404.
 
 ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` go to every routable worker: the answer is the
 first worker's success, or, when none succeeded, the first worker's refusal, as it wrote them.
+
+An adapter loaded through the router is the fleet's until it is unloaded through the router: a worker that
+lacks it (restarted by the supervisor, which loses what vLLM loaded at runtime, or added since) is sent the
+same load request when the router next asks it what it serves. A worker that refuses it (a 4xx: another base
+model, a path its host does not have) is not asked again. The router keeps these requests in memory: another
+router, or this one restarted, knows only the loads it passed on itself.
 """
 
 from __future__ import annotations
@@ -49,6 +55,10 @@ class Adapters:
         self.interval_s = interval_s
         self.clock = clock
         self.served: dict[str, dict[str, dict[str, Any]]] = {}  # worker -> adapter name -> its card
+        # adapters loaded through this router: name -> (the load request's body, its content type)
+        self.loads: dict[str, tuple[bytes, str]] = {}
+        self.refused: dict[str, set[str]] = {}  # adapter name -> workers that refused to load it (4xx)
+        self._changing = asyncio.Lock()  # a load or unload passed on, or a re-load: one at a time
 
     # -- what is served where -----------------------------------------------------------------------------
 
@@ -90,6 +100,28 @@ class Adapters:
                 self.served[worker] = cards
         for gone in set(self.served) - routable:
             del self.served[gone]
+        lacking = [(w, url, name) for (w, url), cards in zip(workers, answers, strict=True) if cards is not None
+                   for name in self.loads if name not in cards and w not in self.refused.get(name, ())]
+        if lacking:
+            await self._reload(lacking)
+
+    async def _reload(self, lacking: list[tuple[str, str, str]]) -> None:
+        """Load again, on each worker that lacks it, an adapter loaded through the router (module docstring)."""
+        async with self._changing:
+            todo = [(w, url, name, self.loads[name]) for w, url, name in lacking if name in self.loads]
+
+            async def one(worker: str, url: str, name: str, body: bytes, ctype: str) -> None:
+                status, raw, _ = await self._post(worker, url + "/v1/load_lora_adapter", body, ctype)
+                if status == 200:
+                    log.info("LoRA adapter %s loaded again on worker %s, which had lost it", name, worker)
+                    if (cards := await self._ask(url)) is not None:
+                        self.served[worker] = cards
+                elif 400 <= status < 500:
+                    log.warning("worker %s refused LoRA adapter %s (%d %s); it is not asked again", worker, name,
+                                status, raw[:200])
+                    self.refused.setdefault(name, set()).add(worker)
+
+            await asyncio.gather(*(one(w, url, name, body, ctype) for w, url, name, (body, ctype) in todo))
 
     async def _ask(self, url: str) -> dict[str, dict[str, Any]] | None:
         with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError, TypeError,
@@ -111,21 +143,38 @@ class Adapters:
         workers = self._workers()
         if not workers:
             return RouterError(503, "no healthy worker to load or unload the adapter on").response()
-        headers = {"content-type": request.headers.get("content-type", "application/json")}
-
-        async def one(worker: str, url: str) -> tuple[int, bytes, str | None]:
-            try:
-                async with self._session().post(url + request.url.path, data=body, headers=headers,
-                                                timeout=aiohttp.ClientTimeout(total=_CHANGE_TIMEOUT_S)) as r:
-                    return r.status, await r.read(), r.headers.get("content-type")
-            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                log.warning("%s on worker %s failed: %s", request.url.path, worker, exc)
-                return 502, orjson.dumps(error_body(502, f"worker {worker}: {exc}")), "application/json"
-
-        answers = await asyncio.gather(*(one(w, u) for w, u in workers))
-        for (worker, _), (status, raw, _) in zip(workers, answers, strict=True):
-            if status != 200:
-                log.info("%s on worker %s: %d %s", request.url.path, worker, status, raw[:200])
+        ctype = request.headers.get("content-type", "application/json")
+        path = request.url.path
+        async with self._changing:
+            answers = await asyncio.gather(*(self._post(w, u + path, body, ctype) for w, u in workers))
+            for (worker, _), (status, raw, _) in zip(workers, answers, strict=True):
+                if status != 200:
+                    log.info("%s on worker %s: %d %s", path, worker, status, raw[:200])
+            name = _adapter_name(body)
+            if name is not None and any(a[0] == 200 for a in answers):
+                if path == "/v1/load_lora_adapter":
+                    self.loads[name] = (body, ctype)
+                    self.refused.pop(name, None)
+                else:
+                    self.loads.pop(name, None)
         await self.refresh()  # the next request goes where the adapter is now
-        status, raw, ctype = next((a for a in answers if a[0] == 200), answers[0])
-        return Response(raw, status_code=status, headers={"content-type": ctype} if ctype else None)
+        status, raw, answered = next((a for a in answers if a[0] == 200), answers[0])
+        return Response(raw, status_code=status, headers={"content-type": answered} if answered else None)
+
+    async def _post(self, worker: str, url: str, body: bytes, ctype: str) -> tuple[int, bytes, str | None]:
+        try:
+            async with self._session().post(url, data=body, headers={"content-type": ctype},
+                                            timeout=aiohttp.ClientTimeout(total=_CHANGE_TIMEOUT_S)) as r:
+                return r.status, await r.read(), r.headers.get("content-type")
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            log.warning("%s on worker %s failed: %s", url, worker, exc)
+            return 502, orjson.dumps(error_body(502, f"worker {worker}: {exc}")), "application/json"
+
+
+def _adapter_name(body: bytes) -> str | None:
+    """The ``lora_name`` of a load or unload request's body (None: not one the workers took)."""
+    with contextlib.suppress(orjson.JSONDecodeError):
+        parsed = orjson.loads(body)
+        if isinstance(parsed, dict) and isinstance(parsed.get("lora_name"), str):
+            return str(parsed["lora_name"])
+    return None

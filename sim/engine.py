@@ -155,6 +155,8 @@ class SamplingSpec:
     # continues from the prompt's state mixed with this salt, so each choice reads differently, and the same
     # request (seed included) gives the same choices on every worker.
     salt: int = 0
+    # A LoRA adapter's seed of the model's state (.lora): the model as the adapter changes it; None: the base.
+    start: int | None = None
 
 
 @dataclass(slots=True)
@@ -431,7 +433,7 @@ class SimScheduler:
         worker: they cost no prefill here, and generation starts from ``state`` (what that KV gives, right
         or wrong; see :meth:`fleetward.sim.model.SimModel.state_from_kv`).
         """
-        state = self.model.state(prompt_ids) if kv is None else kv[1]
+        state = self.model.state(prompt_ids, start=params.start) if kv is None else kv[1]
         if params.salt:
             state = SimModel.advance(state, params.salt)
         req = SimRequest(request_id, prompt_ids, params, arrival=now, state=state, vocab=self.vocab)

@@ -42,6 +42,7 @@ class ParsedRequest:
     n: int = 1  # choices per prompt (``n``), sampled: each with its own salt (SamplingSpec.salt)
     seed: int | None = None
     sampled: bool = False  # temperature above vLLM's epsilon (greedy otherwise)
+    adapter: str | None = None  # the LoRA adapter it names (its answer's model), None: the base model
 
     def choices(self) -> list[tuple[list[int], SamplingSpec]]:
         """Every choice's prompt and spec, in vLLM's order: prompt by prompt, ``n`` choices each."""
@@ -107,13 +108,15 @@ def parse_request(body: object, *, chat: bool, served: ServedModel) -> ParsedReq
                           stop_token_ids=frozenset(v["stop_token_ids"] or ()),
                           include_stop_str_in_output=v["include_stop_str_in_output"], min_tokens=v["min_tokens"],
                           skip_special_tokens=v["skip_special_tokens"],
-                          spaces_between_special_tokens=v["spaces_between_special_tokens"]) for budget in budgets]
+                          spaces_between_special_tokens=v["spaces_between_special_tokens"],
+                          start=served.start(v["model"])) for budget in budgets]
     sampled = (1.0 if v["temperature"] is None else v["temperature"]) >= _SAMPLING_EPS
     first = salt(v["seed"], 0, sampled=sampled)
     specs = [dataclasses.replace(spec, salt=first) for spec in specs] if first else specs
     return ParsedRequest(all_ids[0], specs[0], bool(v["stream"]), include_usage, continuous_usage,
                          bool(v["return_token_ids"]), role, more=list(zip(all_ids[1:], specs[1:], strict=True)),
-                         n=v["n"] or 1, seed=v["seed"], sampled=sampled)
+                         n=v["n"] or 1, seed=v["seed"], sampled=sampled,
+                         adapter=v["model"] if v["model"] in served.adapters else None)
 
 
 def _completion_prompts(prompt: str | list[Any], *, stream: bool) -> list[str | list[int]]:

@@ -35,6 +35,7 @@ class ServedModel:
         digest = hashlib.sha256(f"{self.name}:{config.seed}:{config.eos_probability}".encode())
         self.system_fingerprint = f"fleetward-sim-{digest.hexdigest()[:8]}"
         self._tokenizer = config.tokenizer
+        self.adapters: dict[str, str] = {}  # LoRA adapters loaded at runtime: name -> path (.lora)
 
     def encode(self, text: str, *, special: bool) -> list[int]:
         """Text → ids with the vocabulary served (chat text is the rendered template, roles included)."""
@@ -44,10 +45,24 @@ class ServedModel:
         return decode(ids) if self.vocab is None else self.vocab.decode(ids)
 
     def check(self, model: str | None) -> None:
-        """Refuse a request naming another model (vLLM's 404); no model at all means this one."""
-        if model is not None and model != self.name:
-            raise ApiError(f"The model `{model}` does not exist. Valid aliases: {self.name}.",
+        """Refuse a request naming another model or adapter (vLLM's 404); no model at all means this one."""
+        if model is not None and model != self.name and model not in self.adapters:
+            aliases = ", ".join([self.name, *self.adapters])
+            raise ApiError(f"The model `{model}` does not exist. Valid aliases: {aliases}.",
                            status=404, err_type="NotFoundError", param="model")
+
+    def start(self, model: str | None) -> int | None:
+        """The model state's seed for a request naming ``model``: a LoRA adapter's (a seed of its path: the
+        base model changed by it, still a function of the prefix alone), None for the base model."""
+        if model is None or model not in self.adapters:
+            return None
+        return int.from_bytes(hashlib.blake2b(self.adapters[model].encode(), digest_size=8).digest(), "little")
+
+    def cards(self, now: int) -> list[dict[str, Any]]:
+        """``GET /v1/models``' list: this model, then each adapter with its path and this model as parent."""
+        base = self.card(now)
+        return [base, *({**base, "id": name, "root": path, "parent": self.name, "max_model_len": None}
+                        for name, path in self.adapters.items())]
 
     def card(self, now: int) -> dict[str, Any]:
         """This model's entry in ``GET /v1/models``, as vLLM writes it (``max_model_len`` included)."""

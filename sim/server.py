@@ -48,6 +48,7 @@ from fleetward.sim.admin import Admin, parse_faults
 from fleetward.sim.endpoints import mount
 from fleetward.sim.engine import Faults, SimEngine
 from fleetward.sim.kvtransfer import KvTransfer
+from fleetward.sim.lora import Adapters
 from fleetward.sim.metrics import metrics_endpoint
 from fleetward.sim.protocol import ApiError
 from fleetward.sim.responses import json_response
@@ -104,6 +105,10 @@ class SimWorker:
         r.add_route("/admin/faults", admin.post_faults, methods=["POST"])
         r.add_route("/admin/state", admin.state, methods=["GET"])
         r.add_route("/kv/{transfer_id}", self.kv.endpoint, methods=["GET"])
+        if config.runtime_lora:
+            lora = Adapters(self.served)
+            r.add_route("/v1/load_lora_adapter", lora.load, methods=["POST"])
+            r.add_route("/v1/unload_lora_adapter", lora.unload, methods=["POST"])
         self.app = app
         mount(r, self.served, self.engine, config, clock)
 
@@ -133,7 +138,7 @@ class SimWorker:
         return Response(status_code=200)
 
     async def _models(self, request: Request) -> Response:
-        return json_response({"object": "list", "data": [self.served.card(int(self.clock.wall()))]})
+        return json_response({"object": "list", "data": self.served.cards(int(self.clock.wall()))})
 
 
 def create_app(config: SimConfig, *, admin_token: SecretStr | str | None = None, clock: Clock = SYSTEM_CLOCK,

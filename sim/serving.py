@@ -90,7 +90,7 @@ class CompletionServing:
         req = self._engine.submit(parsed.prompt_ids, parsed.spec, rid, kv=kv)
         if parsed.stream:
             shape = ChatChunks if chat else CompletionChunks
-            chunks = shape(parsed, rid, created, self._served.name, self._served.system_fingerprint)
+            chunks = shape(parsed, rid, created, parsed.adapter or self._served.name, self._served.system_fingerprint)
             return EventStream(events(req, chunks), functools.partial(self._engine.release, req))
         # A list of prompts, ``n`` choices: one engine request per choice, run side by side (in vLLM's order).
         reqs = [req, *(self._engine.submit(ids, spec, f"{rid}-{k}")
@@ -134,7 +134,7 @@ class CompletionServing:
                     "stop_reason": req.stop_reason, "token_ids": list(req.output_ids) if rt else None,
                     "prompt_logprobs": None, "prompt_token_ids": list(req.prompt_ids) if rt else None,
                     "routed_experts": None} for k, req in enumerate(reqs)]
-        return {"id": rid, "object": "text_completion", "created": created, "model": self._served.name,
+        return {"id": rid, "object": "text_completion", "created": created, "model": p.adapter or self._served.name,
                 "choices": choices, "service_tier": None, "system_fingerprint": self._served.system_fingerprint,
                 "usage": _usage(*reqs, n=p.n), "kv_transfer_params": None, "ec_transfer_params": None,
                 "metrics": None}
@@ -147,7 +147,7 @@ class CompletionServing:
                     "logprobs": None, "finish_reason": req.finish_reason, "stop_reason": req.stop_reason,
                     "token_ids": list(req.output_ids) if rt else None, "routed_experts": None}
                    for k, req in enumerate(reqs)]
-        return {"id": rid, "object": "chat.completion", "created": created, "model": self._served.name,
+        return {"id": rid, "object": "chat.completion", "created": created, "model": p.adapter or self._served.name,
                 "choices": choices, "service_tier": None, "system_fingerprint": self._served.system_fingerprint,
                 "usage": _usage(*reqs, n=p.n), "prompt_logprobs": None,
                 "prompt_token_ids": p.prompt_ids if rt else None, "prompt_text": None,
