@@ -109,12 +109,23 @@ def answer(rid: str, created: float, parts: Sequence[tuple[Journal, Any]], per_p
     out = dict(answers[0])
     out["id"], out["created"] = rid, int(created)
     out["choices"] = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
-    prompt = sum(a["usage"]["prompt_tokens"] for a in answers[::per_prompt])
-    completion = sum(a["usage"]["completion_tokens"] for a in answers)
-    out["usage"] = {**out["usage"], "prompt_tokens": prompt, "completion_tokens": completion,
-                    "total_tokens": prompt + completion}
-    out["system_fingerprint"] = next((a["system_fingerprint"] for a in answers if a["system_fingerprint"]), None)
+    js = [j for j, _ in parts]
+    out["usage"] = {**out["usage"], **_usage(js, per_prompt)}
+    out["system_fingerprint"] = _fingerprint(js)
     return out
+
+
+def _usage(js: Sequence[Journal], per_prompt: int) -> dict[str, int]:
+    """The choices' usage as vLLM sums it: each prompt's tokens once (``per_prompt`` choices each), every
+    choice's completion tokens."""
+    prompt = sum(len(j.prompt_ids or ()) for j in js[::per_prompt])
+    completion = sum(len(j.emitted) for j in js)
+    return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+
+
+def _fingerprint(js: Sequence[Journal]) -> str | None:
+    """The ``system_fingerprint`` of the first choice whose worker gave one."""
+    return next((j.fingerprint for j in js if j.fingerprint is not None), None)
 
 
 class FanOut:
@@ -187,12 +198,9 @@ class FanOut:
         parts = []
         if js[0].wants_usage:
             chunk = wire.usage_chunk(js[0])
-            prompt = sum(len(j.prompt_ids or ()) for j in js[::self.per_prompt])
-            completion = sum(len(j.emitted) for j in js)
             chunk["id"] = self._rid
-            chunk["usage"] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
-                              "completion_tokens": completion}
-            fingerprint = next((j.fingerprint for j in js if j.fingerprint is not None), None)
+            chunk["usage"] = _usage(js, self.per_prompt)
+            fingerprint = _fingerprint(js)
             if fingerprint is not None:
                 chunk["system_fingerprint"] = fingerprint
             parts.append(wire.event(chunk))

@@ -166,20 +166,14 @@ class Serving:
                           rid=rid, index=k) for k, j in enumerate(js)]
         fan = FanOut(rid, outs, split.n, self.metrics)
         work = asyncio.create_task(self._generate_choices(outs, fan), name=f"stream-{rid}")
-        try:
-            if not fan.started.done():
-                await asyncio.wait({fan.started, work}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            work.cancel()
-            raise
-        if not fan.started.done():  # no worker took any choice
+
+        def release() -> None:
             for j in js:
                 self.router.release(j.id)
-            exc = work.exception()
-            if isinstance(exc, RouterError):
-                self.metrics.requests.labels(kind.value, f"http_{exc.status}").inc()
-                return exc.response()
-            raise exc if exc is not None else RuntimeError("the stream ended before it started")
+
+        refused = await self._until_started(fan.started, work, kind, release)  # no worker took every choice
+        if refused is not None:
+            return refused
 
         def ended(finished: bool) -> None:
             for j in js:
@@ -264,20 +258,15 @@ class Serving:
         work = asyncio.create_task(self._generate(j, out), name=f"stream-{j.id}")
         active = router.active[j.id]
         active.tasks.add(work)
-        try:
-            if not out.started.done():
-                await asyncio.wait({out.started, work}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            work.cancel()
-            raise
-        if not out.started.done():  # no worker took it
+
+        def release() -> None:
             active.tasks.discard(work)
-            exc = work.exception()  # CancelledError here: another router took it over meanwhile
             router.release(j.id)
-            if isinstance(exc, RouterError):
-                self.metrics.requests.labels(j.kind.value, f"http_{exc.status}").inc()
-                return exc.response()
-            raise exc if exc is not None else RuntimeError("the stream ended before it started")
+
+        # No worker took it: an HTTP error (CancelledError: another router took it over meanwhile).
+        refused = await self._until_started(out.started, work, j.kind, release)
+        if refused is not None:
+            return refused
 
         def ended(finished: bool) -> None:
             active.tasks.discard(work)
@@ -290,6 +279,25 @@ class Serving:
                 self.metrics.requests.labels(j.kind.value, "client_disconnected").inc()
 
         return StreamResponse(out, work, headers={"Cache-Control": "no-cache", "X-Request-Id": j.id}, on_end=ended)
+
+    async def _until_started(self, started: asyncio.Future[None], work: asyncio.Task[None], kind: Kind,
+                             release: Callable[[], None]) -> Response | None:
+        """Until the response is a stream (``started``: a worker took the request) or its ``work`` ended
+        first; then the request is let go (``release``) and the answer is its HTTP error. None: streaming."""
+        try:
+            if not started.done():
+                await asyncio.wait({started, work}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            work.cancel()
+            raise
+        if started.done():
+            return None
+        exc = work.exception()
+        release()
+        if isinstance(exc, RouterError):
+            self.metrics.requests.labels(kind.value, f"http_{exc.status}").inc()
+            return exc.response()
+        raise exc if exc is not None else RuntimeError("the stream ended before it started")
 
     async def _generate(self, j: Journal, out: SseOutput) -> None:
         try:
