@@ -310,6 +310,8 @@ def merge_chunk(prev: dict[str, Any], new: dict[str, Any]) -> bool:
         elif key == "logprobs" and isinstance(value, dict) and isinstance(a.get("logprobs"), dict):
             a["logprobs"] = {k: [*a["logprobs"].get(k, []), *v] if isinstance(v, list) else v
                              for k, v in value.items()}
+        elif key in ("prompt_token_ids", "prompt_logprobs") and value is None:
+            continue  # vLLM sends what is the prompt's on a choice's first chunk only: null after it
         elif key not in ("delta", "text"):
             a[key] = value
     prev.update({k: v for k, v in new.items() if k != "choices"})

@@ -225,9 +225,10 @@ async def test_scales_up_under_load_and_down_by_draining_without_cutting_a_strea
     seen = seen_under_load[0]
     rate, mean_output, mean_input = seen["arrival_rate"], seen["mean_output"], seen["mean_input"]
     assert rate is not None and mean_output is not None and mean_input is not None, seen
-    # The load as the routers and workers showed it: 8 req/s, 6-8-token prompts, 4-token answers (counter
-    # deltas over an interval also hold tokens of requests that finish in the next one: about, not exactly).
-    assert rate > 2 and 2 <= mean_output <= 6 and 2 <= mean_input <= 12
+    # The load as the routers and workers showed it: 8 req/s, 6-8-token prompts, 4-token answers. About, not
+    # exactly: one 0.5 s interval's counter deltas over the ~4 requests it finished also hold the prompts of
+    # requests admitted in it that finish in the next one, and the supervisors' canaries (13 seen once in CI).
+    assert rate > 2 and 2 <= mean_output <= 6 and 2 <= mean_input <= 24
     assert rec is not None and rec.desired == 1 and sorted(rec.parked) == sorted(
         w for w, s in (await states(fleet)).items() if s == "dead")
     ups = [e for e in events if e.data.get("started")]
