@@ -34,6 +34,8 @@ import psutil
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from fleetward.chaos import faults as fault_library
+from fleetward.chaos.fault import CATALOGUE, Fault, Target
 from fleetward.chaos.harness import TestFleet
 from fleetward.fleet.backends import SimBackend
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock, ManualClock
@@ -392,3 +394,32 @@ def write_lora_adapter(path: Path, *, seed: int, rank: int = 8) -> Path:
         "target_modules": list(width), "bias": "none", "base_model_name_or_path": None, "fan_in_fan_out": False,
         "modules_to_save": None, "use_rslora": False, "use_dora": False}))
     return path
+
+
+class BusRecorder:
+    """Every event the fleet's bus carries from now on (wait on ``subscribed`` before acting)."""
+
+    def __init__(self, fleet: TestFleet) -> None:
+        self.events: list[Any] = []
+        self.subscribed = asyncio.Event()
+        self.task = asyncio.create_task(self._run(fleet))
+
+    async def _run(self, fleet: TestFleet) -> None:
+        async for e in fleet.bus.subscribe(subscribed=self.subscribed):
+            self.events.append(e)
+
+    def of(self, kind: str, worker: str) -> list[Any]:
+        return [e for e in self.events if e.kind == kind and e.worker == worker]
+
+    def detected(self, worker: str, detector: str) -> bool:
+        """Whether the supervisor called ``worker`` unhealthy by ``detector``."""
+        return any(e.data["state"] == "unhealthy" and e.data["detector"] == detector
+                   for e in self.of("health.changed", worker))
+
+
+def library_fault(name: str, worker: str, **params: Any) -> Fault:
+    """The chaos library's fault ``name`` (``process.kill_engine``...) aimed at one worker, as an experiment
+    builds it (recovery waits up to 240 s: a vLLM restart on a busy CPU)."""
+    assert fault_library.process  # importing the package fills the catalogue
+    spec = CATALOGUE[name]
+    return spec.factory(spec.params(recover_timeout_s=240, **params), Target(kind="worker", ids=(worker,)))

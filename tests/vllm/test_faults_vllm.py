@@ -1,7 +1,7 @@
 """Process faults on real vLLM (CPU): the library's vLLM experiment on the session's workers (the whole tree
-killed, then the engine frozen by the cgroup freezer, which sends no signal and leaves /health 200). The engine
-kill and vLLM's silent hang (SIGSTOP of EngineCore) are injected by the same faults in test_supervisor_on_vllm,
-mid-stream, where the supervisor's verdict is checked on the same restart."""
+killed, then the engine frozen by the cgroup freezer, which sends no signal and leaves /health 200: vLLM's
+silent hang, named by the agent's engine-frozen detector). The engine alone killed is test_supervisor_on_vllm's,
+the API server alone test_text_on_vllm's, each mid-stream with the supervisor's verdict on the same restart."""
 
 from __future__ import annotations
 
@@ -49,6 +49,6 @@ async def test_the_vllm_kill_and_hang_experiment_passes_on_the_session_workers(v
         history = list(read_history(result.run_dir / "history.jsonl"))
         (frozen,) = {w for r in history if r.type == "fault" and r.get("activity") == "freeze"
                      for w in r.get("targets") or ()}
-        reasons = [r.get("reason") or "" for r in history
-                   if r.type == "event" and r.get("kind") == "hang.detected" and r.get("worker") == frozen]
-        assert any("not scheduled" in reason for reason in reasons), reasons
+        verdicts = [(r.get("detector"), r.get("reason") or "") for r in history
+                    if r.type == "event" and r.get("kind") == "hang.detected" and r.get("worker") == frozen]
+        assert any(d == "engine-frozen" and "not scheduled" in why for d, why in verdicts), verdicts

@@ -2,22 +2,26 @@
 non-ASCII prompts through the router with the official openai client.
 
 - Uninterrupted, the router's text equals vLLM's own text for the same ids (the detokenizers agree).
-- A worker SIGKILLed mid-stream: every stream's text equals the uninterrupted text (the resumed attempt
-  detokenizes from the resumed prompt on the worker; the router's text does not depend on it).
+- A worker's API server SIGKILLed mid-stream: every stream's text equals the uninterrupted text (the resumed
+  attempt detokenizes from the resumed prompt on the worker; the router's text does not depend on it), and
+  the supervisor's side of that failure (detected, the engine it left stopped, restarted).
 - The same through a ``Last-Event-ID`` resume on a second router after the first one died.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import httpx
 import orjson
+import psutil
 import pytest
 from openai import AsyncOpenAI
-from testkit import checkpointed
+from testkit import BusRecorder, checkpointed, library_fault
 
+from fleetward.chaos.fault import Fault
 from fleetward.chaos.harness import TestFleet
 from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.cgroups import CpuGroup, cgroups_available
@@ -98,11 +102,19 @@ async def test_the_routers_text_equals_vllms_own_text_for_the_same_ids(vllm_flee
         await vllm_fleet.stop_router(router)
 
 
-async def test_a_worker_sigkilled_mid_stream_leaves_every_chat_text_exact(vllm_fleet: TestFleet) -> None:
+async def test_an_api_server_sigkilled_mid_stream_leaves_every_chat_text_exact(vllm_fleet: TestFleet,
+                                                                                wait_until: Any) -> None:
+    """The API server alone SIGKILLed (the library's ``process.kill_worker`` of the root, as the kernel's OOM
+    killer picks one process) mid-stream: every chat stream's ids and text equal vLLM's uninterrupted ones;
+    the agent detects the death, stops the EngineCore and Worker it left running (reparented to init, 2.3 GB
+    each here, a GPU's memory on a GPU host) and the server is restarted by its command."""
     if not cgroups_available():
         pytest.skip("needs root and the cgroup cpu controller to slow the workers down")
     router = await vllm_fleet.start_router("vllm-text-kill")
+    recorder = BusRecorder(vllm_fleet)
+    await recorder.subscribed.wait()
     expected = await references(vllm_fleet)
+    ctx = vllm_fleet.fault_context()
     # The tiny model streams ~500 tokens/s here: throttle both workers so the kill lands mid-stream; the
     # survivor gets its CPU back at the kill.
     groups = {w: CpuGroup(f"vllm-text-{w}") for w in vllm_fleet.worker_ids}
@@ -111,7 +123,7 @@ async def test_a_worker_sigkilled_mid_stream_leaves_every_chat_text_exact(vllm_f
         pid = vllm_fleet.handle(w).process.pid
         assert pid is not None
         g.add_tree(pid)
-    killed: list[str] = []
+    killed: list[tuple[str, Fault, int, list[psutil.Process]]] = []  # victim, fault, its pid, its engine
 
     async def kill_mid_stream(client: httpx.AsyncClient) -> None:
         while True:
@@ -119,8 +131,10 @@ async def test_a_worker_sigkilled_mid_stream_leaves_every_chat_text_exact(vllm_f
             busy = sorted((p["in_flight"], w) for w, p in progress.items() if p["in_flight"])
             if busy and sum(p["tokens"] for p in progress.values()) >= 40 * len(PROMPTS):
                 victim = busy[-1][1]
-                vllm_fleet.kill(victim)
-                killed.append(victim)
+                api_server, *engine = vllm_fleet.processes(victim)
+                fault = library_fault("process.kill_worker", victim, scope="root")
+                killed.append((victim, fault, api_server.pid, engine))
+                await fault.inject(ctx)
                 for w, g in groups.items():
                     if w != victim:
                         g.remove()
@@ -133,16 +147,36 @@ async def test_a_worker_sigkilled_mid_stream_leaves_every_chat_text_exact(vllm_f
             killer = asyncio.create_task(kill_mid_stream(http))
             got = await asyncio.gather(*(openai_chat(client, p) for p in PROMPTS))
             killer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await killer
             metrics = (await http.get(router.url + "/metrics")).text
         assert killed, "the kill landed while streams were running"
         assert "fleetward_router_migrations_total{reason=" in metrics
         for p, result in zip(PROMPTS, got, strict=True):
             assert result[0] == expected[p][0], f"{p}: token ids"
             assert result[1] == expected[p][1], f"{p}: text"
+        victim, fault, before, engine = killed[0]
+        assert await fault.verify(ctx), fault.describe()
+        assert any("EngineCore" in p.name() for p in engine), engine
+        await wait_until(lambda: recorder.detected(victim, "process"), timeout=30,
+                         message="the API server's death detected by the process detector")
+
+        def engine_gone() -> bool:
+            return not [p for p in engine if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+        # Before the fault's recovery, which would stop them itself.
+        await wait_until(engine_gone, timeout=30, message="the EngineCore and Worker the API server left are stopped")
+        await vllm_fleet.wait_healthy(timeout=240)
+        assert vllm_fleet.handle(victim).process.pid != before, "restarted by its command"
     finally:
         for g in groups.values():
             g.remove()
+        recorder.task.cancel()
+        for _, fault, _, _ in killed:
+            await fault.recover(ctx)
         await vllm_fleet.stop_router(router)
+    for _, fault, _, _ in killed:
+        assert await fault.verify_recovered(ctx), fault.describe()
 
 
 async def test_a_last_event_id_resume_on_a_second_router_keeps_the_text_exact(vllm_fleet: TestFleet,
