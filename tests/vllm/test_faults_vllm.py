@@ -1,7 +1,8 @@
-"""Process faults on real vLLM (CPU): the library's vLLM experiment on the session's workers (the whole tree
-killed, then the engine frozen by the cgroup freezer, which sends no signal and leaves /health 200: vLLM's
-silent hang, named by the agent's engine-frozen detector). The engine alone killed is test_supervisor_on_vllm's,
-the API server alone test_text_on_vllm's, each mid-stream with the supervisor's verdict on the same restart."""
+"""Process faults on real vLLM (CPU): the library's vLLM experiment on the session's workers, its kill aimed at
+the engine alone (EngineCore SIGKILLed: the API server lives on and answers 5xx, and the agent's process
+detector names it), then the engine frozen by the cgroup freezer, which sends no signal and leaves /health 200
+(vLLM's silent hang, named by the agent's engine-frozen detector). The API server alone killed is
+test_text_on_vllm's, mid-stream with the supervisor's verdict on the same restart."""
 
 from __future__ import annotations
 
@@ -24,15 +25,19 @@ LIBRARY = Path(__file__).resolve().parents[2] / "chaos" / "experiments"
 
 async def test_the_vllm_kill_and_hang_experiment_passes_on_the_session_workers(vllm_fleet: TestFleet,
                                                                                tmp_path: Path) -> None:
-    """The library's vLLM experiment end to end (kill, then freeze, the busiest worker), on this session's
-    two workers instead of two more: a greedy reference run after the method, every checker passes. The
-    freeze is the cgroup freezer's, of the engine alone (where the host has one; else the library's SIGSTOP
-    of the tree): no signal, no stopped state, /health still 200 (the fault's own verification), and the
-    agent names the hang by what it measures, engine processes not scheduled. Each was once a test of its
-    own, and a vLLM restart costs 30-60 s here."""
+    """The library's vLLM experiment end to end (kill the engine of, then freeze, the busiest worker), on
+    this session's two workers instead of two more: a greedy reference run after the method, every checker
+    passes. The freeze is the cgroup freezer's, of the engine alone (where the host has one; else the
+    library's SIGSTOP of the tree): no signal, no stopped state, /health still 200 (the fault's own
+    verification), and the agent names the hang by what it measures, engine processes not scheduled. Each
+    was once a test of its own, and a vLLM restart costs 30-60 s here."""
     data = yaml.safe_load((LIBRARY / "vllm-kill-and-hang.yaml").read_text())
     data["fleet"]["node"] = "cpu"  # the session fleet's node, and so its workers' names
     data["blast_radius"]["workers"] = ["cpu-w*"]
+    # The engine alone is killed, not the tree: vLLM's own failure (the API server lives on and answers 5xx),
+    # where the tree's death is what every simulated worker's kill proves.
+    assert data["method"][0]["fault"] == "process.kill_worker"
+    data["method"][0]["fault"] = "process.kill_engine"
     frozen_by_cgroup = FreezerGroup.unavailable_reason() is None
     if frozen_by_cgroup:
         data["method"][1]["params"] = {"mode": "cgroup_freeze", "recover_timeout_s": 240}
@@ -45,10 +50,21 @@ async def test_the_vllm_kill_and_hang_experiment_passes_on_the_session_workers(v
     named = ("stream_exactness", "sse_ids", "availability", "detection", "migration_limit", "fault_verification")
     assert {c: statuses.get(c) for c in named} == dict.fromkeys(named, "pass"), statuses
     assert [a["activity"]["name"] for a in result.journal["run"]] == ["kill", "freeze"]
-    if frozen_by_cgroup:
-        history = list(read_history(result.run_dir / "history.jsonl"))
-        (frozen,) = {w for r in history if r.type == "fault" and r.get("activity") == "freeze"
+    history = list(read_history(result.run_dir / "history.jsonl"))
+
+    def faulted(activity: str) -> str:
+        (worker,) = {str(w) for r in history if r.type == "fault" and r.get("activity") == activity
                      for w in r.get("targets") or ()}
+        return worker
+
+    killed = faulted("kill")
+    engines = result.journal["run"][0]["output"]["fault"]["detail"]["engine_pids"][killed]
+    assert engines, "the EngineCore (and its Worker) killed"
+    assert any(r.type == "event" and r.get("kind") == "health.changed" and r.get("worker") == killed
+               and r.get("state") == "unhealthy" and r.get("detector") == "process" for r in history), \
+        "the engine's death named by the agent's process detector"
+    if frozen_by_cgroup:
+        frozen = faulted("freeze")
         verdicts = [(r.get("detector"), r.get("reason") or "") for r in history
                     if r.type == "event" and r.get("kind") == "hang.detected" and r.get("worker") == frozen]
         assert any(d == "engine-frozen" and "not scheduled" in why for d, why in verdicts), verdicts

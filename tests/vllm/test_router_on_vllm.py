@@ -1,7 +1,6 @@
 """The router on real vLLM (CPU, tiny model, greedy): what a client reads through the router is what the vLLM
-server sends, on every endpoint. A killed worker's stream completing exactly through the router is
-test_supervisor_on_vllm's (each kind of failure, with the router's migration counted) and test_text_on_vllm's
-(chat text)."""
+server sends, on every endpoint. A killed worker's streams completing exactly through the router are
+test_faults_vllm's (the library's vLLM experiment, every checker) and test_text_on_vllm's (chat text)."""
 
 from __future__ import annotations
 
