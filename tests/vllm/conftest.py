@@ -17,10 +17,12 @@ import importlib.util
 import json
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import pytest_asyncio
 from testkit import VLLM_LEASE_S
@@ -83,6 +85,65 @@ def start_vllm_server() -> Any:
     return vllm_server
 
 
+def stop_servers(servers: list[AttachConfig]) -> None:
+    """Each server's whole tree, waited for: gone before the next module starts servers of its own."""
+    for entry in servers:
+        assert entry.process is not None and entry.process.pidfile is not None
+        pid = pid_from_file(entry.process.pidfile)
+        if pid:
+            procs = tree_of(pid)
+            kill_tree(procs)
+            psutil.wait_procs(procs, timeout=60)
+
+
+KV_PAIR = ("kv-a", "kv-b")
+
+
+@dataclass
+class KvPair:
+    """Two vLLM servers joined by fleetward's KV connector (``kv_both``, one shared folder), started outside
+    fleetward: ``servers`` adopt them (ids ``kv-a``, ``kv-b``; their logs and pidfiles in ``root``)."""
+
+    servers: list[AttachConfig]
+    root: Path
+    kv: Path
+    session_processes: Any
+    stopped: bool = False
+
+    def keep(self) -> None:
+        """The servers (as restarted, if they were) outlive the module that used them, on purpose."""
+        for entry in self.servers:
+            assert entry.process is not None and entry.process.pidfile is not None
+            if pid := pid_from_file(entry.process.pidfile):
+                self.session_processes.register(pid)
+
+    def stop(self) -> None:
+        if not self.stopped:
+            self.stopped = True
+            stop_servers(self.servers)
+
+
+@pytest.fixture(scope="session")
+def kv_pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, session_processes: Any) -> Iterator[KvPair]:
+    """The KV pair, shared by the planned moves (test_a_moves_on_vllm: aggregated workers) and prefill/decode
+    (test_a_pd_on_vllm: the same servers adopted as a prefill and a decode worker), which stops it when done:
+    a pair costs a minute to start here, and never runs beside the session's own pair."""
+    root = tmp_path_factory.mktemp("vllm-kv")
+    kv = root / "kv"
+    kv.mkdir()
+    config = {"kv_connector": "FleetwardExampleConnector", "kv_connector_module_path": "fleetward.fleet.kvconnector",
+              "kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": str(kv)}}
+    backend = VllmBackend(VllmConfig(extra_args=("--kv-transfer-config", json.dumps(config))), tiny_model)
+    pair = KvPair([vllm_server(backend, w, root, cores) for w, cores in zip(KV_PAIR, spread_cores(2), strict=True)],
+                  root, kv, session_processes)
+    try:
+        yield pair
+    finally:
+        pair.stop()
+
+
+
+
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def _vllm_session(tiny_model: Path, etcd_endpoint: str, broker_endpoint: str,
                         tmp_path_factory: pytest.TempPathFactory, session_processes: Any) -> AsyncIterator[TestFleet]:
@@ -102,11 +163,7 @@ async def _vllm_session(tiny_model: Path, etcd_endpoint: str, broker_endpoint: s
         yield fleet
     finally:
         await fleet.aclose()  # the agent gives the servers up: they keep running, as an operator's would
-        for entry in attach:
-            assert entry.process is not None and entry.process.pidfile is not None
-            pid = pid_from_file(entry.process.pidfile)
-            if pid:
-                kill_tree(tree_of(pid))
+        stop_servers(attach)
 
 
 async def ensure_healthy(fleet: TestFleet, session_processes: Any) -> None:

@@ -12,14 +12,14 @@ A drain under load moves every stream with its KV, each exact as ids and text; a
 the save and the load (the destination held still meanwhile) is refused by the destination's check, which
 computes the stream instead: exact, later.
 
-Named ``test_a_...`` to run before the session's shared vLLM servers start: two vLLM servers at once.
+Named ``test_a_...`` to run before the session's shared vLLM servers start: two vLLM servers at once. The
+pair (``kv_pair``) is test_a_pd_on_vllm's next, which stops it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 from collections.abc import AsyncIterator, Iterator
@@ -28,7 +28,6 @@ from typing import Any
 
 import httpx
 import orjson
-import psutil
 import pytest
 import pytest_asyncio
 from testkit import VLLM_LEASE_S, eventually, metric
@@ -39,31 +38,22 @@ from fleetward.fleet.backends import VllmBackend
 from fleetward.fleet.cgroups import CpuGroup, cgroups_available
 from fleetward.fleet.config import RouterConfig, SupervisorConfig, VllmConfig
 from fleetward.fleet.kv import MANIFEST
-from fleetward.fleet.procs import kill_tree, pid_from_file, spread_cores, tree_of
+from fleetward.fleet.procs import pid_from_file
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
-WORKERS = ("mv-a", "mv-b")
-
-
-def connector(folder: Path) -> tuple[str, ...]:
-    config = {"kv_connector": "FleetwardExampleConnector", "kv_connector_module_path": "fleetward.fleet.kvconnector",
-              "kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": str(folder)}}
-    return ("--kv-transfer-config", json.dumps(config))
+WORKERS = ("kv-a", "kv-b")  # the KV pair's (tests/vllm/conftest.py, kv_pair)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def moving(tiny_model: Path, etcd_endpoint: str, broker_endpoint: str, tmp_path_factory: pytest.TempPathFactory,
-                 start_vllm_server: Any) -> AsyncIterator[tuple[TestFleet, Path]]:
-    root = tmp_path_factory.mktemp("vllm-moves")
-    kv = root / "kv"
-    kv.mkdir()
-    backend = VllmBackend(VllmConfig(extra_args=connector(kv)), tiny_model)
-    servers = [start_vllm_server(backend, w, root, cores) for w, cores in zip(WORKERS, spread_cores(2), strict=True)]
+async def moving(tiny_model: Path, etcd_endpoint: str, broker_endpoint: str,
+                 kv_pair: Any) -> AsyncIterator[tuple[TestFleet, Path]]:
+    assert tuple(s.id for s in kv_pair.servers) == WORKERS
     # Leases of VLLM_LEASE_S: a controller that loses its lease mid-drain orders no move, and a router whose
     # record lapses is not asked what runs where.
     fleet = TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="vllm-moves", workers=0, node="cpu",
-                      backend=VllmBackend(VllmConfig(), tiny_model), attach=servers, run_dir=root / "fleet",
+                      backend=VllmBackend(VllmConfig(), tiny_model), attach=kv_pair.servers,
+                      run_dir=kv_pair.root / "fleet-moves",
                       routing=RouterConfig(stall_floor_s=15.0, affinity_tokens=0, lease_ttl_s=VLLM_LEASE_S),
                       lease_ttl=VLLM_LEASE_S,
                       supervisor=SupervisorConfig(canary_timeout_s=5.0, canary_interval_s=30.0, drain_move_s=30.0,
@@ -72,16 +62,10 @@ async def moving(tiny_model: Path, etcd_endpoint: str, broker_endpoint: str, tmp
         await fleet.start()
         await fleet.restore(timeout=240)
         await fleet.start_router("moves-router")
-        yield fleet, kv
+        yield fleet, kv_pair.kv
     finally:
-        await fleet.aclose()
-        for entry in servers:
-            assert entry.process is not None and entry.process.pidfile is not None
-            pid = pid_from_file(entry.process.pidfile)
-            if pid:
-                procs = tree_of(pid)
-                kill_tree(procs)
-                psutil.wait_procs(procs, timeout=60)  # gone before the next module starts servers of its own
+        await fleet.aclose()  # the servers live on for test_a_pd_on_vllm, which stops them
+        kv_pair.keep()
 
 
 def prompt(seed: int, length: int) -> list[int]:

@@ -1,7 +1,8 @@
-"""Prefill/decode on real vLLM (CPU): a prefill server and a decode server joined by fleetward's connector
-(vLLM's ExampleConnector, each request's KV as safetensors files under a shared folder, plus a manifest the
-decode side checks before it loads anything: fleetward.fleet.kvconnector, docs/pd.md), adopted with roles
-``prefill`` and ``decode``, behind fleetward's router.
+"""Prefill/decode on real vLLM (CPU): two servers joined by fleetward's connector (vLLM's ExampleConnector,
+each request's KV as safetensors files under a shared folder, plus a manifest the loading side checks before
+it loads anything: fleetward.fleet.kvconnector, docs/pd.md), adopted with roles ``prefill`` and ``decode``,
+behind fleetward's router. They are the KV pair test_a_moves_on_vllm used (``kv_both``, which makes and takes
+KV, so one pair serves both modules: a pair costs a minute to start here), and this module stops them.
 
 A stream's prompt is prefilled on the one and decoded on the other, which loads the KV instead of computing
 it. Then KV faults as real file faults in the shared folder (corrupted values, another prompt's KV, a
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import shutil
 import signal
@@ -37,7 +37,6 @@ from fleetward.chaos.harness import TestFleet
 from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.backends import VllmBackend
 from fleetward.fleet.config import RouterConfig, SupervisorConfig, VllmConfig
-from fleetward.fleet.procs import kill_tree, pid_from_file, spread_cores, tree_of
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -45,25 +44,16 @@ PROMPT_LEN = 300  # vLLM's CPU KV blocks hold 128 tokens, and the connector move
 COVERED = 256
 
 
-def connector(role: str, folder: Path) -> tuple[str, ...]:
-    config = {"kv_connector": "FleetwardExampleConnector", "kv_connector_module_path": "fleetward.fleet.kvconnector",
-              "kv_role": role, "kv_connector_extra_config": {"shared_storage_path": str(folder)}}
-    return ("--kv-transfer-config", json.dumps(config))
+PREFILL, DECODE = "kv-a", "kv-b"  # the KV pair's servers (tests/vllm/conftest.py, kv_pair), adopted with roles
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def pd(tiny_model: Path, etcd_endpoint: str, broker_endpoint: str, tmp_path_factory: pytest.TempPathFactory,
-             start_vllm_server: Any) -> AsyncIterator[tuple[TestFleet, Path]]:
-    root = tmp_path_factory.mktemp("vllm-pd")
-    kv = root / "kv"
-    kv.mkdir()
-    servers = []
-    roles = (("pd-prefill", "prefill", "kv_producer"), ("pd-decode", "decode", "kv_consumer"))
-    for (worker, role, kv_role), cores in zip(roles, spread_cores(2), strict=True):
-        backend = VllmBackend(VllmConfig(extra_args=connector(kv_role, kv)), tiny_model)
-        servers.append(start_vllm_server(backend, worker, root, cores).model_copy(update={"role": role}))
+async def pd(tiny_model: Path, etcd_endpoint: str, broker_endpoint: str,
+             kv_pair: Any) -> AsyncIterator[tuple[TestFleet, Path]]:
+    role = {PREFILL: "prefill", DECODE: "decode"}
+    servers = [s.model_copy(update={"role": role[s.id]}) for s in kv_pair.servers]
     fleet = TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="vllm-pd", workers=0, node="cpu",
-                      backend=VllmBackend(VllmConfig(), tiny_model), attach=servers, run_dir=root / "fleet",
+                      backend=VllmBackend(VllmConfig(), tiny_model), attach=servers, run_dir=kv_pair.root / "fleet-pd",
                       routing=RouterConfig(stall_floor_s=2.0, prefill_timeout_s=5.0),
                       # Canaries (one-token prompts, which crash vLLM's own connector) as usual.
                       supervisor=SupervisorConfig(canary_timeout_s=5.0, canary_interval_s=5.0))
@@ -71,18 +61,16 @@ async def pd(tiny_model: Path, etcd_endpoint: str, broker_endpoint: str, tmp_pat
         await fleet.start()
         await fleet.restore(timeout=240)
         await fleet.start_router("pd-router")
-        yield fleet, kv
+        yield fleet, kv_pair.kv
     finally:
         await fleet.aclose()
-        for entry in servers:
-            assert entry.process is not None and entry.process.pidfile is not None
-            pid = pid_from_file(entry.process.pidfile)
-            if pid:
-                kill_tree(tree_of(pid))
+        kv_pair.stop()  # the last module of the pair's
 
 
 def prompt(seed: int) -> list[int]:
-    return [(i * 7 + seed * 13) % 4000 + 5 for i in range(PROMPT_LEN)]
+    """Not a prefix of test_a_moves_on_vllm's prompts (another stride): the same servers served those, and a
+    prompt in a server's prefix cache needs no KV from the other."""
+    return [(i * 11 + seed * 13) % 4000 + 5 for i in range(PROMPT_LEN)]
 
 
 def folder_of(kv: Path, ids: list[int]) -> Path:
@@ -93,8 +81,8 @@ def folder_of(kv: Path, ids: list[int]) -> Path:
 async def aggregated(fleet: TestFleet, ids: list[int], n: int) -> list[int]:
     """What one vLLM server computes alone (the prefill server is a whole vLLM: it can decode too)."""
     async with httpx.AsyncClient(timeout=120) as client:
-        r = await client.post(fleet.url("pd-prefill") + "/v1/completions", json={
-            "model": fleet.spec("pd-prefill").model, "prompt": ids, "max_tokens": n, "temperature": 0,
+        r = await client.post(fleet.url(PREFILL) + "/v1/completions", json={
+            "model": fleet.spec(PREFILL).model, "prompt": ids, "max_tokens": n, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True})
     r.raise_for_status()
     return list(r.json()["choices"][0]["token_ids"])
@@ -104,7 +92,7 @@ async def through_the_router(fleet: TestFleet, ids: list[int], n: int) -> tuple[
     """The streamed tokens, and the workers that produced them."""
     tokens: list[int] = []
     workers: set[str] = set()
-    body = {"model": fleet.spec("pd-decode").model, "prompt": ids, "max_tokens": n, "temperature": 0,
+    body = {"model": fleet.spec(DECODE).model, "prompt": ids, "max_tokens": n, "temperature": 0,
             "ignore_eos": True, "stream": True, "return_token_ids": True}
     async with httpx.AsyncClient(timeout=120) as client, client.stream(
             "POST", fleet.routers[0].url + "/v1/completions", json=body, headers={"X-Fleetward-Trace": "1"}) as r:
@@ -128,14 +116,14 @@ async def prefills(fleet: TestFleet) -> dict[str, float]:
 
 
 def decode_log(fleet: TestFleet) -> str:
-    return (fleet.run_dir.parent / "pd-decode.log").read_text(errors="replace")
+    return (fleet.run_dir.parent / f"{DECODE}.log").read_text(errors="replace")
 
 
 def refusals(fleet: TestFleet) -> int:
     """KV folders either server refused (the prefill server checks too: it would load its own KV for a prompt
     it has seen, and then not write it again)."""
     return sum((fleet.run_dir.parent / f"{w}.log").read_text(errors="replace").count("failed its check")
-               for w in ("pd-prefill", "pd-decode"))
+               for w in (PREFILL, DECODE))
 
 
 async def test_a_stream_is_prefilled_on_one_server_and_decoded_from_its_kv_on_the_other(
@@ -145,12 +133,12 @@ async def test_a_stream_is_prefilled_on_one_server_and_decoded_from_its_kv_on_th
     before = await prefills(fleet)
     loads = decode_log(fleet).count("Inject KV cache of 256 tokens")
     tokens, workers = await through_the_router(fleet, ids, 40)
-    assert workers == {"pd-decode"}, "decode workers stream; the prefill worker only made the KV"
+    assert workers == {DECODE}, "decode workers stream; the prefill worker only made the KV"
     assert (await prefills(fleet))["ok"] == before["ok"] + 1
     assert (folder_of(kv, ids) / "fleetward-manifest.json").is_file(), "the producer wrote its manifest"
     assert decode_log(fleet).count("Inject KV cache of 256 tokens") == loads + 1, "the decode server loaded it"
     assert tokens == await aggregated(fleet, ids, 40)
-    assert await fleet.worker_serving("pd-decode"), "one-token canaries did not kill the decode server"
+    assert await fleet.worker_serving(DECODE), "one-token canaries did not kill the decode server"
 
 
 def corrupt(folder: Path) -> None:
@@ -198,18 +186,18 @@ async def test_kv_file_faults_are_refused_and_the_stream_stays_exact(pd: tuple[T
         folder)
     refused = refusals(fleet)
     tokens, workers = await through_the_router(fleet, ids, 30)
-    assert workers == {"pd-decode"}
+    assert workers == {DECODE}
     assert refusals(fleet) >= refused + 1, "the faulty KV was refused"
     assert tokens == want, "it computed the prompt itself: exact"
     assert not folder.exists() or (folder / "fleetward-manifest.json").is_file(), "the bad folder is gone"
-    assert await fleet.worker_serving("pd-decode")
+    assert await fleet.worker_serving(DECODE)
 
 
 async def test_a_hung_prefill_server_costs_time_not_tokens(pd: tuple[TestFleet, Path]) -> None:
     fleet, _ = pd
     ids = prompt(9)
     want = await aggregated(fleet, ids, 40)
-    engine = fleet.engine_processes("pd-prefill")
+    engine = fleet.engine_processes(PREFILL)
     assert engine, "the prefill server's EngineCore"
     for p in engine:
         os.kill(p.pid, signal.SIGSTOP)  # silent: /health stays 200, the prefill never answers
@@ -219,7 +207,7 @@ async def test_a_hung_prefill_server_costs_time_not_tokens(pd: tuple[TestFleet, 
         # stop may let the prefill finish). Either way the stream is served, exactly; the router's own
         # handling of a failed prefill is tested deterministically on simulated workers (tests/migration/test_pd.py).
         tokens, workers = await through_the_router(fleet, ids, 40)
-        assert workers == {"pd-decode"}
+        assert workers == {DECODE}
         assert tokens == want, "exact, whatever the prefill server did"
     finally:
         for p in engine:
