@@ -68,7 +68,7 @@ T = TypeVar("T")
 
 EVENT_KINDS = (
     "worker.up", "worker.down", "health.changed", "hang.detected", "migration", "restart", "quarantine",
-    "action", "scale", "move", "fault.start", "fault.stop",
+    "action", "scale", "move", "fault.start", "fault.stop", "poison",
 )
 
 # The fault families a ``fault.start`` event names (chaos's catalogue groups its faults by them).

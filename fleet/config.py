@@ -101,6 +101,9 @@ class SimConfig(Frozen):
                                     "(fleetward.fleet.kv)")
     kv_latency_ms: float = Field(0.5, ge=0, description="prefill/decode: the KV link's latency per transfer")
     kv_bandwidth_gbps: float = Field(10.0, gt=0, description="prefill/decode: the KV link's bandwidth")
+    poison_token: int | None = Field(None, ge=0, description="a token id that kills the worker (its process exits, "
+                                     "after two more tokens) when a request holding it in its prompt is submitted: "
+                                     "a poison request, as vLLM has had inputs that kill its engine. None: none")
     responses_store: bool = Field(False, description="keep Responses API answers (``store``) for GET "
                                   "/v1/responses/{id} and ``previous_response_id``, as vLLM with "
                                   "VLLM_ENABLE_RESPONSES_API_STORE=1")
@@ -176,6 +179,11 @@ class RouterConfig(Frozen):
     host: str = Field("127.0.0.1", description="address the router binds (``up``: the top-level host unless set)")
     port: int = Field(0, ge=0, le=65535, description="the router's port (``up --router-port``); 0 picks a free one")
     migration_limit: int = Field(3, ge=0, description="resumes allowed per request after its first attempt")
+    poison_workers: int = Field(2, ge=0, description="a request this many workers failed while serving it (crashed, "
+                                "hung, or judged unhealthy under it) is not sent to another: it may be what breaks "
+                                "them (a poison request), and is answered 500 naming them, counted "
+                                "(fleetward_router_migration_failures_total{reason=\"poison\"}) and logged with "
+                                "a hash of its body; 0: never (every failure is retried up to migration_limit)")
     request_timeout_s: float = Field(600.0, gt=0, description="a request's deadline, migrations included")
     checkpoints: bool = Field(True, description="checkpoint journals to etcd (off only to measure their cost)")
     checkpoint_interval_ms: float = Field(75.0, gt=0, description="one etcd transaction per interval")

@@ -79,9 +79,10 @@ class RouterMetrics:
                                    "(routing.checkpoint_store: peers; 0 otherwise).", registry=r)
         self.migration_failures = Counter("fleetward_router_migration_failures",
                                           "Streams that could not be resumed after a worker failed, by why "
-                                          "(limit: migration_limit exhausted; not_resumable; deadline; no_worker).",
+                                          "(limit: migration_limit exhausted; not_resumable; deadline; no_worker; "
+                                          "poison: routing.poison_workers workers failed while serving it).",
                                           ["reason"], registry=r)
-        for reason in ("limit", "not_resumable", "deadline", "no_worker"):  # at 0, so increase() sees the first
+        for reason in ("limit", "not_resumable", "deadline", "no_worker", "poison"):  # at 0: increase() sees the 1st
             self.migration_failures.labels(reason)
         self.moves = Counter("fleetward_router_moves",
                              "Planned moves of streams (drain, scale-down, operator, rebalance), by trigger and "

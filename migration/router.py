@@ -48,6 +48,7 @@ from fleetward.migration.metrics import RouterMetrics
 from fleetward.migration.moves import MoveOrder, Moves
 from fleetward.migration.passthrough import Passthrough
 from fleetward.migration.placement import Placement
+from fleetward.migration.poison import body_digest, broke_under, poison_error
 from fleetward.migration.policy import RoutingPolicy, make_policy, prefix_key
 from fleetward.migration.prefill import KvTries, Prefill
 from fleetward.migration.progress import ProgressModel
@@ -88,6 +89,7 @@ class _Tries:
     kv: KvTries = field(default_factory=KvTries)
     move: MoveOrder | None = None  # the planned move under way (.moves): from its stop to its next first token
     planned: int = 0  # planned moves so far (they do not count against migration_limit)
+    broke: dict[str, str] = field(default_factory=dict)  # worker -> why, for those that failed serving it (.poison)
 
 
 class Router:
@@ -327,6 +329,7 @@ class Router:
         try:
             while not j.is_done:
                 self._check_limits(j, t.reason, t.planned)
+                await self._check_poison(j, t)
                 move = t.move
                 worker, url, load = self._choose(j, t.failed, t.reason, move)
                 path, body = j.upstream_request()
@@ -392,6 +395,22 @@ class Router:
                 self.metrics.migration_failures.labels("deadline").inc()
             raise RouterError(504, f"request deadline passed after {j.attempts} attempt(s); last failure: "
                               f"{reason}")
+
+    async def _check_poison(self, j: Journal, t: _Tries) -> None:
+        """Raises :class:`RouterError` (500) once ``routing.poison_workers`` workers failed while serving the
+        request: not sent to another, as it may be what breaks them (:mod:`.poison`); counted, logged and
+        published with a hash of its body."""
+        limit = self.config.poison_workers
+        if not limit or len(t.broke) < limit:
+            return
+        self.metrics.migration_failures.labels("poison").inc()
+        digest = body_digest(j.body)
+        log.warning("request %s (body sha256 %s) not sent to another worker: %d failed while serving it (%s)",
+                    j.id, digest, len(t.broke), "; ".join(f"{w}: {why}" for w, why in t.broke.items()))
+        await self.bus.publish("poison", request=j.id, body_sha256=digest, worker=list(t.broke)[-1],
+                               workers=list(t.broke), reasons=list(t.broke.values()), model=j.model,
+                               tokens=len(j.emitted))
+        raise poison_error(j.id, digest, t.broke)
 
     def _choose(self, j: Journal, failed: list[str], reason: str,
                 move: MoveOrder | None = None) -> tuple[str, str, dict[str, int]]:
@@ -484,6 +503,8 @@ class Router:
         log.info("request %s: attempt %d on %s failed (%s) after %d tokens", j.id, j.attempts, worker,
                  t.reason, len(j.emitted))
         t.failed.append(worker)
+        if broke_under(exc):
+            t.broke[worker] = t.reason
         # The stall the client sees runs from its last token (a hang is only noticed after the worker's
         # allowed silence), or from the failure when none came yet.
         if t.failed_at is None:

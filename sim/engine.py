@@ -737,6 +737,11 @@ class SimEngine:
             self._ids += 1
             request_id = f"sim-{self._ids}"
         req = self.scheduler.new_request(request_id, prompt_ids, params, now=self.clock.monotonic(), kv=kv)
+        poison = self.config.poison_token
+        if poison is not None and poison in prompt_ids and self._crash is not None:
+            # A poison request (SimConfig.poison_token): the engine dies while it is being served.
+            budget = self.faults.crash_after_tokens
+            self.faults.crash_after_tokens = 2 if budget is None else min(budget, 2)
         req._on_park = self._delivery.set
         self._open.add(req)
         self.scheduler.add(req)

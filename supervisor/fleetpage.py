@@ -70,6 +70,10 @@ def _describe(kind: str, d: dict[str, Any]) -> str:
             stall = f", stall {float(d['stall_s']) * 1000:.0f} ms" if d.get("stall_s") is not None else ""
             return (f"planned move ({d.get('trigger', '?')}) of stream {str(d.get('request', '?'))[:16]} "
                     f"{d.get('from_worker') or '?'} → {d.get('worker') or '?'}: {carried}{stall}")
+        case "poison":
+            workers = ", ".join(str(w) for w in d.get("workers") or []) or "?"
+            return (f"request {str(d.get('request', '?'))[:16]} (body sha256 {d.get('body_sha256', '?')}) not sent "
+                    f"to another worker: {workers} failed while serving it")
         case "action":
             return f"agent {d.get('action_kind', '?')} {d.get('status', '')}: {d.get('reason') or ''}"
         case "scale":

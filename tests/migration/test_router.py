@@ -275,10 +275,16 @@ async def test_a_resume_of_a_request_that_cannot_be_continued_exactly_is_refused
 
 
 async def test_the_migration_limit_is_respected(healthy: TestFleet) -> None:
-    for wid in healthy.worker_ids:
-        await healthy.fault(wid, reset_after_tokens=3)
-    tokens, events, _ = await stream_tokens(router(healthy).url, {"model": "sim-tiny", "prompt": encode("limit"),
-                                                                    "max_tokens": 100})
+    # Every worker breaks under every request: with the poison rule on (tests/migration/test_poison.py) the
+    # second worker would end it; this router has it off, so the limit does.
+    limited = await healthy.start_router("limit", poison_workers=0)
+    try:
+        for wid in healthy.worker_ids:
+            await healthy.fault(wid, reset_after_tokens=3)
+        tokens, events, _ = await stream_tokens(limited.url, {"model": "sim-tiny", "prompt": encode("limit"),
+                                                              "max_tokens": 100})
+    finally:
+        await healthy.stop_router(limited)
     error = events[-1].get("error")
     assert error is not None and "migration_limit=3" in error["message"]
     assert tokens == reference(encode("limit"), len(tokens)), "what was delivered is still exact"

@@ -63,7 +63,9 @@ def test_every_event_kind_reads_as_a_sentence_not_a_dump() -> None:
                "move": {"request": "r", "from_worker": "a", "worker": "b", "trigger": "drain", "outcome": "kv",
                         "kv_tokens": 8192, "kv_bytes": 2097152, "stall_s": 0.012},
                "fault.start": {"fault": "process.hang", "targets": ["w"], "activity": "h"},
-               "fault.stop": {"fault": "process.hang", "targets": ["w"], "activity": "h"}}
+               "fault.stop": {"fault": "process.hang", "targets": ["w"], "activity": "h"},
+               "poison": {"request": "r", "body_sha256": "0123456789abcdef", "worker": "b", "workers": ["a", "b"],
+                          "reasons": ["reset: x", "eof: y"]}}
     assert set(samples) == set(EVENT_KINDS)
     for kind, data in samples.items():
         text = describe(event(kind, **data))
