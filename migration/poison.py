@@ -26,7 +26,7 @@ import orjson
 from fleetward.migration.upstream import UpstreamError
 from fleetward.migration.wire import RouterError
 
-__all__ = ["body_digest", "broke_under", "poison_error"]
+__all__ = ["body_digest", "broke_under", "named", "poison_error"]
 
 # The router's own aborts that are a worker failing under the request (router._abort_stalled, _evacuate).
 _FAILED_UNDER = ("stalled:", "worker unhealthy", "worker dead", "worker restarting")
@@ -43,17 +43,20 @@ def broke_under(exc: UpstreamError) -> bool:
     return False
 
 
-def body_digest(body: Mapping[str, Any] | bytes) -> str:
-    """What identifies a request's body in logs and events without showing it: its SHA-256 (of its JSON with
-    sorted keys, for a parsed body), 16 hex digits."""
-    raw = body if isinstance(body, bytes) else orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
-    return hashlib.sha256(raw).hexdigest()[:16]
+def body_digest(body: Mapping[str, Any]) -> str:
+    """What identifies a request's body in logs and events without showing it: the SHA-256 of its JSON with
+    sorted keys, 16 hex digits."""
+    return hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+
+def named(broke: Mapping[str, str]) -> str:
+    """The workers that failed under a request and why, as the log and the answer say them."""
+    return "; ".join(f"{w}: {why}" for w, why in broke.items())
 
 
 def poison_error(request_id: str, digest: str, broke: Mapping[str, str]) -> RouterError:
     """The answer to a poison request: 500 (no Retry-After: trying it again would do the same harm), naming
     the workers that failed under it and why."""
-    workers = "; ".join(f"{w}: {why}" for w, why in broke.items())
-    return RouterError(500, f"{len(broke)} workers failed while serving this request ({workers}); it is not "
+    return RouterError(500, f"{len(broke)} workers failed while serving this request ({named(broke)}); it is not "
                        "sent to another, as it may be what breaks them (a poison request). Request "
                        f"{request_id}, body sha256 {digest}.")

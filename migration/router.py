@@ -48,7 +48,7 @@ from fleetward.migration.metrics import RouterMetrics
 from fleetward.migration.moves import MoveOrder, Moves
 from fleetward.migration.passthrough import Passthrough
 from fleetward.migration.placement import Placement
-from fleetward.migration.poison import body_digest, broke_under, poison_error
+from fleetward.migration.poison import body_digest, broke_under, named, poison_error
 from fleetward.migration.policy import RoutingPolicy, make_policy, prefix_key
 from fleetward.migration.prefill import KvTries, Prefill
 from fleetward.migration.progress import ProgressModel
@@ -406,7 +406,7 @@ class Router:
         self.metrics.migration_failures.labels("poison").inc()
         digest = body_digest(j.body)
         log.warning("request %s (body sha256 %s) not sent to another worker: %d failed while serving it (%s)",
-                    j.id, digest, len(t.broke), "; ".join(f"{w}: {why}" for w, why in t.broke.items()))
+                    j.id, digest, len(t.broke), named(t.broke))
         await self.bus.publish("poison", request=j.id, body_sha256=digest, worker=list(t.broke)[-1],
                                workers=list(t.broke), reasons=list(t.broke.values()), model=j.model,
                                tokens=len(j.emitted))

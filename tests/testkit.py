@@ -38,6 +38,7 @@ from fleetward.chaos import faults as fault_library
 from fleetward.chaos.fault import CATALOGUE, Fault, Target
 from fleetward.chaos.harness import TestFleet
 from fleetward.fleet.backends import SimBackend
+from fleetward.fleet.bus import Event, EventBus
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock, ManualClock
 from fleetward.fleet.config import RouterConfig, SimConfig, SupervisorConfig
 from fleetward.fleet.procs import free_port, is_the_process
@@ -397,19 +398,23 @@ def write_lora_adapter(path: Path, *, seed: int, rank: int = 8) -> Path:
 
 
 class BusRecorder:
-    """Every event the fleet's bus carries from now on (wait on ``subscribed`` before acting)."""
+    """Every event a bus carries from now on (wait on ``subscribed`` before acting)."""
 
-    def __init__(self, fleet: TestFleet) -> None:
-        self.events: list[Any] = []
+    def __init__(self, bus: EventBus) -> None:
+        self.events: list[Event] = []
         self.subscribed = asyncio.Event()
-        self.task = asyncio.create_task(self._run(fleet))
+        self.task = asyncio.create_task(self._run(bus))
 
-    async def _run(self, fleet: TestFleet) -> None:
-        async for e in fleet.bus.subscribe(subscribed=self.subscribed):
+    async def _run(self, bus: EventBus) -> None:
+        async for e in bus.subscribe(subscribed=self.subscribed):
             self.events.append(e)
 
-    def of(self, kind: str, worker: str) -> list[Any]:
-        return [e for e in self.events if e.kind == kind and e.worker == worker]
+    def of(self, kind: str, worker: str | None = None, since: int = 0) -> list[Event]:
+        """The events of ``kind`` (of ``worker``, when given) from index ``since`` (a :meth:`mark`) on."""
+        return [e for e in self.events[since:] if e.kind == kind and (worker is None or e.worker == worker)]
+
+    def mark(self) -> int:
+        return len(self.events)
 
     def detected(self, worker: str, detector: str) -> bool:
         """Whether the supervisor called ``worker`` unhealthy by ``detector``."""

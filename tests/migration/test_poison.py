@@ -55,7 +55,7 @@ async def test_a_request_that_kills_two_workers_is_sent_to_no_third(fleet: TestF
                                                                      wait_until: Any) -> None:
     await fleet.wait_healthy(timeout=30)
     before, counted = pids(fleet), await poison_metric(fleet)
-    recorder = BusRecorder(fleet)
+    recorder = BusRecorder(fleet.bus)
     await recorder.subscribed.wait()
     prompt = [*encode("a request the engine cannot take: "), POISON, *encode(" and more")]
     try:

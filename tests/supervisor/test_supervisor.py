@@ -16,13 +16,12 @@ import httpx
 import orjson
 import pytest
 import pytest_asyncio
-from testkit import fleet_sim
+from testkit import BusRecorder, fleet_sim
 
 from fleetward.chaos.fakegpu import FakeGpuSource
 from fleetward.chaos.harness import TestFleet
 from fleetward.chaos.workload import sse_lines
 from fleetward.fleet.backends import SimBackend
-from fleetward.fleet.bus import Event, MqttBus
 from fleetward.fleet.config import RouterConfig, SupervisorConfig
 from fleetward.fleet.launch import controller_argv, service_env
 from fleetward.fleet.procs import ManagedProcess, free_port
@@ -40,25 +39,6 @@ SUPERVISOR = SupervisorConfig(canary_interval_s=5.0, canary_timeout_s=1.0, resta
                               backoff_initial_s=0.05, backoff_max_s=0.2, lease_ttl_s=2)
 
 
-class Events:
-    """Every event of a cluster, as seen on the broker."""
-
-    def __init__(self, bus: MqttBus) -> None:
-        self.seen: list[Event] = []
-        self.subscribed = asyncio.Event()
-        self.task = asyncio.create_task(self._run(bus))
-
-    async def _run(self, bus: MqttBus) -> None:
-        async for event in bus.subscribe(subscribed=self.subscribed):
-            self.seen.append(event)
-
-    def of(self, kind: str, worker: str | None = None, since: int = 0) -> list[Event]:
-        return [e for e in self.seen[since:] if e.kind == kind and (worker is None or e.worker == worker)]
-
-    def mark(self) -> int:
-        return len(self.seen)
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def fleet(etcd_endpoint: str, broker_endpoint: str,
                 tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TestFleet]:
@@ -66,7 +46,7 @@ async def fleet(etcd_endpoint: str, broker_endpoint: str,
                          run_dir=tmp_path_factory.mktemp("supervisor"), workers=3, backend=SimBackend(SIM),
                          routing=RouterConfig(stall_floor_s=0.5), supervisor=SUPERVISOR,
                          gpu=FakeGpuSource(count=3), gpus_per_worker=1) as f:
-        f.events = Events(f.bus)  # type: ignore[attr-defined]
+        f.events = BusRecorder(f.bus)  # type: ignore[attr-defined]
         await f.events.subscribed.wait()  # type: ignore[attr-defined]
         await f.start_router("r0")
         yield f
@@ -319,7 +299,7 @@ async def test_a_crash_loop_quarantines_the_worker(etcd_endpoint: str, broker_en
     supervisor = SUPERVISOR.model_copy(update={"restart_budget": 2, "backoff_max_s": 0.1})
     async with TestFleet(etcd=etcd_endpoint, mqtt=broker_endpoint, cluster="crash-loop", run_dir=tmp_path,
                          workers=1, backend=SimBackend(SIM), supervisor=supervisor) as fleet:
-        events = Events(fleet.bus)
+        events = BusRecorder(fleet.bus)
         await events.subscribed.wait()
         (victim,) = fleet.worker_ids
         for _ in range(3):
@@ -376,7 +356,7 @@ async def test_the_standby_takes_over_when_the_leader_is_killed_mid_action(
                                controller_id="leader")
         leader = ManagedProcess("leader", argv, log_path=tmp_path / "leader.log",
                                 env=service_env(admin_token=fleet.admin_token)).start()
-        events = Events(fleet.bus)
+        events = BusRecorder(fleet.bus)
         await events.subscribed.wait()
         try:
             await fleet.wait_healthy(timeout=30)  # the leader process made them ready

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 async def test_long_prompts_and_bursts_are_not_mistaken_for_hangs(vllm_fleet: TestFleet) -> None:
     router = await vllm_fleet.start_router("r-no-false-positive")
-    recorder = BusRecorder(vllm_fleet)
+    recorder = BusRecorder(vllm_fleet.bus)
     await recorder.subscribed.wait()
     pids = {w: vllm_fleet.handle(w).process.pid for w in vllm_fleet.worker_ids}
     long_prompt = encode("x" * 40 + "a long document. " * 115)[:1990]  # near the 2048-token context

@@ -111,7 +111,7 @@ async def test_an_api_server_sigkilled_mid_stream_leaves_every_chat_text_exact(v
     if not cgroups_available():
         pytest.skip("needs root and the cgroup cpu controller to slow the workers down")
     router = await vllm_fleet.start_router("vllm-text-kill")
-    recorder = BusRecorder(vllm_fleet)
+    recorder = BusRecorder(vllm_fleet.bus)
     await recorder.subscribed.wait()
     expected = await references(vllm_fleet)
     ctx = vllm_fleet.fault_context()
