@@ -260,6 +260,9 @@ class SupervisorConfig(Frozen):
     canary_max_tokens: int = Field(4, ge=1, description="tokens a canary asks for")
     canary_timeout_s: float = Field(2.0, gt=0, description="deadline of a routine canary")
     canary_interval_s: float = Field(15.0, gt=0, description="an idle worker gets a canary this often")
+    canary_busy_max_s: float = Field(30.0, gt=0, description="a canary that went unanswered while the worker's "
+                                     "engine computed tokens (its counters moved: busy, not hung) is asked again "
+                                     "with twice its deadline, up to this")
     golden_quorum: int = Field(2, ge=1, description="workers of one kind (model, engine version, GPU type) that "
                                "must agree before their canary output is golden")
     progress_interval_s: float = Field(0.25, gt=0, description="how often routers' stream progress is read")

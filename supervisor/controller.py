@@ -22,6 +22,7 @@ new worker is asked for with :meth:`Controller.issue_start`. A standby answers 4
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
@@ -50,6 +51,7 @@ from fleetward.fleet.worker import HealthRecord, HealthState, WorkerRecord
 from fleetward.supervisor.api import build_app
 from fleetward.supervisor.detectors import (
     Detector,
+    EngineProgress,
     GoldenBook,
     MetricsDetector,
     StreamProgressDetector,
@@ -98,8 +100,9 @@ class _Metrics:
         self.signals = Counter("fleetward_supervisor_signals", "Signals seen by detector and severity.",
                                ["detector", "severity"], registry=r)
         self.canaries = Counter("fleetward_supervisor_canaries", "Canaries by result (ok, wrong, failed; unreachable: "
-                                "no TCP connection to the worker, inconclusive: the controller's own loop ran late; "
-                                "neither says anything of the worker).", ["result"],
+                                "no TCP connection to the worker, inconclusive: the controller's own loop ran late, "
+                                "busy: unanswered while the worker's engine computed tokens; none of these three "
+                                "says the worker is broken).", ["result"],
                                 registry=r)
         self.actions = Counter("fleetward_supervisor_actions", "Remediations issued to agents.", ["kind"],
                                registry=r)
@@ -163,6 +166,7 @@ class Controller(LeaderElected):
         self._loops = Loops(service="controller", metrics=LoopMetrics(self.metrics.registry), clock=clock).start()
         self._last_canary: dict[str, float] = {}
         self._canary_done: dict[str, float] = {}
+        self._busy_deadline: dict[str, float] = {}  # worker -> the deadline its last canary had, when that one was busy
         self._signal_revision: dict[str, int] = {}  # signals/ key -> mod revision already submitted
         self._onset: dict[str, float] = {}  # worker -> wall time of the first evidence of its current failure
         self.timeline = Timeline()
@@ -359,6 +363,7 @@ class Controller(LeaderElected):
             last = self.workers.pop(wid, None)
             for detector in self.detectors:
                 detector.forget(wid)
+            self._busy_deadline.pop(wid, None)
             # A server given up (its attach/ entry deleted before its agent deregistered it) leaves no record;
             # any other worker that vanished is dead until it comes back.
             given_up = (last is not None and last.backend == "external"
@@ -588,10 +593,30 @@ class Controller(LeaderElected):
         allowance = self.progress.allowance(worker)
         if urgent and allowance:
             deadline = max(0.5, min(deadline, allowance))
+        if worker in self._busy_deadline:
+            # The last canary waited behind the engine's work: this one waits twice as long (up to canary_busy_max_s),
+            # the time the engine showed it needs now, not the deadline of an idle one.
+            deadline = max(deadline, min(self.config.canary_busy_max_s, 2 * self._busy_deadline[worker]))
+        # The worker's token counters as the canary leaves (unless just read): if it goes unanswered, a reading
+        # then says whether the engine computed meanwhile, i.e. whether the canary waited behind work.
+        last = self.metrics_detector.last(worker)
+        recent = last if last is not None and self.clock.monotonic() - last[1] <= 1.0 else None
+        baseline = asyncio.create_task(self._record_counters(worker, rec.url)) if recent is None else None
+        try:
+            await self._canary_measure(worker, rec, deadline, recent or baseline, watch_s=0.0 if urgent else deadline)
+        finally:
+            if baseline is not None and not baseline.done():
+                baseline.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await baseline
+
+    async def _canary_measure(self, worker: str, rec: WorkerRecord, deadline: float,
+                              baseline: tuple[float, float] | asyncio.Task[tuple[float, float] | None] | None,
+                              *, watch_s: float) -> None:
         started, loop_started = self.clock.monotonic(), asyncio.get_running_loop().time()
         body = {"model": rec.model, "prompt": self.config.canary_prompt, "max_tokens": self.config.canary_max_tokens,
                 "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-        ok, reason, wrong, unreachable, inconclusive = False, "", False, False, False
+        ok, reason, wrong, unreachable, inconclusive, timed_out = False, "", False, False, False, False
         try:
             async with asyncio.timeout(deadline):
                 status, answer = await self.fetch("POST", f"{rec.url}/v1/completions", body=body,
@@ -615,7 +640,7 @@ class Controller(LeaderElected):
             reason = f"no TCP connection within {deadline / 2:.2f}s: the network between the controller and the worker"
             unreachable = True
         except TimeoutError:
-            reason = f"no answer within {deadline:.2f}s"
+            reason, timed_out = f"no answer within {deadline:.2f}s", True
             late = asyncio.get_running_loop().time() - loop_started - deadline
             if late > max(0.25, deadline / 4):
                 # The timeout fired that late because this process's own loop did not run (a starved or paused
@@ -625,12 +650,54 @@ class Controller(LeaderElected):
                 inconclusive = True
         except (*_HTTP_ERRORS, ValueError, KeyError, IndexError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
+        progress = (await self._engine_progress(worker, rec.url, baseline, watch_s=watch_s)
+                    if timed_out and not inconclusive else None)
+        busy = progress is not None and progress.busy
+        self._busy_deadline.pop(worker, None)
+        if busy:
+            self._busy_deadline[worker] = deadline
         self.metrics.canaries.labels("ok" if ok else "wrong" if wrong else "unreachable" if unreachable
-                                     else "inconclusive" if inconclusive else "failed").inc()
-        if not (ok or unreachable or inconclusive) and self.machine is not None:  # sent into the failure
+                                     else "inconclusive" if inconclusive else "busy" if busy else "failed").inc()
+        if not (ok or unreachable or inconclusive or busy) and self.machine is not None:  # sent into the failure
             self._first_evidence(self.machine, worker, self.clock.wall() - (self.clock.monotonic() - started))
         self.submit(CanaryDone(worker, ok, reason, wrong_tokens=wrong, silent=self.progress.silent(worker),
-                               unreachable=unreachable, inconclusive=inconclusive))
+                               unreachable=unreachable, inconclusive=inconclusive, busy=busy,
+                               evidence=progress.describe() if progress is not None else ""))
+
+    async def _engine_progress(self, worker: str, url: str,
+                               baseline: tuple[float, float] | asyncio.Task[tuple[float, float] | None] | None,
+                               *, watch_s: float) -> EngineProgress | None:
+        """A canary went unanswered: what the worker's own counters say the engine did since it left, read now
+        against ``baseline``: the reading as it left (tokens, when), or the task taking it. One engine step may
+        outlast the canary's deadline, so counters that stood still while requests run are watched ``watch_s``
+        longer (a routine canary's deadline; an urgent one's verdict waits for nothing). None when they cannot
+        be read (no /metrics, or it does not answer either)."""
+        left = await baseline if isinstance(baseline, asyncio.Task) else baseline  # bounded by its own timeout
+        if left is None:
+            return None
+        progress = None
+        for wait_s in (0.0, watch_s):
+            if progress is not None and (progress.busy or not progress.running or not wait_s):
+                break
+            await self.clock.sleep(wait_s)
+            now = await self._read_counters(url)
+            if now is None:
+                return None
+            progress = self.metrics_detector.progress(worker, now, left)
+        return progress
+
+    async def _record_counters(self, worker: str, url: str) -> tuple[float, float] | None:
+        """Read the worker's counters now and keep the reading: its tokens and when (None: not readable)."""
+        now = await self._read_counters(url)
+        return self.metrics_detector.record(worker, now) if now is not None else None
+
+    async def _read_counters(self, url: str) -> dict[str, float] | None:
+        """The worker's engine counters (requests running and waiting, tokens prefilled and generated)."""
+        try:
+            status, body = await self.fetch("GET", f"{url}/metrics", timeout=1.0)
+        except _HTTP_ERRORS:
+            return None
+        return parse_prometheus(body.decode(errors="replace"), MetricsDetector.wanted) if status == 200 else None
 
     async def _confirm_wrong(self, worker: str, key: str, tokens: list[int], body: dict[str, Any],
                              deadline: float) -> str:

@@ -22,8 +22,11 @@ engine-frozen       agent      fatal when an engine process is stopped (SIGSTOP/
 gpu                 agent      per the Xid/ECC policy table: restart, quarantine, or degraded (throttling)
 stream-progress     controller suspect when a router reports the worker silent past its adaptive allowance
                                while it has work in flight (the router's ProgressModel: long prompts get longer)
-canary              controller a tiny greedy generation with a deadline; golden outputs catch wrong tokens
-metrics             controller suspect when vLLM counters stop moving while requests run, or scrapes fail
+canary              controller a tiny greedy generation with a deadline; golden outputs catch wrong tokens. One
+                               unanswered while the worker's token counters moved (:class:`EngineProgress`,
+                               read as it leaves and when it times out) waited behind work: busy, not failed
+metrics             controller suspect when vLLM's token counters stop moving while requests run, or scrapes
+                               fail
 ==================  =========  ==================================================================================
 """
 
@@ -40,6 +43,7 @@ from fleetward.supervisor.signals import Severity, Signal
 __all__ = [
     "Detector",
     "EngineFrozenDetector",
+    "EngineProgress",
     "EngineSample",
     "GoldenBook",
     "MetricsDetector",
@@ -215,21 +219,58 @@ def parse_prometheus(text: str, names: Iterable[str]) -> dict[str, float]:
 
 
 RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
 GENERATED = "vllm:generation_tokens_total"
+PROMPT = "vllm:prompt_tokens_total"
+
+
+def _tokens(metrics: Mapping[str, float]) -> float | None:
+    """The engine's work done, in tokens: prompt tokens prefilled plus tokens generated (None: not exported)."""
+    if GENERATED not in metrics and PROMPT not in metrics:
+        return None
+    return metrics.get(GENERATED, 0.0) + metrics.get(PROMPT, 0.0)
+
+
+@dataclass(frozen=True)
+class EngineProgress:
+    """What a worker's own counters say of its engine between two readings: the evidence that a canary which
+    went unanswered waited behind work (the engine completes steps: busy) or on an engine that completes none.
+
+    ``tokens`` is the prompt and generated tokens counted between the readings, ``over_s`` the time between
+    them; ``running`` and ``waiting`` the requests in the engine at the second reading (every client's, those
+    that do not come through a router too)."""
+
+    tokens: float
+    over_s: float
+    running: float = 0.0
+    waiting: float = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.tokens > 0
+
+    def describe(self) -> str:
+        load = f"{self.running:.0f} request(s) running, {self.waiting:.0f} waiting"
+        if self.busy:
+            return f"its engine computed {self.tokens:.0f} token(s) in the last {self.over_s:.1f}s ({load})"
+        return f"its token counters stood still for {self.over_s:.1f}s ({load})"
 
 
 @dataclass
 class _MetricsState:
     failures: int = 0
-    tokens: float | None = None
-    tokens_since: float = 0.0
+    tokens: float | None = None  # prompt + generated tokens at the last reading
+    tokens_since: float = 0.0  # when they last moved (or nothing ran)
+    read_at: float | None = None  # the last reading
 
 
 class MetricsDetector:
-    """vLLM counters that stop moving while requests run; scrapes that fail."""
+    """vLLM counters that stop moving while requests run; scrapes that fail. It also keeps the last reading of
+    each worker's token counters, so a reading taken when a canary goes unanswered says whether the engine
+    made progress since the one taken as it left (:meth:`progress`)."""
 
     name = "metrics"
-    wanted = (RUNNING, GENERATED)
+    wanted = (RUNNING, WAITING, GENERATED, PROMPT)
 
     def __init__(self, *, clock: Clock = SYSTEM_CLOCK, frozen_after_s: float = 10.0, failures: int = 2) -> None:
         self.clock = clock
@@ -238,22 +279,54 @@ class MetricsDetector:
         self._state: dict[str, _MetricsState] = collections.defaultdict(_MetricsState)
         self._verdicts = _Verdicts(self.name, clock)
 
-    def scraped(self, worker: str, metrics: Mapping[str, float]) -> list[Signal]:
-        st = self._state[worker]
+    def _read(self, st: _MetricsState, tokens: float | None, running: float, now: float) -> bool:
+        """Take a reading; whether the counters stood still with requests running since the one before."""
         st.failures = 0
-        now = self.clock.monotonic()
-        tokens = metrics.get(GENERATED)
-        running = metrics.get(RUNNING, 0.0)
+        st.read_at = now
         if tokens is None:
-            return self._verdicts.say(worker, Severity.OK, "scraped")
+            return False
         if st.tokens is None or tokens != st.tokens or running <= 0:
             st.tokens, st.tokens_since = tokens, now
+            return False
+        return True
+
+    def scraped(self, worker: str, metrics: Mapping[str, float]) -> list[Signal]:
+        st = self._state[worker]
+        now = self.clock.monotonic()
+        running = metrics.get(RUNNING, 0.0)
+        if _tokens(metrics) is None:
+            self._read(st, None, running, now)
+            return self._verdicts.say(worker, Severity.OK, "scraped")
+        if not self._read(st, _tokens(metrics), running, now):
             return self._verdicts.say(worker, Severity.OK, "counters moving")
         if now - st.tokens_since >= self.frozen_after_s:
             return self._verdicts.say(worker, Severity.SUSPECT,
-                                      f"{GENERATED} frozen for {now - st.tokens_since:.1f}s while {running:.0f} "
-                                      "request(s) run")
+                                      f"token counters ({GENERATED}, {PROMPT}) frozen for "
+                                      f"{now - st.tokens_since:.1f}s while {running:.0f} request(s) run")
         return []
+
+    def record(self, worker: str, metrics: Mapping[str, float]) -> tuple[float, float] | None:
+        """Take a reading of ``worker``'s counters outside the scrapes; it and when (monotonic), as :meth:`last`."""
+        tokens = _tokens(metrics)
+        self._read(self._state[worker], tokens, metrics.get(RUNNING, 0.0), self.clock.monotonic())
+        return self.last(worker) if tokens is not None else None
+
+    def last(self, worker: str) -> tuple[float, float] | None:
+        """The tokens of ``worker``'s last reading and when it was taken (monotonic); None when it has none."""
+        st = self._state.get(worker)
+        if st is None or st.tokens is None or st.read_at is None:
+            return None
+        return st.tokens, st.read_at
+
+    def progress(self, worker: str, metrics: Mapping[str, float],
+                 since: tuple[float, float]) -> EngineProgress | None:
+        """A fresh reading of ``worker``'s counters (kept, as :meth:`record`) against the reading ``since``
+        (tokens, when), e.g. the one taken as a canary left; None when the worker exports no token counters."""
+        if self.record(worker, metrics) is None:
+            return None
+        tokens, at = since
+        return EngineProgress(max(0.0, (_tokens(metrics) or 0.0) - tokens), self.clock.monotonic() - at,
+                              metrics.get(RUNNING, 0.0), metrics.get(WAITING, 0.0))
 
     def failed(self, worker: str, error: str) -> list[Signal]:
         st = self._state[worker]

@@ -16,9 +16,11 @@ States (``fleet.worker.HealthState``) and what moves a worker between them::
 
 Hysteresis: a suspect signal (a stream stall reported by a router, a metrics freeze, throttling) makes
 a worker *suspect*, still routable, and triggers a canary. Only a confirmed failure makes it unhealthy:
-the canary fails while the worker is also silent. A fatal signal acts at once: the process exited, the
-engine stopped, or the GPU reported a fatal Xid. Leaving *suspect* takes ``recover_canaries`` good
-canaries in a row with no suspicion left active.
+the canary fails while the worker is also silent. A canary that went unanswered while the worker's own
+token counters moved waited behind work (a busy engine, not a hung one): it is evidence of nothing, and a
+ready worker stays ready. A fatal signal acts at once: the process exited, the engine stopped, or the GPU
+reported a fatal Xid. Leaving *suspect* takes ``recover_canaries`` good canaries in a row with no suspicion
+left active.
 
 Every transition is a :class:`SetHealth` action: the controller persists it to ``health/<id>`` with its
 reason, detector and restart history, then publishes ``health.changed``. Remediation is an
@@ -113,6 +115,11 @@ class CanaryDone:
     silent: bool | None = None  # the routers' view right now: is the worker emitting nothing while busy?
     unreachable: bool = False  # no TCP connection could be made: the network, not evidence about the worker
     inconclusive: bool = False  # timed out while the controller's own loop ran late: not evidence either
+    # Unanswered in time, what the worker's own counters said of its engine meanwhile
+    # (:class:`~fleetward.supervisor.detectors.EngineProgress`): ``busy`` when it computed tokens (the canary
+    # waited behind work: not evidence of a hang), else what stood still ("" when they could not be read).
+    busy: bool = False
+    evidence: str = ""
 
 
 @dataclass(frozen=True)
@@ -471,6 +478,11 @@ class HealthMachine:
         # spoilt (its own loop ran late): ask again.
         if e.unreachable or e.inconclusive:
             return [] if ws.state is S.READY else [RunCanary(ws.id, urgent=True)]
+        if e.busy and not e.wrong_tokens:
+            # The engine computed tokens while the canary waited: busy, not hung (a long prefill, scoring
+            # requests, a queue). A ready worker stays ready; a suspect or starting one is asked again (the
+            # controller gives that canary a longer deadline) and this one does not count against it.
+            return [] if ws.state is S.READY else [RunCanary(ws.id, urgent=True)]
         if e.wrong_tokens and ws.state in (S.READY, S.SUSPECT, S.STARTING):
             return self._unhealthy(ws, e.reason, "canary")
         if ws.state is S.STARTING:
@@ -479,7 +491,8 @@ class HealthMachine:
                 return self._unhealthy(ws, f"never passed a canary after starting: {e.reason}", "canary")
             return [RunCanary(ws.id, urgent=True)]
         if ws.state is S.READY:
-            out = self._set(ws, S.SUSPECT, f"canary failed: {e.reason}", "canary")
+            evidence = f"; {e.evidence}" if e.evidence else ""
+            out = self._set(ws, S.SUSPECT, f"canary failed: {e.reason}{evidence}", "canary")
             return [*out, RunCanary(ws.id, urgent=True)]
         if ws.state is S.SUSPECT:
             ws.canary_streak = 0
@@ -488,7 +501,9 @@ class HealthMachine:
             # Name what raised the suspicion: a router's stall report stays the evidence even if the router
             # has since moved its streams away (and so reports the worker idle now).
             detector = f"{ws.detector}+canary" if ws.detector and ws.detector != "canary" else "canary"
-            return self._unhealthy(ws, f"{ws.reason}; confirmed: canary failed ({e.reason})", detector, hang=True)
+            evidence = f"; {e.evidence}" if e.evidence else ""
+            return self._unhealthy(ws, f"{ws.reason}; confirmed: canary failed ({e.reason}){evidence}", detector,
+                                   hang=True)
         return []
 
     def _suspicions(self, ws: WorkerState) -> list[Signal]:

@@ -126,6 +126,31 @@ def test_metrics_counters_that_freeze_while_requests_run_are_suspect() -> None:
     assert d.failed("w", "refused")[0].severity is Severity.SUSPECT
 
 
+def test_a_reading_against_the_one_as_a_canary_left_says_whether_the_engine_computed() -> None:
+    clock = ManualClock()
+    d = MetricsDetector(clock=clock)
+    reading = {"vllm:num_requests_running": 2, "vllm:num_requests_waiting": 1, "vllm:prompt_tokens_total": 3000,
+               "vllm:generation_tokens_total": 2}
+    assert d.last("w") is None
+    left = d.record("w", reading)
+    assert left is not None and left == (3002, clock.monotonic()) == d.last("w")
+    clock.advance(2)
+    moved = d.progress("w", {**reading, "vllm:prompt_tokens_total": 4500, "vllm:generation_tokens_total": 3}, left)
+    assert moved is not None and moved.busy and (moved.tokens, moved.over_s) == (1501, 2)
+    assert moved.describe() == "its engine computed 1501 token(s) in the last 2.0s (2 request(s) running, 1 waiting)"
+    left = d.last("w")
+    assert left is not None
+    clock.advance(1.5)
+    # A scrape in between is not what the canary is compared with: the reading as it left is.
+    assert d.scraped("w", {**reading, "vllm:prompt_tokens_total": 4500, "vllm:generation_tokens_total": 3}) == []
+    clock.advance(0.5)
+    still = d.progress("w", {**reading, "vllm:prompt_tokens_total": 4500, "vllm:generation_tokens_total": 3}, left)
+    assert still is not None and not still.busy
+    assert still.describe().startswith("its token counters stood still for 2.0s")
+    assert d.record("x", {"vllm:num_requests_running": 1}) is None, "no token counters exported"
+    assert d.progress("x", {"vllm:num_requests_running": 1}, (0.0, 0.0)) is None
+
+
 def test_a_stopped_engine_is_fatal_and_cpu_without_progress_is_suspect() -> None:
     clock = ManualClock()
     d = EngineFrozenDetector(clock=clock, no_progress_s=5)

@@ -91,6 +91,28 @@ def test_a_busy_worker_that_still_emits_tokens_is_not_declared_hung(machine: Hea
     assert states(out) == [S.READY]
 
 
+def test_a_canary_that_waited_behind_the_engines_work_is_no_evidence(machine: HealthMachine) -> None:
+    """Unanswered in time while the worker's own counters moved (long steps of clients the routers do not see):
+    a ready worker stays ready, a starting one is not counted down, a suspect one is asked again; a canary
+    unanswered while they stood still still confirms a hang, and the verdict says what stood still."""
+    busy = CanaryDone("w", ok=False, reason="no answer within 2.00s", busy=True,
+                      evidence="its engine computed 3000 token(s) in the last 2.1s (2 request(s) running, 1 waiting)")
+    machine.observe(Registered("w", "n1"))
+    for _ in range(10):
+        assert of(machine.observe(busy), RunCanary) and machine.workers["w"].state is S.STARTING
+    machine.observe(CanaryDone("w", ok=True))
+    assert machine.observe(busy) == [], "ready, and stays so"
+    machine.observe(sig("metrics", Severity.SUSPECT))
+    out = machine.observe(busy)
+    assert states(out) == [] and of(out, RunCanary) and not of(out, AgentAction), "ask again, decide nothing"
+    still = CanaryDone("w", ok=False, reason="no answer within 4.00s",
+                       evidence="its token counters stood still for 4.2s (2 request(s) running, 1 waiting)")
+    out = machine.observe(still)
+    assert states(out) == [S.UNHEALTHY, S.RESTARTING]
+    (hang,) = [p for p in of(out, Publish) if p.kind == "hang.detected"]
+    assert hang.data["detector"] == "metrics+canary" and "stood still for 4.2s" in hang.data["reason"]
+
+
 def test_a_worker_the_controller_cannot_reach_is_never_declared_dead_by_a_canary(machine: HealthMachine) -> None:
     """No TCP handshake (a partition between the controller and the worker) says nothing of the worker: not even
     with the routers' silence (they may be cut off too), and not from ready; its lease decides."""
