@@ -101,6 +101,9 @@ class SimConfig(Frozen):
                                     "(fleetward.fleet.kv)")
     kv_latency_ms: float = Field(0.5, ge=0, description="prefill/decode: the KV link's latency per transfer")
     kv_bandwidth_gbps: float = Field(10.0, gt=0, description="prefill/decode: the KV link's bandwidth")
+    compute_steps: bool = Field(False, description="spend each engine step's time computing on a CPU, as an "
+                                "engine's process does (what a node agent's CPU evidence sees), instead of sleeping "
+                                "it (many simulated workers share a small host)")
     poison_token: int | None = Field(None, ge=0, description="a token id that kills the worker (its process exits, "
                                      "after two more tokens) when a request holding it in its prompt is submitted: "
                                      "a poison request, as vLLM has had inputs that kill its engine. None: none")
@@ -260,9 +263,10 @@ class SupervisorConfig(Frozen):
     canary_max_tokens: int = Field(4, ge=1, description="tokens a canary asks for")
     canary_timeout_s: float = Field(2.0, gt=0, description="deadline of a routine canary")
     canary_interval_s: float = Field(15.0, gt=0, description="an idle worker gets a canary this often")
-    canary_busy_max_s: float = Field(30.0, gt=0, description="a canary that went unanswered while the worker's "
-                                     "engine computed tokens (its counters moved: busy, not hung) is asked again "
-                                     "with twice its deadline, up to this")
+    canary_busy_max_s: float = Field(30.0, gt=0, description="an engine that computes (its node agent sees its "
+                                     "processes use CPU) but moves no token counter is taken for one long step for "
+                                     "up to this, then for one that does not return; and a starting worker whose "
+                                     "canary waited behind the engine's work gets twice the deadline, up to this")
     golden_quorum: int = Field(2, ge=1, description="workers of one kind (model, engine version, GPU type) that "
                                "must agree before their canary output is golden")
     progress_interval_s: float = Field(0.25, gt=0, description="how often routers' stream progress is read")

@@ -78,8 +78,10 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import hashlib
 import random
 import sys
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -870,7 +872,7 @@ class SimEngine:
                 start = prev_deadline if prev_deadline is not None and now - prev_deadline < step.duration \
                     else now
                 deadline = start + step.duration
-                await clock.sleep(deadline - now)
+                await self._spend(deadline - now)
                 if self.faults.hang:  # stopped mid-step: the step finishes only when the engine runs again
                     await self._stall()
                     deadline = clock.monotonic()
@@ -880,6 +882,13 @@ class SimEngine:
         finally:
             for req in sched.abort_all(now=clock.monotonic(), error="the simulated engine shut down"):
                 req._notify()
+
+    async def _spend(self, seconds: float) -> None:
+        """A step's time: slept, or with ``SimConfig.compute_steps`` spent on a CPU, as an engine's process does."""
+        if self.config.compute_steps and self.clock is SYSTEM_CLOCK and seconds > 0:
+            await asyncio.to_thread(_compute, seconds)
+        else:
+            await self.clock.sleep(seconds)
 
     async def _spent(self) -> None:
         """The crash budget is spent: emit nothing; once every consumer is parked or has released its
@@ -905,3 +914,13 @@ class SimEngine:
         for req in aborts:
             self.scheduler.abort(req, now=self.clock.monotonic())
             req._notify()
+
+
+_BLOCK = bytes(1 << 16)
+
+
+def _compute(seconds: float) -> None:
+    """Keep one core busy for ``seconds`` (hashing releases the GIL: the server's loop runs beside it)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        hashlib.sha256(_BLOCK).digest()

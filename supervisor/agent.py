@@ -84,8 +84,8 @@ class _Metrics:
         self.exits = Counter("fleetward_agent_worker_exits", "Worker processes that exited without the agent "
                              "stopping them (crashes, kills).", registry=r)
         self.signals = Counter("fleetward_agent_signals", "Signals this agent's detectors wrote (process, "
-                               "engine-frozen, gpu, start), by detector and severity.", ["detector", "severity"],
-                               registry=r)
+                               "engine-frozen, engine-busy, gpu, start), by detector and severity.",
+                               ["detector", "severity"], registry=r)
         self.actions = Counter("fleetward_agent_actions", "Actions this agent carried out, by kind and result.",
                                ["kind", "result"], registry=r)
         for kind in KINDS:
@@ -392,6 +392,8 @@ class NodeAgent:
             self.gpus.said.pop(spec.id, None)  # written below: what the detector said before is gone
         for detector in sorted(self._raised.get(spec.id, set()) - {"gpu"}):
             await self.signal(spec.id, detector, Severity.OK, f"a fresh process (pid {handle.process.pid})")
+        for sig in self.engines.activity.forget(spec.id):  # nor does the old process compute
+            await self.signal(spec.id, sig.detector, sig.severity, sig.reason, **sig.extra)
         if self.gpus is not None and spec.gpus and not degraded:
             await self.signal(spec.id, "gpu", Severity.OK, f"GPU(s) {list(spec.gpus)} watched by "
                               f"{self.gpu_choice.source}: nothing against them by the policy", gpus=list(spec.gpus))

@@ -51,12 +51,14 @@ from fleetward.fleet.worker import HealthRecord, HealthState, WorkerRecord
 from fleetward.supervisor.api import build_app
 from fleetward.supervisor.detectors import (
     Detector,
+    EngineActivity,
     EngineProgress,
     GoldenBook,
     MetricsDetector,
     StreamProgressDetector,
     golden_key,
     parse_prometheus,
+    weigh_computing,
 )
 from fleetward.supervisor.fleetpage import Timeline
 from fleetward.supervisor.health import (
@@ -167,6 +169,7 @@ class Controller(LeaderElected):
         self._last_canary: dict[str, float] = {}
         self._canary_done: dict[str, float] = {}
         self._busy_deadline: dict[str, float] = {}  # worker -> the deadline its last canary had, when that one was busy
+        self._computing: dict[str, float] = {}  # worker -> since when (wall) its agent sees its engine compute
         self._signal_revision: dict[str, int] = {}  # signals/ key -> mod revision already submitted
         self._onset: dict[str, float] = {}  # worker -> wall time of the first evidence of its current failure
         self.timeline = Timeline()
@@ -364,6 +367,7 @@ class Controller(LeaderElected):
             for detector in self.detectors:
                 detector.forget(wid)
             self._busy_deadline.pop(wid, None)
+            self._computing.pop(wid, None)
             # A server given up (its attach/ entry deleted before its agent deregistered it) leaves no record;
             # any other worker that vanished is dead until it comes back.
             given_up = (last is not None and last.backend == "external"
@@ -380,6 +384,13 @@ class Controller(LeaderElected):
         self._signal_revision[key] = revision
         sig = Signal.from_json(value)
         self.metrics.signals.labels(sig.detector, sig.severity.value).inc()
+        if sig.detector == EngineActivity.name:  # evidence for canaries to weigh, not a verdict for the machine
+            log.debug("worker %s: %s", sig.worker, sig.reason)
+            if sig.extra.get("computing"):
+                self._computing[sig.worker] = float(sig.extra.get("since") or sig.ts)
+            else:
+                self._computing.pop(sig.worker, None)
+            return
         self.submit(SignalSeen(sig))
 
     def _on_action(self, kind: str, _: str, value: bytes, __: int) -> None:
@@ -544,7 +555,8 @@ class Controller(LeaderElected):
                         signals = self.metrics_detector.failed(wid, f"{type(exc).__name__}: {exc}")
                     else:
                         text = body.decode(errors="replace")
-                        signals = (self.metrics_detector.scraped(wid, parse_prometheus(text, MetricsDetector.wanted))
+                        signals = (self.metrics_detector.scraped(wid, parse_prometheus(text, MetricsDetector.wanted),
+                                                                 computing_s=self._computing_bound(wid))
                                    if status == 200 else self.metrics_detector.failed(wid, f"HTTP {status}"))
                 for sig in signals:
                     self.submit(SignalSeen(sig))
@@ -593,9 +605,12 @@ class Controller(LeaderElected):
         allowance = self.progress.allowance(worker)
         if urgent and allowance:
             deadline = max(0.5, min(deadline, allowance))
-        if worker in self._busy_deadline:
-            # The last canary waited behind the engine's work: this one waits twice as long (up to canary_busy_max_s),
-            # the time the engine showed it needs now, not the deadline of an idle one.
+        ws = self.machine.workers.get(worker) if self.machine is not None else None
+        if worker in self._busy_deadline and ws is not None and ws.state is HealthState.STARTING:
+            # A starting worker is ready only once a canary is answered, and its last one waited behind the engine's
+            # work (a server adopted under load): this one waits twice as long, up to canary_busy_max_s. A ready
+            # or suspect worker's do not: a busy canary keeps it ready, and a long deadline would hold up the
+            # urgent canary that confirms a hang (one canary per worker at a time).
             deadline = max(deadline, min(self.config.canary_busy_max_s, 2 * self._busy_deadline[worker]))
         # The worker's token counters as the canary leaves (unless just read): if it goes unanswered, a reading
         # then says whether the engine computed meanwhile, i.e. whether the canary waited behind work.
@@ -603,7 +618,10 @@ class Controller(LeaderElected):
         recent = last if last is not None and self.clock.monotonic() - last[1] <= 1.0 else None
         baseline = asyncio.create_task(self._record_counters(worker, rec.url)) if recent is None else None
         try:
-            await self._canary_measure(worker, rec, deadline, recent or baseline, watch_s=0.0 if urgent else deadline)
+            # A routine canary with the deadline of an idle engine is watched one deadline more (one step may
+            # outlast it); a longer deadline, the engine's own measure, or an urgent canary, is not.
+            watch_s = 0.0 if urgent or deadline > self.config.canary_timeout_s else deadline
+            await self._canary_measure(worker, rec, deadline, recent or baseline, watch_s=watch_s)
         finally:
             if baseline is not None and not baseline.done():
                 baseline.cancel()
@@ -653,16 +671,29 @@ class Controller(LeaderElected):
         progress = (await self._engine_progress(worker, rec.url, baseline, watch_s=watch_s)
                     if timed_out and not inconclusive else None)
         busy = progress is not None and progress.busy
+        evidence = progress.describe() if progress is not None else ""
+        if progress is not None and not busy and self._computing_bound(worker):
+            busy, evidence = weigh_computing(progress, self.clock.wall() - self._computing[worker],
+                                             self.metrics_detector.still_for(worker), self.config.canary_busy_max_s)
         self._busy_deadline.pop(worker, None)
         if busy:
             self._busy_deadline[worker] = deadline
+            log.debug("worker %s: canary %s, busy: %s", worker, reason, evidence)
         self.metrics.canaries.labels("ok" if ok else "wrong" if wrong else "unreachable" if unreachable
                                      else "inconclusive" if inconclusive else "busy" if busy else "failed").inc()
         if not (ok or unreachable or inconclusive or busy) and self.machine is not None:  # sent into the failure
             self._first_evidence(self.machine, worker, self.clock.wall() - (self.clock.monotonic() - started))
         self.submit(CanaryDone(worker, ok, reason, wrong_tokens=wrong, silent=self.progress.silent(worker),
-                               unreachable=unreachable, inconclusive=inconclusive, busy=busy,
-                               evidence=progress.describe() if progress is not None else ""))
+                               unreachable=unreachable, inconclusive=inconclusive, busy=busy, evidence=evidence))
+
+    def _computing_bound(self, worker: str) -> float:
+        """How long ``worker``'s token counters may stand still as one long step: ``canary_busy_max_s`` while its
+        node agent sees its engine compute, unless the routers see its streams stall (their silence past an
+        allowance that knows the prompts is evidence of its own: a GPU hang that spins a core is not waited on);
+        else 0."""
+        if worker not in self._computing or self.progress.silent(worker) is True:
+            return 0.0
+        return self.config.canary_busy_max_s
 
     async def _engine_progress(self, worker: str, url: str,
                                baseline: tuple[float, float] | asyncio.Task[tuple[float, float] | None] | None,

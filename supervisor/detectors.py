@@ -19,6 +19,8 @@ engine-frozen       agent      fatal when an engine process is stopped (SIGSTOP/
                                run. Work is requests running per the worker's metrics, or the agent's own
                                probe: an engine that shows no progress gets a one-token request (at most
                                every ``probe_interval_s``), so an idle one is checked too
+engine-busy         agent      evidence, never a verdict: the engine processes compute (CPU), said on change
+                               (:class:`EngineActivity`); weighed by the controller against an unanswered canary
 gpu                 agent      per the Xid/ECC policy table: restart, quarantine, or degraded (throttling)
 stream-progress     controller suspect when a router reports the worker silent past its adaptive allowance
                                while it has work in flight (the router's ProgressModel: long prompts get longer)
@@ -42,6 +44,7 @@ from fleetward.supervisor.signals import Severity, Signal
 
 __all__ = [
     "Detector",
+    "EngineActivity",
     "EngineFrozenDetector",
     "EngineProgress",
     "EngineSample",
@@ -50,6 +53,7 @@ __all__ = [
     "StreamProgressDetector",
     "golden_key",
     "parse_prometheus",
+    "weigh_computing",
 ]
 
 
@@ -290,7 +294,9 @@ class MetricsDetector:
             return False
         return True
 
-    def scraped(self, worker: str, metrics: Mapping[str, float]) -> list[Signal]:
+    def scraped(self, worker: str, metrics: Mapping[str, float], *, computing_s: float = 0.0) -> list[Signal]:
+        """A scrape's counters. ``computing_s``: how long they may stand still instead of ``frozen_after_s``
+        while the node agent sees the engine's processes compute (one long step; 0: it does not)."""
         st = self._state[worker]
         now = self.clock.monotonic()
         running = metrics.get(RUNNING, 0.0)
@@ -299,7 +305,7 @@ class MetricsDetector:
             return self._verdicts.say(worker, Severity.OK, "scraped")
         if not self._read(st, _tokens(metrics), running, now):
             return self._verdicts.say(worker, Severity.OK, "counters moving")
-        if now - st.tokens_since >= self.frozen_after_s:
+        if now - st.tokens_since >= max(self.frozen_after_s, computing_s):
             return self._verdicts.say(worker, Severity.SUSPECT,
                                       f"token counters ({GENERATED}, {PROMPT}) frozen for "
                                       f"{now - st.tokens_since:.1f}s while {running:.0f} request(s) run")
@@ -327,6 +333,14 @@ class MetricsDetector:
         tokens, at = since
         return EngineProgress(max(0.0, (_tokens(metrics) or 0.0) - tokens), self.clock.monotonic() - at,
                               metrics.get(RUNNING, 0.0), metrics.get(WAITING, 0.0))
+
+    def still_for(self, worker: str) -> float:
+        """How long ``worker``'s token counters have stood still with requests running, as last read (0: they
+        moved at the last reading, or nothing ran, or they were never read)."""
+        st = self._state.get(worker)
+        if st is None or st.tokens is None or st.read_at is None:
+            return 0.0
+        return st.read_at - st.tokens_since
 
     def failed(self, worker: str, error: str) -> list[Signal]:
         st = self._state[worker]
@@ -531,6 +545,83 @@ class EngineFrozenDetector:
     def forget(self, worker: str) -> None:
         self._state.pop(worker, None)
         self._verdicts.forget(worker)
+
+
+@dataclass
+class _ActivityState:
+    cpu: float = 0.0
+    at: float | None = None  # the last look
+    high_since: float | None = None  # the start of the looks that showed it computing, in a row
+    low_since: float | None = None  # the start of the looks that showed it not computing, in a row
+    computing: bool = False  # what was said last
+
+
+class EngineActivity:
+    """Evidence, never a verdict: whether a worker's engine processes are computing now (CPU time at
+    ``busy_cpu`` of a core or more, look after look, for ``on_s``; no longer after ``off_s`` under it). Said
+    only when it changes, as an ``ok`` signal with ``computing`` and ``since`` (wall time), so a steadily busy
+    or idle engine costs no write.
+
+    The controller weighs it against an unanswered canary whose worker's token counters stood still: one
+    engine step that outlasts the canary (a cold code path, a first-use compile, a long prefill on a slow
+    device) computes; a stopped, frozen or deadlocked engine does not. A step that computes and never returns
+    (a spinning kernel, a stalled collective) looks busy too, which is why the controller waits on it only up
+    to a bound (``supervisor.canary_busy_max_s``)."""
+
+    name = "engine-busy"
+
+    def __init__(self, *, clock: Clock = SYSTEM_CLOCK, busy_cpu: float = 0.5, on_s: float = 1.0,
+                 off_s: float = 3.0) -> None:
+        self.clock = clock
+        self.busy_cpu = busy_cpu
+        self.on_s = on_s
+        self.off_s = off_s
+        self._state: dict[str, _ActivityState] = collections.defaultdict(_ActivityState)
+
+    def observe(self, worker: str, cpu_s: float) -> list[Signal]:
+        """One look: the engine processes' CPU time, summed (seconds)."""
+        now = self.clock.monotonic()
+        st = self._state[worker]
+        before, at = st.cpu, st.at
+        st.cpu, st.at = cpu_s, now
+        if at is None or now <= at or cpu_s < before:  # the first look, or a new process tree
+            return []
+        if (cpu_s - before) / (now - at) >= self.busy_cpu:
+            st.low_since = None
+            st.high_since = at if st.high_since is None else st.high_since
+        else:
+            st.high_since = None
+            st.low_since = at if st.low_since is None else st.low_since
+        if not st.computing and st.high_since is not None and now - st.high_since >= self.on_s:
+            st.computing = True
+            since = self.clock.wall() - (now - st.high_since)
+            reason = f"engine processes computing for {now - st.high_since:.1f}s"
+            return [Signal(worker, self.name, Severity.OK, reason, self.clock.wall(),
+                           {"computing": True, "since": since})]
+        if st.computing and st.low_since is not None and now - st.low_since >= self.off_s:
+            st.computing = False
+            return [Signal(worker, self.name, Severity.OK, "engine processes not computing", self.clock.wall(),
+                           {"computing": False})]
+        return []
+
+    def forget(self, worker: str) -> list[Signal]:
+        """Drop ``worker`` (its process is being replaced); the "not computing" to say if "computing" was said."""
+        st = self._state.pop(worker, None)
+        if st is None or not st.computing:
+            return []
+        return [Signal(worker, self.name, Severity.OK, "a new process", self.clock.wall(), {"computing": False})]
+
+
+def weigh_computing(progress: EngineProgress, computing_for_s: float, still_for_s: float,
+                    bound_s: float) -> tuple[bool, str]:
+    """An unanswered canary whose worker's token counters stood still, while its node agent sees the engine
+    processes compute: one long step (busy), until the counters have stood still ``bound_s``; past it, a step
+    that does not return. Whether busy, and the evidence in words."""
+    seen = f"{progress.describe()}, and its engine processes have computed for {computing_for_s:.1f}s (node agent)"
+    if still_for_s < bound_s:
+        return True, f"{seen}: one long step (waited for up to {bound_s:g}s, supervisor.canary_busy_max_s)"
+    return False, (f"{seen} with no token for {still_for_s:.1f}s: past supervisor.canary_busy_max_s ({bound_s:g}s), "
+                   "a step that does not return")
 
 
 # -- canary golden outputs ------------------------------------------------------------------------------

@@ -220,6 +220,8 @@ class Lifecycle:
                 if not ok:
                     raise FleetwardError(f"self-test failed before restart: {reason}")
             agent.engines.detector.forget(worker_id)
+            for sig in agent.engines.activity.forget(worker_id):
+                await agent.signal(worker_id, sig.detector, sig.severity, sig.reason, **sig.extra)
             config = agent.config
             try:
                 async for attempt in AsyncRetrying(stop=stop_after_attempt(config.restart_attempts),

@@ -29,7 +29,13 @@ import psutil
 
 from fleetward.fleet.backends import WorkerHandle
 from fleetward.fleet.errors import UnavailableError
-from fleetward.supervisor.detectors import RUNNING, EngineFrozenDetector, EngineSample, parse_prometheus
+from fleetward.supervisor.detectors import (
+    RUNNING,
+    EngineActivity,
+    EngineFrozenDetector,
+    EngineSample,
+    parse_prometheus,
+)
 from fleetward.supervisor.gpu import Action, GpuEvent, GpuEventKind, GpuHealthSource, GpuPolicy, GpuSourceError
 from fleetward.supervisor.signals import Severity
 
@@ -211,6 +217,7 @@ class EngineWatch:
         self.detector = EngineFrozenDetector(clock=agent.clock, no_progress_s=config.engine_no_progress_s,
                                              stall_s=config.engine_stall_s,
                                              probe_interval_s=config.engine_probe_interval_s)
+        self.activity = EngineActivity(clock=agent.clock)  # evidence for the controller: is the engine computing?
         self._http = httpx.AsyncClient(timeout=2.0)
         self._running: dict[str, tuple[int, float]] = {}  # worker -> requests running per its metrics, read at
         self._reads: dict[str, asyncio.Task[None]] = {}  # a worker's /metrics read under way
@@ -255,7 +262,10 @@ class EngineWatch:
                 for pid, name, _, _ in sample.processes:
                     if pid != handle.process.pid and pid not in watched:
                         self.exits.watch_tree_member(wid, handle, pid, name)
-                for sig in self.detector.observe(wid, sample):
+                signals = self.detector.observe(wid, sample)
+                if sample.processes:
+                    signals += self.activity.observe(wid, sum(p[3] for p in sample.processes))
+                for sig in signals:
                     if sig.severity is not Severity.OK:
                         log.warning("worker %s: %s", wid, sig.reason)
                     await agent.signal(wid, sig.detector, sig.severity, sig.reason, **sig.extra)

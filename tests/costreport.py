@@ -5,13 +5,17 @@ of vLLM servers) counts once, on the test that started it. The report is short o
 minutes shows in the run of that change (docs/architecture.md, "Tests", says how to keep a test cheap).
 
 Wired by ``tests/conftest.py`` (its hooks are these two functions); with pytest-xdist, the controller receives
-every worker's reports, so the totals are the whole run's.
+every worker's reports, so the totals are the whole run's. ``FLEETWARD_TEST_COST_FILE=PATH`` also writes every
+test's cost there (JSON, most expensive first).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -52,6 +56,9 @@ def report_lines(cost: dict[str, float], wall_s: float, slowest: int = SLOWEST) 
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    out = os.environ.get("FLEETWARD_TEST_COST_FILE")
+    if out and _cost:  # every test's cost, for deciding what to make cheaper: FLEETWARD_TEST_COST_FILE=cost.json
+        Path(out).write_text(json.dumps(dict(sorted(_cost.items(), key=lambda kv: -kv[1])), indent=1))
     lines = report_lines(dict(_cost), time.monotonic() - _started)
     if lines:
         terminalreporter.section("test cost")

@@ -5,13 +5,16 @@ from __future__ import annotations
 from fleetward.fleet.clock import ManualClock
 from fleetward.migration.progress import ProgressModel
 from fleetward.supervisor.detectors import (
+    EngineActivity,
     EngineFrozenDetector,
+    EngineProgress,
     EngineSample,
     GoldenBook,
     MetricsDetector,
     StreamProgressDetector,
     golden_key,
     parse_prometheus,
+    weigh_computing,
 )
 from fleetward.supervisor.signals import Severity
 
@@ -126,6 +129,18 @@ def test_metrics_counters_that_freeze_while_requests_run_are_suspect() -> None:
     assert d.failed("w", "refused")[0].severity is Severity.SUSPECT
 
 
+def test_counters_still_while_the_engine_computes_are_one_long_step_up_to_a_bound() -> None:
+    clock = ManualClock()
+    d = MetricsDetector(clock=clock, frozen_after_s=10)
+    running = {"vllm:num_requests_running": 1, "vllm:generation_tokens_total": 100}
+    assert d.scraped("w", running, computing_s=30) == []
+    clock.advance(20)
+    assert d.scraped("w", running, computing_s=30) == [], "computing (node agent): one long step"
+    clock.advance(11)
+    (sig,) = d.scraped("w", running, computing_s=30)
+    assert sig.severity is Severity.SUSPECT and "frozen for 31.0s" in sig.reason
+
+
 def test_a_reading_against_the_one_as_a_canary_left_says_whether_the_engine_computed() -> None:
     clock = ManualClock()
     d = MetricsDetector(clock=clock)
@@ -149,6 +164,51 @@ def test_a_reading_against_the_one_as_a_canary_left_says_whether_the_engine_comp
     assert still.describe().startswith("its token counters stood still for 2.0s")
     assert d.record("x", {"vllm:num_requests_running": 1}) is None, "no token counters exported"
     assert d.progress("x", {"vllm:num_requests_running": 1}, (0.0, 0.0)) is None
+
+
+def test_engine_activity_is_said_only_when_it_changes_with_hysteresis() -> None:
+    clock = ManualClock()
+    a = EngineActivity(clock=clock, busy_cpu=0.5, on_s=1.0, off_s=3.0)
+    cpu = 10.0
+    assert a.observe("w", cpu) == [], "the first look measures nothing"
+    said = []
+    for _ in range(3):  # 0.8 of a core, 0.25 s a look: computing once a second of it is seen
+        clock.advance(0.25)
+        cpu += 0.2
+        said += a.observe("w", cpu)
+    assert said == []
+    clock.advance(0.25)
+    cpu += 0.2
+    (on,) = a.observe("w", cpu)
+    assert on.detector == "engine-busy" and on.severity is Severity.OK and on.extra["computing"] is True
+    assert on.extra["since"] == clock.wall() - 1.0
+    for _ in range(8):  # idle for 2 s, then busy again: not said (under off_s)
+        clock.advance(0.25)
+        said += a.observe("w", cpu)
+    clock.advance(0.25)
+    cpu += 0.2
+    said += a.observe("w", cpu)
+    assert said == [], "a pause shorter than off_s is not said"
+    for _ in range(12):
+        clock.advance(0.25)
+        said += a.observe("w", cpu)
+    (off,) = said
+    assert off.extra == {"computing": False}
+    assert a.observe("w", 1.0) == [], "a new process tree (less CPU time): measured from there"
+    clock.advance(0.25)
+    for _ in range(5):
+        clock.advance(0.25)
+        a.observe("w", 1.0 + 0.25 * _)
+    (gone,) = a.forget("w")
+    assert gone.extra == {"computing": False} and a.forget("w") == []
+
+
+def test_cpu_alone_is_one_long_step_until_the_bound() -> None:
+    still = EngineProgress(0.0, 4.0, running=1.0, waiting=1.0)
+    busy, why = weigh_computing(still, computing_for_s=6.0, still_for_s=7.0, bound_s=30.0)
+    assert busy and "its engine processes have computed for 6.0s (node agent): one long step" in why
+    busy, why = weigh_computing(still, computing_for_s=40.0, still_for_s=31.0, bound_s=30.0)
+    assert not busy and "no token for 31.0s" in why and "a step that does not return" in why
 
 
 def test_a_stopped_engine_is_fatal_and_cpu_without_progress_is_suspect() -> None:
