@@ -101,6 +101,10 @@ _SPECS: dict[str, tuple[str, list[tuple[str, list[Panel]]]]] = {
                 ("sum by (result) (rate(fleetward_supervisor_canaries_total[5m]))", "{{result}}")]),
             ("Upstream errors by kind (per s)", "ops", [
                 ("sum by (kind) (rate(fleetward_router_upstream_errors_total[5m])) or vector(0)", "{{kind}}")]),
+            ("Upstream attempts per client request; retries the budget refused (per s)", "short", [
+                ("sum(rate(fleetward_router_upstream_attempts_total[5m])) / "
+                 "sum(rate(fleetward_router_upstream_attempts_total{attempt=\"first\"}[5m]))", "amplification"),
+                ("sum(rate(fleetward_router_retry_budget_refused_total[5m])) or vector(0)", "refused")]),
             ("Migration stall", "s", [
                 ("histogram_quantile(0.99, sum by (le) (rate(fleetward_router_migration_stall_seconds_bucket[5m])))",
                  "p99")]),

@@ -182,6 +182,14 @@ class RouterConfig(Frozen):
     host: str = Field("127.0.0.1", description="address the router binds (``up``: the top-level host unless set)")
     port: int = Field(0, ge=0, le=65535, description="the router's port (``up --router-port``); 0 picks a free one")
     migration_limit: int = Field(3, ge=0, description="resumes allowed per request after its first attempt")
+    retry_budget_tokens: float = Field(20.0, ge=0, description="a retry of a request that a worker answered with "
+                                       "an error (a 5xx or an error event, before any token) goes ahead only while "
+                                       "a bucket of this many tokens is over half full, and takes one; it gives it "
+                                       "back if it is served, and every request served adds retry_budget_ratio. "
+                                       "Else the client gets the worker's answer at once. Mid-stream resumes, "
+                                       "workers unreachable or dead, and planned moves never draw on it. 0: off")
+    retry_budget_ratio: float = Field(0.1, ge=0, description="what each request served gives back to the retry "
+                                      "budget (0.1: in a fleet that fails every request, about one retry in ten)")
     poison_workers: int = Field(2, ge=0, description="a request this many workers failed while serving it (crashed, "
                                 "hung, or judged unhealthy under it) is not sent to another: it may be what breaks "
                                 "them (a poison request), and is answered 500 naming them, counted "

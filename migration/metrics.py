@@ -115,5 +115,16 @@ class RouterMetrics:
             "fleetward_router_passthrough_cut", "Passed-through answers whose worker failed after the client had "
             "part of them: ended with an error event (streams) or a cut connection, by endpoint.", ["endpoint"],
             registry=r)
+        self.upstream_attempts = Counter("fleetward_router_upstream_attempts", "Requests sent to workers, by "
+                                         "attempt (first: a request's, or a choice's, first; retry: after a failure; "
+                                         "move: a planned move or a KV handover tried again). All over first: how "
+                                         "much load the routers add to a failing fleet.", ["attempt"], registry=r)
+        for attempt in ("first", "retry", "move"):
+            self.upstream_attempts.labels(attempt)
+        self.retries_refused = Counter("fleetward_router_retry_budget_refused", "Retries not made because the retry "
+                                       "budget was spent: the client got the worker's failure at once.", registry=r)
+        self.retry_tokens = Gauge("fleetward_router_retry_budget_tokens", "Tokens in the retry budget (retries of "
+                                  "requests a worker answered with an error go ahead while over half full).",
+                                  registry=r)
         self.workers_routable = Gauge("fleetward_router_workers_routable", "Workers new requests may go to.",
                                       registry=r)

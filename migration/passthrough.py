@@ -58,6 +58,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from fleetward.migration import wire
+from fleetward.migration.budget import RetryBudget
 from fleetward.migration.metrics import RouterMetrics
 from fleetward.migration.wire import RouterError
 
@@ -134,8 +135,9 @@ class Passthrough:
     the worker."""
 
     def __init__(self, picker: Picker, session: Callable[[], aiohttp.ClientSession], *, metrics: RouterMetrics,
-                 attempts: int) -> None:
+                 attempts: int, budget: RetryBudget | None = None) -> None:
         self.picker = picker
+        self.budget = budget or RetryBudget(0)
         self._session = session
         self._attempts = max(1, attempts)
         self.metrics = metrics
@@ -224,7 +226,13 @@ class Passthrough:
                      target: str | None) -> Response:
         tried: list[str] = []
         last: tuple[int, bytes, str] | None = None  # a worker's 5xx, answered if no worker does better
+        throttled, after_5xx = 0, False  # retries after a worker's 5xx drew on the retry budget (.budget)
         for _ in range(self._attempts):
+            if after_5xx:
+                if not self.budget.admit():
+                    self.metrics.retries_refused.inc()
+                    break  # the fleet is failing requests: the worker's answer, at once
+                throttled, after_5xx = throttled + 1, False
             if target is not None:  # the one worker that can answer (a stored response)
                 picked = None if target in tried else next(
                     ((w, u) for w, u in self.picker.routable() if w == target), None)
@@ -234,6 +242,7 @@ class Passthrough:
                 break
             worker, url = picked
             tried.append(worker)
+            self.metrics.upstream_attempts.labels("first" if len(tried) == 1 else "retry").inc()
             try:
                 upstream = await self._session().request(route.method, url + path, data=body or None,
                                                          headers=headers)
@@ -250,7 +259,9 @@ class Passthrough:
                     log.info("%s %s: worker %s answered %d; trying another", route.method, path, worker,
                              upstream.status)
                     self.metrics.passthrough_retries.labels(route.label, "status").inc()
+                    after_5xx = self.budget.enabled
                     continue
+                self.budget.served(refund=throttled)
                 size = upstream.content_length
                 if size is not None and size <= BUFFER_LIMIT:
                     raw = await upstream.read()

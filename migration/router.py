@@ -42,6 +42,7 @@ from fleetward.fleet.registry import FleetView
 from fleetward.fleet.telemetry import link_gauges
 from fleetward.fleet.worker import HealthState
 from fleetward.migration.adapters import Adapters
+from fleetward.migration.budget import RetryBudget, throttled_kind
 from fleetward.migration.checkpoint import Checkpointer
 from fleetward.migration.journal import Journal
 from fleetward.migration.metrics import RouterMetrics
@@ -90,6 +91,8 @@ class _Tries:
     move: MoveOrder | None = None  # the planned move under way (.moves): from its stop to its next first token
     planned: int = 0  # planned moves so far (they do not count against migration_limit)
     broke: dict[str, str] = field(default_factory=dict)  # worker -> why, for those that failed serving it (.poison)
+    throttled: int = 0  # its retries that drew on the retry budget (.budget): given back if it is served
+    last: UpstreamError | None = None  # its last failure, when the retry budget is to decide the next attempt
 
 
 class Router:
@@ -136,8 +139,10 @@ class Router:
         self.prefill = Prefill(config, view=self.view, upstream=self.upstream, metrics=self.metrics, clock=clock)
         self.placement = Placement(config, view=self.view, progress=self.progress, policy=self.policy,
                                    relayed=lambda: self.passthrough.load())
+        self.retry_budget = RetryBudget(config.retry_budget_tokens, config.retry_budget_ratio)
+        self.metrics.retry_tokens.set(self.retry_budget.tokens)
         self.passthrough = Passthrough(self.placement, lambda: self.upstream.session, metrics=self.metrics,
-                                       attempts=config.migration_limit + 1)
+                                       attempts=config.migration_limit + 1, budget=self.retry_budget)
         self.adapters = Adapters(lambda: self.upstream.session, self.placement.routable,
                                  interval_s=config.adapters_interval_s, clock=clock)
         self.placement.adapters = self.adapters
@@ -330,6 +335,7 @@ class Router:
             while not j.is_done:
                 self._check_limits(j, t.reason, t.planned)
                 await self._check_poison(j, t)
+                self._check_budget(j, t)
                 move = t.move
                 worker, url, load = self._choose(j, t.failed, t.reason, move)
                 path, body = j.upstream_request()
@@ -343,6 +349,8 @@ class Router:
                     await self._attempt(j, worker, url, path, body, out, t)
                 except UpstreamError as exc:
                     await self._attempt_failed(j, worker, exc, t, prefilled_on)
+            self.retry_budget.served(refund=t.throttled)
+            self.metrics.retry_tokens.set(self.retry_budget.tokens)
         finally:
             a = self.active.get(j.id)
             if a is not None and a.move is not None:  # it ended before the move could stop it
@@ -395,6 +403,24 @@ class Router:
                 self.metrics.migration_failures.labels("deadline").inc()
             raise RouterError(504, f"request deadline passed after {j.attempts} attempt(s); last failure: "
                               f"{reason}")
+
+    def _check_budget(self, j: Journal, t: _Tries) -> None:
+        """Raises :class:`RouterError` with the worker's own failure when it was one the retry budget throttles
+        and the budget is spent (:mod:`.budget`): a fleet that fails requests is not sent each of them again."""
+        exc, t.last = t.last, None
+        if exc is None:
+            return
+        admitted = self.retry_budget.admit()
+        self.metrics.retry_tokens.set(self.retry_budget.tokens)
+        if admitted:
+            t.throttled += 1
+            return
+        self.metrics.retries_refused.inc()
+        log.info("request %s: not tried again (%s): the retry budget is spent", j.id, t.reason)
+        body = exc.body if exc.status is not None and exc.body else None
+        raise RouterError(exc.status or 503, f"{exc.message} (not tried on another worker: the fleet is failing "
+                          "requests and the router's retry budget is spent)" if body is None else exc.message,
+                          body=body, retry_after=self.config.retry_after_s if (exc.status or 503) == 503 else None)
 
     async def _check_poison(self, j: Journal, t: _Tries) -> None:
         """Raises :class:`RouterError` (500) once ``routing.poison_workers`` workers failed while serving the
@@ -451,6 +477,8 @@ class Router:
         """Count the attempt on ``worker``; one after a failure is a migration (published on the bus)."""
         previous = j.worker
         j.attempts += 1
+        self.metrics.upstream_attempts.labels("first" if j.attempts == 1 else "move" if t.kv.retry or t.move
+                                              else "retry").inc()
         j.worker = worker
         j.dirty = True
         if j.attempts > 1 and not t.kv.retry:
@@ -505,6 +533,8 @@ class Router:
         t.failed.append(worker)
         if broke_under(exc):
             t.broke[worker] = t.reason
+        if self.retry_budget.enabled and throttled_kind(exc.kind, len(j.emitted)):
+            t.last = exc  # the next attempt is the retry budget's to allow
         # The stall the client sees runs from its last token (a hang is only noticed after the worker's
         # allowed silence), or from the failure when none came yet.
         if t.failed_at is None:
