@@ -614,8 +614,10 @@ class Controller(LeaderElected):
             deadline = max(deadline, min(self.config.canary_busy_max_s, 2 * self._busy_deadline[worker]))
         # The worker's token counters as the canary leaves (unless just read): if it goes unanswered, a reading
         # then says whether the engine computed meanwhile, i.e. whether the canary waited behind work.
+        # An urgent canary's is always read afresh: a hang that began after the last reading would otherwise
+        # look like tokens computed while the canary waited (the engine's last steps before it).
         last = self.metrics_detector.last(worker)
-        recent = last if last is not None and self.clock.monotonic() - last[1] <= 1.0 else None
+        recent = last if not urgent and last is not None and self.clock.monotonic() - last[1] <= 1.0 else None
         baseline = asyncio.create_task(self._record_counters(worker, rec.url)) if recent is None else None
         try:
             # A routine canary with the deadline of an idle engine is watched one deadline more (one step may

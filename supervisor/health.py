@@ -419,7 +419,11 @@ class HealthMachine:
         if ws.cordoned:  # restarted while cordoned: it serves again, still out of routing
             ws.pending = None
             return self._set(ws, S.DRAINING, "cordoned: restarted, out of routing until undrained", "operator")
-        if ws.state in (S.READY, S.SUSPECT) and ws.pending is None:
+        if ws.state is S.SUSPECT and ws.pending is None:
+            # Nothing changed (a lease renewal), or a new leader read a suspicion its predecessor had not
+            # confirmed yet: its canary confirms or clears it (its own detectors start from nothing).
+            return [RunCanary(ws.id, urgent=True)]
+        if ws.state is S.READY and ws.pending is None:
             return []  # a lease renewal re-registered it; nothing changed
         ws.pending = None
         ws.canary_failures = 0

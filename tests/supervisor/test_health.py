@@ -346,6 +346,23 @@ def test_a_new_leader_replays_into_the_same_actions(clock: ManualClock) -> None:
     assert third.observe(sig("process", Severity.FATAL)) == [], "the pending restart is not issued again"
 
 
+def test_a_new_leader_confirms_or_clears_a_suspicion_its_predecessor_left(clock: ManualClock) -> None:
+    """A leader cut off after a worker turned suspect: its successor's detectors start from nothing (the routers'
+    streams have moved away), so it sends the canary that decides, instead of waiting for the suspect timeout."""
+    first = HealthMachine(HealthPolicy(), clock=clock)
+    ready(first)
+    out = first.observe(sig("stream-progress", Severity.SUSPECT))
+    second = HealthMachine(HealthPolicy(), clock=clock)
+    second.load("w", of(out, SetHealth)[-1].record)
+    assert second.workers["w"].state is S.SUSPECT
+    (canary,) = of(second.observe(Registered("w", "n1")), RunCanary)
+    assert canary.urgent
+    out = second.observe(CanaryDone("w", ok=False, reason="no answer within 1.00s", silent=None))
+    assert states(out) == [S.UNHEALTHY, S.RESTARTING]
+    ready(second, "v")
+    assert second.observe(Registered("v", "n1")) == [], "a ready worker's lease renewal changes nothing"
+
+
 def test_a_registration_read_again_while_its_restart_is_pending_changes_nothing(clock: ManualClock) -> None:
     """A new leader (or an agent renewing a lost lease) reads the registration of the process that a pending
     restart is replacing. That is not the fresh process: the restart stays pending, no canary goes to a
