@@ -26,7 +26,9 @@ least loaded). A request is tried on another worker when its worker fails before
 connection fails, the worker answers 5xx (not 501), or its answer breaks off before the router has it all.
 Answers up to ``BUFFER_LIMIT`` with a ``Content-Length`` are read whole before the client gets any of them,
 so a body that breaks off is retried whole; larger ones and streams are relayed as they come. A worker's 4xx
-is the client's to read, passed on unchanged.
+is the client's to read, passed on unchanged. A request that ``routing.poison_workers`` workers failed while
+serving it (a 5xx other than 503, or an answer that broke off) is sent to no other (:mod:`.poison`), and a
+retry after a 5xx draws on the router's retry budget (:mod:`.budget`).
 
 Once the client has bytes, the request stays on its worker. When that worker fails mid-stream (it dies, is
 found unhealthy, or the router finds it silent), the client's stream ends cleanly: an SSE stream with an
@@ -45,9 +47,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -60,6 +63,7 @@ from starlette.background import BackgroundTask
 from fleetward.migration import wire
 from fleetward.migration.budget import RetryBudget
 from fleetward.migration.metrics import RouterMetrics
+from fleetward.migration.poison import body_digest, named, poison_error
 from fleetward.migration.wire import RouterError
 
 __all__ = ["BUFFER_LIMIT", "ROUTES", "Passthrough", "Picker", "Route"]
@@ -135,8 +139,12 @@ class Passthrough:
     the worker."""
 
     def __init__(self, picker: Picker, session: Callable[[], aiohttp.ClientSession], *, metrics: RouterMetrics,
-                 attempts: int, budget: RetryBudget | None = None) -> None:
+                 attempts: int, budget: RetryBudget | None = None, poison_workers: int = 0,
+                 on_poison: Callable[[str, str, str | None, Mapping[str, str]], Awaitable[None]] | None = None
+                 ) -> None:
         self.picker = picker
+        self.poison_workers = poison_workers
+        self.on_poison = on_poison  # (request, body digest, model, workers): published by the router
         self.budget = budget or RetryBudget(0)
         self._session = session
         self._attempts = max(1, attempts)
@@ -227,7 +235,10 @@ class Passthrough:
         tried: list[str] = []
         last: tuple[int, bytes, str] | None = None  # a worker's 5xx, answered if no worker does better
         throttled, after_5xx = 0, False  # retries after a worker's 5xx drew on the retry budget (.budget)
+        broke: dict[str, str] = {}  # worker -> why, for those that failed while serving it (.poison)
         for _ in range(self._attempts):
+            if self.poison_workers and len(broke) >= self.poison_workers:
+                return await self._poisoned(route, path, body, model, broke)
             if after_5xx:
                 if not self.budget.admit():
                     self.metrics.retries_refused.inc()
@@ -246,9 +257,16 @@ class Passthrough:
             try:
                 upstream = await self._session().request(route.method, url + path, data=body or None,
                                                          headers=headers)
-            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 log.info("%s %s: worker %s unreachable (%s); trying another", route.method, path, worker, exc)
                 self.metrics.passthrough_retries.labels(route.label, "connect").inc()
+                continue
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                # It had the request: it died, or cut or timed out the connection, before answering.
+                log.info("%s %s: worker %s failed before answering (%s); trying another", route.method, path,
+                         worker, exc)
+                self.metrics.passthrough_retries.labels(route.label, "broken").inc()
+                broke[worker] = f"no answer: {str(exc) or type(exc).__name__}"
                 continue
             self._open.setdefault(worker, set()).add(upstream)
             relayed = False  # the client gets this answer as it comes: the stream releases it when done
@@ -260,6 +278,8 @@ class Passthrough:
                              upstream.status)
                     self.metrics.passthrough_retries.labels(route.label, "status").inc()
                     after_5xx = self.budget.enabled
+                    if upstream.status != 503:  # 503: the worker's load, not the request
+                        broke[worker] = f"HTTP {upstream.status}"
                     continue
                 self.budget.served(refund=throttled)
                 size = upstream.content_length
@@ -275,6 +295,7 @@ class Passthrough:
                 log.info("%s %s: worker %s broke off before the client had a byte (%s); trying another",
                          route.method, path, worker, exc)
                 self.metrics.passthrough_retries.labels(route.label, "broken").inc()
+                broke[worker] = f"its answer broke off: {self._aborted.get(upstream) or exc}"
                 continue
             finally:
                 if not relayed:
@@ -292,6 +313,23 @@ class Passthrough:
         which = f"model {model}" if model else "any model"
         return RouterError(503, f"no healthy worker of {which} could answer {route.method} {path}"
                        + (f" (tried {', '.join(tried)})" if tried else "")).response()
+
+    async def _poisoned(self, route: Route, path: str, body: bytes, model: str | None,
+                        broke: Mapping[str, str]) -> Response:
+        """``routing.poison_workers`` workers failed while serving this request: it goes to no other (.poison)."""
+        try:
+            parsed = orjson.loads(body) if body else {}
+        except orjson.JSONDecodeError:
+            parsed = None
+        digest = body_digest(parsed) if isinstance(parsed, dict) else hashlib.sha256(body).hexdigest()[:16]
+        request = f"{route.method} {path}"
+        self.metrics.migration_failures.labels("poison").inc()
+        self._count(route.label, "poison")
+        log.warning("request %s (body sha256 %s) not sent to another worker: %d failed while serving it (%s)",
+                    request, digest, len(broke), named(broke))
+        if self.on_poison is not None:
+            await self.on_poison(request, digest, model, broke)
+        return poison_error(request, digest, broke).response()
 
     def load(self) -> dict[str, int]:
         """Relays open per worker (the picker adds them to a worker's load)."""

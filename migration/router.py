@@ -25,7 +25,7 @@ import contextlib
 import gc
 import logging
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,7 +142,8 @@ class Router:
         self.retry_budget = RetryBudget(config.retry_budget_tokens, config.retry_budget_ratio)
         self.metrics.retry_tokens.set(self.retry_budget.tokens)
         self.passthrough = Passthrough(self.placement, lambda: self.upstream.session, metrics=self.metrics,
-                                       attempts=config.migration_limit + 1, budget=self.retry_budget)
+                                       attempts=config.migration_limit + 1, budget=self.retry_budget,
+                                       poison_workers=config.poison_workers, on_poison=self._passthrough_poison)
         self.adapters = Adapters(lambda: self.upstream.session, self.placement.routable,
                                  interval_s=config.adapters_interval_s, clock=clock)
         self.placement.adapters = self.adapters
@@ -437,6 +438,12 @@ class Router:
                                workers=list(t.broke), reasons=list(t.broke.values()), model=j.model,
                                tokens=len(j.emitted))
         raise poison_error(j.id, digest, t.broke)
+
+    async def _passthrough_poison(self, request: str, digest: str, model: str | None,
+                                  broke: Mapping[str, str]) -> None:
+        """A passed-through request was sent to no other worker (.passthrough): the ``poison`` event."""
+        await self.bus.publish("poison", request=request, body_sha256=digest, worker=list(broke)[-1],
+                               workers=list(broke), reasons=list(broke.values()), model=model, tokens=0)
 
     def _choose(self, j: Journal, failed: list[str], reason: str,
                 move: MoveOrder | None = None) -> tuple[str, str, dict[str, int]]:

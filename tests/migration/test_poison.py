@@ -3,8 +3,9 @@
 Simulated workers whose process exits when a request holding ``SimConfig.poison_token`` in its prompt is
 submitted, as vLLM's engine has died on some inputs. The first worker dies under the request and its stream
 moves; the second dies too; the router sends it to no third worker: the client gets an error that says why,
-and the event, the metric and the log name the request, a hash of its body and the workers (issue 48). One
-worker dying under a stream stays a migration: every other test of this folder.
+and the event, the metric and the log name the request, a hash of its body and the workers (issue 48). The
+same for a request passed through whole (a chat the journal cannot make): each worker dies before answering.
+One worker dying under a stream stays a migration: every other test of this folder.
 """
 
 from __future__ import annotations
@@ -49,9 +50,13 @@ async def poison_metric(fleet: TestFleet) -> float:
     return metric(text, "fleetward_router_migration_failures_total", reason="poison")
 
 
+# A chat request the journal cannot make (its parameters have no completions equivalent): passed through whole.
+PASSED_THROUGH = {"chat_template_kwargs": {"enable_thinking": False}, "top_logprobs": 0, "parallel_tool_calls": True}
+
+
 @pytest.mark.asyncio(loop_scope="module")
-@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
-async def test_a_request_that_kills_two_workers_is_sent_to_no_third(fleet: TestFleet, stream: bool,
+@pytest.mark.parametrize("stream", [True, False, None], ids=["streamed", "whole", "passed-through"])
+async def test_a_request_that_kills_two_workers_is_sent_to_no_third(fleet: TestFleet, stream: bool | None,
                                                                      wait_until: Any) -> None:
     await fleet.wait_healthy(timeout=30)
     before, counted = pids(fleet), await poison_metric(fleet)
@@ -66,8 +71,15 @@ async def test_a_request_that_kills_two_workers_is_sent_to_no_third(fleet: TestF
             message = got.error["message"]
         else:
             async with httpx.AsyncClient(timeout=60) as client:
-                r = await client.post(fleet.routers[0].url + "/v1/completions", json={
-                    "model": SIM.model_name, "prompt": prompt, "max_tokens": 40, "ignore_eos": True})
+                if stream is None:
+                    text = "a request the engine cannot take: \x04 and more"  # byte 4 is token 7, the poison
+                    assert POISON in encode(text)
+                    r = await client.post(fleet.routers[0].url + "/v1/chat/completions", json={
+                        "model": SIM.model_name, "messages": [{"role": "user", "content": text}], "max_tokens": 40,
+                        "ignore_eos": True, **PASSED_THROUGH})
+                else:
+                    r = await client.post(fleet.routers[0].url + "/v1/completions", json={
+                        "model": SIM.model_name, "prompt": prompt, "max_tokens": 40, "ignore_eos": True})
             assert r.status_code == 500, r.text
             assert "Retry-After" not in r.headers, "asking again would do the same harm"
             message = r.json()["error"]["message"]
@@ -81,6 +93,8 @@ async def test_a_request_that_kills_two_workers_is_sent_to_no_third(fleet: TestF
         killed = event.data["workers"]
         assert len(set(killed)) == 2 and set(killed) <= set(fleet.worker_ids), event.data
         assert f"Request {event.data['request']}," in message, "the answer names the request"
+        if stream is None:
+            assert event.data["request"] == "POST /v1/chat/completions"
         assert re.fullmatch(r"[0-9a-f]{16}", event.data["body_sha256"]) and event.data["body_sha256"] in message
         await wait_until(lambda: all(pids(fleet)[w] not in (None, before[w]) for w in killed), timeout=30,
                          message="both died under it (restarted by the supervisor)")
@@ -89,7 +103,7 @@ async def test_a_request_that_kills_two_workers_is_sent_to_no_third(fleet: TestF
         assert await poison_metric(fleet) == counted + 1
     finally:
         recorder.task.cancel()
-    await fleet_serves(fleet, SIM, f"after the poison ({'streamed' if stream else 'whole'})")
+    await fleet_serves(fleet, SIM, f"after the poison ({stream})")
 
 
 def test_what_counts_as_a_worker_failing_under_a_request() -> None:
