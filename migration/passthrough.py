@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -63,7 +62,7 @@ from starlette.background import BackgroundTask
 from fleetward.migration import wire
 from fleetward.migration.budget import RetryBudget
 from fleetward.migration.metrics import RouterMetrics
-from fleetward.migration.poison import body_digest, named, poison_error
+from fleetward.migration.poison import body_digest, poison_error
 from fleetward.migration.wire import RouterError
 
 __all__ = ["BUFFER_LIMIT", "ROUTES", "Passthrough", "Picker", "Route"]
@@ -144,7 +143,7 @@ class Passthrough:
                  ) -> None:
         self.picker = picker
         self.poison_workers = poison_workers
-        self.on_poison = on_poison  # (request, body digest, model, workers): published by the router
+        self.on_poison = on_poison  # (request, body digest, model, workers): counted, logged, published
         self.budget = budget or RetryBudget(0)
         self._session = session
         self._attempts = max(1, attempts)
@@ -316,17 +315,10 @@ class Passthrough:
 
     async def _poisoned(self, route: Route, path: str, body: bytes, model: str | None,
                         broke: Mapping[str, str]) -> Response:
-        """``routing.poison_workers`` workers failed while serving this request: it goes to no other (.poison)."""
-        try:
-            parsed = orjson.loads(body) if body else {}
-        except orjson.JSONDecodeError:
-            parsed = None
-        digest = body_digest(parsed) if isinstance(parsed, dict) else hashlib.sha256(body).hexdigest()[:16]
-        request = f"{route.method} {path}"
-        self.metrics.migration_failures.labels("poison").inc()
+        """``routing.poison_workers`` workers failed while serving this request: it goes to no other (.poison);
+        the router counts, logs and publishes it (``on_poison``)."""
+        request, digest = f"{route.method} {path}", body_digest(body)
         self._count(route.label, "poison")
-        log.warning("request %s (body sha256 %s) not sent to another worker: %d failed while serving it (%s)",
-                    request, digest, len(broke), named(broke))
         if self.on_poison is not None:
             await self.on_poison(request, digest, model, broke)
         return poison_error(request, digest, broke).response()

@@ -43,9 +43,18 @@ def broke_under(exc: UpstreamError) -> bool:
     return False
 
 
-def body_digest(body: Mapping[str, Any]) -> str:
+def body_digest(body: Mapping[str, Any] | bytes) -> str:
     """What identifies a request's body in logs and events without showing it: the SHA-256 of its JSON with
-    sorted keys, 16 hex digits."""
+    sorted keys, 16 hex digits. A body as bytes (a request passed through) is read as JSON first; one that is
+    not a JSON object is hashed as it came."""
+    if isinstance(body, bytes):
+        try:
+            parsed = orjson.loads(body) if body else {}
+        except orjson.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            return hashlib.sha256(body).hexdigest()[:16]
+        body = parsed
     return hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
 

@@ -143,7 +143,7 @@ class Router:
         self.metrics.retry_tokens.set(self.retry_budget.tokens)
         self.passthrough = Passthrough(self.placement, lambda: self.upstream.session, metrics=self.metrics,
                                        attempts=config.migration_limit + 1, budget=self.retry_budget,
-                                       poison_workers=config.poison_workers, on_poison=self._passthrough_poison)
+                                       poison_workers=config.poison_workers, on_poison=self._poisoned)
         self.adapters = Adapters(lambda: self.upstream.session, self.placement.routable,
                                  interval_s=config.adapters_interval_s, clock=clock)
         self.placement.adapters = self.adapters
@@ -430,20 +430,19 @@ class Router:
         limit = self.config.poison_workers
         if not limit or len(t.broke) < limit:
             return
-        self.metrics.migration_failures.labels("poison").inc()
         digest = body_digest(j.body)
-        log.warning("request %s (body sha256 %s) not sent to another worker: %d failed while serving it (%s)",
-                    j.id, digest, len(t.broke), named(t.broke))
-        await self.bus.publish("poison", request=j.id, body_sha256=digest, worker=list(t.broke)[-1],
-                               workers=list(t.broke), reasons=list(t.broke.values()), model=j.model,
-                               tokens=len(j.emitted))
+        await self._poisoned(j.id, digest, j.model, t.broke, tokens=len(j.emitted))
         raise poison_error(j.id, digest, t.broke)
 
-    async def _passthrough_poison(self, request: str, digest: str, model: str | None,
-                                  broke: Mapping[str, str]) -> None:
-        """A passed-through request was sent to no other worker (.passthrough): the ``poison`` event."""
+    async def _poisoned(self, request: str, digest: str, model: str | None, broke: Mapping[str, str], *,
+                        tokens: int = 0) -> None:
+        """A request sent to no other worker (journaled, or passed through: .passthrough): counted, logged and
+        published as the ``poison`` event."""
+        self.metrics.migration_failures.labels("poison").inc()
+        log.warning("request %s (body sha256 %s) not sent to another worker: %d failed while serving it (%s)",
+                    request, digest, len(broke), named(broke))
         await self.bus.publish("poison", request=request, body_sha256=digest, worker=list(broke)[-1],
-                               workers=list(broke), reasons=list(broke.values()), model=model, tokens=0)
+                               workers=list(broke), reasons=list(broke.values()), model=model, tokens=tokens)
 
     def _choose(self, j: Journal, failed: list[str], reason: str,
                 move: MoveOrder | None = None) -> tuple[str, str, dict[str, int]]:

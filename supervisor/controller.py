@@ -549,15 +549,9 @@ class Controller(LeaderElected):
 
             async def one(wid: str, url: str) -> None:
                 async with limit:
-                    try:
-                        status, body = await self.fetch("GET", f"{url}/metrics", timeout=2.0)
-                    except _HTTP_ERRORS as exc:
-                        signals = self.metrics_detector.failed(wid, f"{type(exc).__name__}: {exc}")
-                    else:
-                        text = body.decode(errors="replace")
-                        signals = (self.metrics_detector.scraped(wid, parse_prometheus(text, MetricsDetector.wanted),
-                                                                 computing_s=self._computing_bound(wid))
-                                   if status == 200 else self.metrics_detector.failed(wid, f"HTTP {status}"))
+                    metrics, error = await self._read_counters(url, timeout=2.0)
+                    signals = (self.metrics_detector.scraped(wid, metrics, computing_s=self._computing_bound(wid))
+                               if metrics is not None else self.metrics_detector.failed(wid, error))
                 for sig in signals:
                     self.submit(SignalSeen(sig))
 
@@ -708,29 +702,29 @@ class Controller(LeaderElected):
         left = await baseline if isinstance(baseline, asyncio.Task) else baseline  # bounded by its own timeout
         if left is None:
             return None
-        progress = None
-        for wait_s in (0.0, watch_s):
-            if progress is not None and (progress.busy or not progress.running or not wait_s):
-                break
-            await self.clock.sleep(wait_s)
-            now = await self._read_counters(url)
-            if now is None:
-                return None
-            progress = self.metrics_detector.progress(worker, now, left)
+        now, _ = await self._read_counters(url)
+        progress = self.metrics_detector.progress(worker, now, left) if now is not None else None
+        if progress is not None and watch_s and not progress.busy and progress.running:
+            await self.clock.sleep(watch_s)
+            now, _ = await self._read_counters(url)
+            progress = self.metrics_detector.progress(worker, now, left) if now is not None else None
         return progress
 
     async def _record_counters(self, worker: str, url: str) -> tuple[float, float] | None:
         """Read the worker's counters now and keep the reading: its tokens and when (None: not readable)."""
-        now = await self._read_counters(url)
+        now, _ = await self._read_counters(url)
         return self.metrics_detector.record(worker, now) if now is not None else None
 
-    async def _read_counters(self, url: str) -> dict[str, float] | None:
-        """The worker's engine counters (requests running and waiting, tokens prefilled and generated)."""
+    async def _read_counters(self, url: str, *, timeout: float = 1.0) -> tuple[dict[str, float] | None, str]:
+        """The worker's engine counters from its /metrics (requests running and waiting, tokens prefilled and
+        generated), or None and why they could not be read."""
         try:
-            status, body = await self.fetch("GET", f"{url}/metrics", timeout=1.0)
-        except _HTTP_ERRORS:
-            return None
-        return parse_prometheus(body.decode(errors="replace"), MetricsDetector.wanted) if status == 200 else None
+            status, body = await self.fetch("GET", f"{url}/metrics", timeout=timeout)
+        except _HTTP_ERRORS as exc:
+            return None, f"{type(exc).__name__}: {exc}"
+        if status != 200:
+            return None, f"HTTP {status}"
+        return parse_prometheus(body.decode(errors="replace"), MetricsDetector.wanted), ""
 
     async def _confirm_wrong(self, worker: str, key: str, tokens: list[int], body: dict[str, Any],
                              deadline: float) -> str:

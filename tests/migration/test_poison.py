@@ -119,3 +119,5 @@ def test_what_counts_as_a_worker_failing_under_a_request() -> None:
                                             e("aborted", "move: drain"), e("aborted", "worker deregistered"),
                                             e("aborted", "worker quarantined: xid 79")))
     assert body_digest({"b": 1, "a": 2}) == body_digest({"a": 2, "b": 1}) != body_digest({"a": 2})
+    assert body_digest(b'{"a": 2, "b": 1}') == body_digest({"b": 1, "a": 2}), "a passed-through body: its JSON"
+    assert re.fullmatch(r"[0-9a-f]{16}", body_digest(b"\x00 not json")) and body_digest(b"x") != body_digest(b"y")
