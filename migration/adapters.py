@@ -11,7 +11,8 @@ load or unload it passed on, and a request naming an adapter goes only to worker
 naming an adapter no worker serves gets vLLM's 404.
 
 ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` go to every routable worker: the answer is the
-first worker's success, or, when none succeeded, the first worker's refusal, as it wrote them.
+first worker's success, or, when none succeeded, the first worker's refusal (a 4xx), else the first failure,
+as it wrote them (a worker that could not be reached does not speak for the request).
 
 An adapter loaded through the router is the fleet's until it is unloaded through the router: a worker that
 lacks it (restarted by the supervisor, which loses what vLLM loaded at runtime, or added since) is sent the
@@ -36,7 +37,7 @@ from fastapi.responses import Response
 from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.migration.wire import RouterError, error_body
 
-__all__ = ["ADAPTER_ROUTES", "Adapters"]
+__all__ = ["ADAPTER_ROUTES", "Adapters", "fleet_answer"]
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ class Adapters:
                 else:
                     self.loads.pop(name, None)
         await self.refresh()  # the next request goes where the adapter is now
-        status, raw, answered = next((a for a in answers if a[0] == 200), answers[0])
+        status, raw, answered = fleet_answer(answers)
         return Response(raw, status_code=status, headers={"content-type": answered} if answered else None)
 
     async def _post(self, worker: str, url: str, body: bytes, ctype: str) -> tuple[int, bytes, str | None]:
@@ -169,6 +170,14 @@ class Adapters:
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             log.warning("%s on worker %s failed: %s", url, worker, exc)
             return 502, orjson.dumps(error_body(502, f"worker {worker}: {exc}")), "application/json"
+
+
+def fleet_answer(answers: list[tuple[int, bytes, str | None]]) -> tuple[int, bytes, str | None]:
+    """The answer to a load or unload that went to every worker: a worker's success, else a worker's refusal
+    (a 4xx: the request's own fault), else the first failure. A worker that could not be reached (502) says
+    nothing about the request."""
+    return next((a for a in answers if a[0] == 200), None) or next(
+        (a for a in answers if 400 <= a[0] < 500), answers[0])
 
 
 def _adapter_name(body: bytes) -> str | None:

@@ -17,6 +17,7 @@ from testkit import PATIENT_SUPERVISOR, routed_fleet
 
 from fleetward.chaos.harness import TestFleet
 from fleetward.fleet.config import RouterConfig, SimConfig
+from fleetward.migration.adapters import fleet_answer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -84,3 +85,14 @@ async def test_an_adapter_loaded_through_the_router_is_loaded_again_on_a_restart
         refused = await client.post(router + "/v1/load_lora_adapter", json={"lora_name": "bad",
                                                                             "lora_path": str(tmp_path / "none")})
         assert refused.status_code == 404 and "No adapter found" in refused.text, refused.text
+
+
+def test_a_load_answers_with_a_workers_success_else_its_refusal_never_with_a_worker_it_could_not_reach() -> None:
+    """Found by the router's fuzz test: a registered worker that could not be reached came first, and its 502
+    was the answer to a body every other worker refused with a 400."""
+    unreachable = (502, b'{"error": "worker w0: cannot connect"}', "application/json")
+    refused = (400, b'{"error": "bad body"}', "application/json")
+    ok = (200, b"Success", "text/plain")
+    assert fleet_answer([unreachable, refused]) == refused
+    assert fleet_answer([unreachable, refused, ok]) == ok
+    assert fleet_answer([unreachable, (503, b"busy", None)]) == unreachable
