@@ -173,9 +173,14 @@ def whole_reason(body: dict[str, Any], kind: Kind) -> str | None:
     nothing of a whole answer until it is complete, so when its worker fails first, the request is sent again
     from its start to another worker (:class:`~fleetward.migration.passthrough.Passthrough`): exact for greedy
     requests, a fresh sample otherwise, and never a partial answer.
+
+    One stream too: a chat stream with ``echo``, whose echoed last message comes in a chunk of its own without
+    token ids, which the journal does not write. It is passed through as a stream (failing over before its
+    first byte only), as vLLM wrote it.
     """
     if body.get("stream"):
-        return None
+        return "echo (a chat stream's echoed message is a chunk of no tokens)" if (
+            kind is Kind.CHAT and body.get("echo")) else None
     several = fanout(body, kind)
     if several is not None:
         return several

@@ -14,7 +14,7 @@ same status, type, param and message (the files named are under vllm/):
 4. the sampling parameters (sampling_params.py: SamplingParams.from_optional, then _verify_args);
 5. what the engine checks against the model (SamplingParams.verify, v1/engine/input_processor.py).
 
-The sim's own refusals (n > 1, echo, logprobs, beam search, several prompts) come after stage 2. Stages 1 and
+The sim's own refusals (several choices or prompts in one stream, beam search) come after stage 2. Stages 1 and
 2 are here (:func:`validated`); 3 to 5 in :mod:`.sampling`. Every refusal is an :class:`ApiError`, which
 becomes vLLM's ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -114,10 +114,22 @@ def _check_raw(body: dict[str, Any], *, chat: bool) -> None:
             raise refused("Stream options can only be defined when `stream=True`.", param="stream_options")
 
     def logprobs() -> None:
-        for key in ("prompt_logprobs", "top_logprobs" if chat else "logprobs"):
+        count = "top_logprobs" if chat else "logprobs"
+        for key in ("prompt_logprobs", count):
             value = body.get(key)
             if value is not None and not isinstance(value, (int, float)):
                 raise refused(f"`{key}` must be an integer.", param=key, value=value)
+        if (prompt := body.get("prompt_logprobs")) is not None:
+            if body.get("stream") and (prompt > 0 or prompt == -1):
+                raise refused("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+            if prompt < 0 and prompt != -1:
+                raise refused("`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs",
+                              value=prompt)
+        if (value := body.get(count)) is not None:
+            if value < 0 and value != -1:
+                raise refused(f"`{count}` must be a positive value or -1.", param=count, value=value)
+            if chat and (value == -1 or value > 0) and not body.get("logprobs"):
+                raise refused("when using `top_logprobs`, `logprobs` must be set to true.", param=count)
 
     if chat:
         if body.get("continue_final_message") and body.get("add_generation_prompt"):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetward.sim.engine import SamplingSpec
+from fleetward.sim.logprobs import TOP_MAX
 from fleetward.sim.protocol import ApiError, refused, validated
 from fleetward.sim.servedmodel import ServedModel
 from fleetward.sim.tokenizer import render_chat
@@ -43,6 +44,14 @@ class ParsedRequest:
     seed: int | None = None
     sampled: bool = False  # temperature above vLLM's epsilon (greedy otherwise)
     adapter: str | None = None  # the LoRA adapter it names (its answer's model), None: the base model
+    # Logprobs (.logprobs): alternatives per generated token (completions' ``logprobs``, chat's ``top_logprobs``
+    # when ``logprobs`` is true) and per prompt token (``prompt_logprobs``, else what ``echo`` asks for); None:
+    # none at all.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    echo: bool = False  # the prompt (completions) or the last message's content (chat) comes before the answer
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the engine still takes one step, as vLLM's)
+    echo_text: str = ""  # chat: what echo puts before the answer
 
     def choices(self) -> list[tuple[list[int], SamplingSpec]]:
         """Every choice's prompt and spec, in vLLM's order: prompt by prompt, ``n`` choices each."""
@@ -71,6 +80,7 @@ def parse_request(body: object, *, chat: bool, served: ServedModel) -> ParsedReq
     served.check(v["model"])
     role = "assistant"
     prompts: list[str | list[int]]
+    echo_only = False
     if chat:
         mt_param = "max_completion_tokens" if v["max_completion_tokens"] is not None else "max_tokens"
         max_tokens = v[mt_param]
@@ -82,7 +92,9 @@ def parse_request(body: object, *, chat: bool, served: ServedModel) -> ParsedReq
         max_tokens = v["max_tokens"]
         if max_tokens is None:
             max_tokens = _COMPLETION_DEFAULT_MAX_TOKENS
-        prompts = _completion_prompts(v["prompt"], stream=bool(v["stream"]))
+        if v["echo"] and max_tokens == 0:  # vLLM runs it with one token and answers with the prompt alone
+            echo_only, max_tokens = True, 1
+        prompts = _completion_prompts(v["prompt"])
         if v["suffix"] is not None:  # the tiny model has no fill-in-the-middle rendering
             raise ApiError("suffix is only supported for models with FIM completion rendering"
                            if isinstance(prompts[0], str) else
@@ -96,8 +108,9 @@ def parse_request(body: object, *, chat: bool, served: ServedModel) -> ParsedReq
     budgets = [max_len - len(ids) if max_tokens is None else min(max_tokens, max_len - len(ids)) for ids in all_ids]
     bias_ids = _token_keys(v["logit_bias"] or {})
     _check_sampling(v, budgets[0])
+    logprobs, prompt_logprobs = _logprobs_asked(v, chat=chat)
     for ids in all_ids:
-        _check_engine(v, bias_ids, ids, served.vocab_size)
+        _check_engine(v, bias_ids, ids, served.vocab_size, (logprobs, prompt_logprobs))
 
     stop = v["stop"]
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
@@ -116,35 +129,48 @@ def parse_request(body: object, *, chat: bool, served: ServedModel) -> ParsedReq
     return ParsedRequest(all_ids[0], specs[0], bool(v["stream"]), include_usage, continuous_usage,
                          bool(v["return_token_ids"]), role, more=list(zip(all_ids[1:], specs[1:], strict=True)),
                          n=v["n"] or 1, seed=v["seed"], sampled=sampled,
-                         adapter=v["model"] if v["model"] in served.adapters else None)
+                         adapter=v["model"] if v["model"] in served.adapters else None,
+                         logprobs=logprobs, prompt_logprobs=prompt_logprobs, echo=bool(v["echo"]),
+                         echo_only=echo_only,
+                         echo_text=_echoed_message(v["messages"], role) if chat and v["echo"] else "")
 
 
-def _completion_prompts(prompt: str | list[Any], *, stream: bool) -> list[str | list[int]]:
+def _logprobs_asked(v: dict[str, Any], *, chat: bool) -> tuple[int | None, int | None]:
+    """The logprobs a request asks for, per generated and per prompt token, as vLLM's ``to_sampling_params``
+    reads them: chat's ``top_logprobs`` counts only with ``logprobs`` true; ``echo`` without
+    ``prompt_logprobs`` asks for the prompt's too (chat: ``top_logprobs`` of them, even without ``logprobs``)."""
+    sample = ((v["top_logprobs"] or 0) if v["logprobs"] else None) if chat else v["logprobs"]
+    prompt = v["prompt_logprobs"]
+    if prompt is None and v["echo"]:
+        prompt = v["top_logprobs"] if chat else v["logprobs"]
+    return sample, prompt
+
+
+def _echoed_message(messages: list[Any], role: str) -> str:
+    """What chat's ``echo`` puts before the answer: the last message's content where it has the answer's role."""
+    last = messages[-1] if messages else None
+    if not isinstance(last, dict) or last.get("role") != role:
+        return ""
+    content = last.get("content")
+    if isinstance(content, list):
+        return "\n".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return content if isinstance(content, str) else ""
+
+
+def _completion_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
     """A completion request's prompts: text or token ids, or a list of those (vLLM's schema has checked the
-    types). The sim answers several prompts whole; it streams one."""
+    types)."""
     if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
         return [prompt]
     if not prompt:  # vLLM would answer with no choices at all
         raise refused("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
-    if len(prompt) > 1 and stream:
-        raise ApiError(f"the simulated worker streams one prompt per request, got {len(prompt)}; send them "
-                       "unstreamed, or as separate requests", param="prompt")
     return list(prompt)
 
 
 def _refuse_unsupported(v: dict[str, Any]) -> None:
-    """What vLLM serves and the sim does not: several choices in a stream, echo, logprobs, beam search."""
-    n = v["n"]
-    if n is not None and n > 1 and v["stream"]:
-        raise ApiError(f"n={n} is not streamed by the simulated worker: it streams one choice per request; send "
-                       "it unstreamed", param="n")
-    for key in ("echo", "use_beam_search"):
-        if v.get(key):
-            raise ApiError(f"{key} is not supported by the simulated worker", param=key)
-    for key in ("logprobs", "prompt_logprobs", "top_logprobs"):
-        value = v.get(key)
-        if value is not None and value is not False and not (key == "top_logprobs" and value == 0):
-            raise ApiError(f"{key} is not supported by the simulated worker", param=key)
+    """What vLLM serves and the sim does not: beam search."""
+    if v.get("use_beam_search"):
+        raise ApiError("use_beam_search is not supported by the simulated worker", param="use_beam_search")
 
 
 def _prompt_tokens(prompt: str | list[int], max_len: int, encoder: Callable[[str], list[int]]) -> list[int]:
@@ -228,9 +254,15 @@ def _check_sampling(v: dict[str, Any], max_tokens: int) -> None:
         raise refused(f"n must be 1 when using greedy sampling, got {n}.")
 
 
-def _check_engine(v: dict[str, Any], bias_ids: list[int], prompt_ids: list[int], vocab_size: int) -> None:
-    """Stage 5: what vLLM's engine checks against the model, in its order: token ids the request names, then
-    the prompt."""
+def _check_engine(v: dict[str, Any], bias_ids: list[int], prompt_ids: list[int], vocab_size: int,
+                  logprobs: tuple[int | None, int | None]) -> None:
+    """Stage 5: what vLLM's engine checks against the model, in its order: the logprobs asked for, the token
+    ids the request names, then the prompt."""
+    for key, kind, asked in (("logprobs", "sample", logprobs[0]), ("prompt_logprobs", "prompt", logprobs[1])):
+        count = vocab_size if asked == -1 else asked
+        if count is not None and count > TOP_MAX:
+            raise refused(f"Requested {kind} logprobs of {count}, which is greater than max allowed: {TOP_MAX}",
+                          param=key, value=count)
     for key, ids in (("logit_bias", bias_ids), ("stop_token_ids", list(dict.fromkeys(v["stop_token_ids"] or [])))):
         if bad := [i for i in ids if not 0 <= i < vocab_size]:
             raise refused(f"token_id(s) {bad} in {key} contain out-of-vocab token ids. Vocabulary size: "

@@ -15,9 +15,11 @@ from typing import Any
 from fleetward.fleet.config import SimConfig
 from fleetward.fleet.vocab import BUILTIN, Vocabulary
 from fleetward.sim.protocol import ApiError
-from fleetward.sim.tokenizer import VOCAB_SIZE, decode, encode
+from fleetward.sim.tokenizer import SPECIAL_TOKENS, VOCAB_SIZE, decode, encode
 
 __all__ = ["ServedModel"]
+
+SPECIAL_NAMES = {i: name for name, i in SPECIAL_TOKENS.items()}
 
 
 class ServedModel:
@@ -41,8 +43,22 @@ class ServedModel:
         """Text → ids with the vocabulary served (chat text is the rendered template, roles included)."""
         return encode(text) if self.vocab is None else self.vocab.encode(text, add_special_tokens=special)
 
-    def decode(self, ids: list[int]) -> str:
-        return decode(ids) if self.vocab is None else self.vocab.decode(ids)
+    def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
+        """Ids → text; with ``skip_special`` False, special tokens are written out (``<s>``), as vLLM writes
+        an echoed prompt and the tokens of logprobs."""
+        if self.vocab is not None:
+            return self.vocab.decode(ids, skip_special_tokens=skip_special)
+        if skip_special:
+            return decode(ids)
+        parts: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            if i in SPECIAL_NAMES:
+                parts += [decode(run), SPECIAL_NAMES[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join([*parts, decode(run)])
 
     def check(self, model: str | None) -> None:
         """Refuse a request naming another model or adapter (vLLM's 404); no model at all means this one."""

@@ -1,10 +1,9 @@
 """The serving of ``POST /v1/completions`` and ``POST /v1/chat/completions`` over the simulated engine.
 
 Both stream and non-stream, byte for byte in vLLM's shapes (key order included; see ``tests/data/vllm-0.32``).
-``prompt`` is text, a list of token ids, or a list of either (several prompts: one choice each, answered
-whole; streamed, one prompt only). Honoured: ``max_tokens`` (chat:
-``max_completion_tokens`` too; clamped to the context left, as vLLM does), ``ignore_eos``, ``stop`` (str or
-list), ``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids``,
+``prompt`` is text, a list of token ids, or a list of either (several prompts: one choice each). Honoured:
+``max_tokens`` (chat: ``max_completion_tokens`` too; clamped to the context left, as vLLM does),
+``ignore_eos``, ``stop`` (str or list), ``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids``,
 ``stream_options.include_usage`` and ``continuous_usage_stats``, ``min_tokens``, ``add_generation_prompt``
 (chat), the ``X-Request-Id`` header, ``kv_transfer_params`` (prefill/decode: :mod:`.kvtransfer`). Accepted
 and ignored, because the simulated model is deterministic: ``top_p``, ``top_k``, ``min_p``, the penalties,
@@ -14,9 +13,12 @@ makes them repeatable: a sampled (temperature above 0) request with a ``seed`` c
 state mixed with a salt of its seed (``SamplingSpec.salt``), anything else is the model's own continuation.
 ``n`` > 1 (not greedy, as in vLLM) is answered whole: choice ``k`` of a seeded request is the request with
 seed ``seed + k``, as vLLM's child requests are; unseeded, choice 0 is the model's own continuation and each
-other one is mixed with its own salt; the same on every worker. Refused with a 400 naming the
-parameter, although vLLM serves them: several choices in one stream, several prompts in one stream (or none
-at all), ``echo``, ``logprobs``/``prompt_logprobs``/``top_logprobs``, beam search.
+other one is mixed with its own salt; the same on every worker. ``logprobs`` (chat: with ``top_logprobs``),
+``prompt_logprobs`` and ``echo`` (a completion's prompt, a chat's last message, before the answer; with
+``max_tokens`` 0, the prompt alone) are answered as vLLM answers them, streamed or not, the logprobs read off
+the model's own distribution (:mod:`.logprobs`). Refused with a 400 naming the parameter, although vLLM serves
+them: beam search. Several choices (``n``, a list of prompts) stream side by side, each chunk naming its
+choice, as vLLM's do.
 
 Every request vLLM 0.32 refuses for the tiny model is refused at the same stage, with vLLM's status, type,
 ``param`` and message (the stages and the vLLM files they come from are listed in :mod:`.protocol`): wrong
@@ -45,11 +47,21 @@ from fleetward.fleet.errors import WorkerError
 from fleetward.fleet.kv import KV_ERROR_TYPE, KvOffer, KvTransferError
 from fleetward.sim.engine import RequestCut, SimEngine, SimRequest
 from fleetward.sim.kvtransfer import KvTransfer
+from fleetward.sim.logprobs import (
+    Scorer,
+    Shown,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs,
+    prompt_positions,
+    shown,
+)
 from fleetward.sim.protocol import ApiError, engine_dead, read_json
 from fleetward.sim.responses import Cut, EventStream, Released, error_response
 from fleetward.sim.sampling import ParsedRequest, parse_request
 from fleetward.sim.servedmodel import ServedModel
-from fleetward.sim.sse import ChatChunks, CompletionChunks, events
+from fleetward.sim.sse import ChatChunks, CompletionChunks, Echo, events, fanned_events
 
 __all__ = ["CompletionServing", "await_or_abort"]
 
@@ -62,6 +74,7 @@ class CompletionServing:
         self._engine = engine
         self._kv = kv
         self._clock = clock
+        self._token_text = TokenText(functools.partial(served.decode, skip_special=False))
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, chat=False)
@@ -88,10 +101,6 @@ class CompletionServing:
             except KvTransferError as exc:
                 return error_response(ApiError(str(exc), status=502, err_type=KV_ERROR_TYPE, param=exc.kind))
         req = self._engine.submit(parsed.prompt_ids, parsed.spec, rid, kv=kv)
-        if parsed.stream:
-            shape = ChatChunks if chat else CompletionChunks
-            chunks = shape(parsed, rid, created, parsed.adapter or self._served.name, self._served.system_fingerprint)
-            return EventStream(events(req, chunks), functools.partial(self._engine.release, req))
         # A list of prompts, ``n`` choices: one engine request per choice, run side by side (in vLLM's order).
         reqs = [req, *(self._engine.submit(ids, spec, f"{rid}-{k}")
                        for k, (ids, spec) in enumerate(parsed.choices()[1:], 1))]
@@ -99,6 +108,17 @@ class CompletionServing:
         def release() -> None:
             for r in reqs:
                 self._engine.release(r)
+
+        if parsed.stream:
+            shape = ChatChunks if chat else CompletionChunks
+            streams = [(r, shape(parsed, rid, created, parsed.adapter or self._served.name,
+                                 self._served.system_fingerprint, scorer=self._scorer(r, parsed),
+                                 echo=Echo(self._echo_text(r, parsed), self._shown(r, parsed)[0] or []), index=k,
+                                 prompt_ids=r.prompt_ids)) for k, r in enumerate(reqs)]
+            if len(streams) == 1:
+                return EventStream(events(*streams[0]), release)
+            prompts = sum(len(r.prompt_ids) for r in reqs[::parsed.n])  # each prompt once, as vLLM counts it
+            return EventStream(fanned_events(streams, prompts), release)
 
         outcome: WorkerError | RequestCut | None = None
         try:
@@ -124,16 +144,49 @@ class CompletionServing:
             return Released(answer, 200, release)
         return Released(err.body(), err.status, release)
 
+    # -- logprobs and echo (.logprobs) --------------------------------------------------------------------
+
+    def _scorer(self, req: SimRequest, p: ParsedRequest) -> Scorer | None:
+        """The logprobs of ``req``'s generated tokens, where ``p`` asks for them."""
+        if p.logprobs is None:
+            return None
+        spec = req.params
+        return Scorer(self._engine.scheduler.model, req.prompt_ids, p.logprobs, self._token_text, start=spec.start,
+                      salt=spec.salt, ignore_eos=spec.ignore_eos)
+
+    def _shown(self, req: SimRequest, p: ParsedRequest) -> tuple[list[Shown] | None, list[Shown] | None]:
+        """``req``'s prompt and generated tokens with their logprobs, each where ``p`` asks for them."""
+        prompt = None if p.prompt_logprobs is None else shown(
+            req.prompt_ids, prompt_positions(self._engine.scheduler.model, req.prompt_ids, p.prompt_logprobs,
+                                             start=req.params.start), self._token_text)
+        scorer = self._scorer(req, p)
+        return prompt, None if scorer is None else scorer.next([] if p.echo_only else req.output_ids)
+
+    def _echo_text(self, req: SimRequest, p: ParsedRequest) -> str:
+        """What ``echo`` puts before the answer: a completion's prompt (special tokens written out; nothing
+        when token ids are returned, as in vLLM), a chat's last message (:attr:`ParsedRequest.echo_text`)."""
+        if not p.echo or p.return_token_ids:
+            return p.echo_text
+        return p.echo_text or self._served.decode(req.prompt_ids, skip_special=False)
+
     # -- non-stream bodies --------------------------------------------------------------------------
 
     def _completion_body(self, reqs: list[SimRequest], p: ParsedRequest, rid: str,
                          created: int) -> dict[str, Any]:
-        """One choice per prompt, in the order sent; the usage of them all, as vLLM sums it."""
+        """One choice per prompt, in the order sent; the usage of them all, as vLLM sums it. With ``echo`` the
+        prompt comes first, in the text and in the logprobs."""
         rt = p.return_token_ids
-        choices = [{"index": k, "text": req.output_text, "logprobs": None, "finish_reason": req.finish_reason,
-                    "stop_reason": req.stop_reason, "token_ids": list(req.output_ids) if rt else None,
-                    "prompt_logprobs": None, "prompt_token_ids": list(req.prompt_ids) if rt else None,
-                    "routed_experts": None} for k, req in enumerate(reqs)]
+        choices = []
+        for k, req in enumerate(reqs):
+            prompt, output = self._shown(req, p)
+            tokens = [*(prompt or [] if p.echo else []), *(output or [])]
+            choices.append({
+                "index": k, "text": self._echo_text(req, p) + ("" if p.echo_only else req.output_text),
+                "logprobs": None if p.logprobs is None else completion_logprobs(tokens, p.logprobs),
+                "finish_reason": req.finish_reason, "stop_reason": req.stop_reason,
+                "token_ids": list(req.output_ids) if rt else None,
+                "prompt_logprobs": None if prompt is None else prompt_logprobs(prompt),
+                "prompt_token_ids": list(req.prompt_ids) if rt else None, "routed_experts": None})
         return {"id": rid, "object": "text_completion", "created": created, "model": p.adapter or self._served.name,
                 "choices": choices, "service_tier": None, "system_fingerprint": self._served.system_fingerprint,
                 "usage": _usage(*reqs, n=p.n), "kv_transfer_params": None, "ec_transfer_params": None,
@@ -141,15 +194,20 @@ class CompletionServing:
 
     def _chat_body(self, reqs: list[SimRequest], p: ParsedRequest, rid: str, created: int) -> dict[str, Any]:
         rt = p.return_token_ids
-        choices = [{"index": k, "message": {"role": p.role, "content": req.output_text, "refusal": None,
-                                            "annotations": None, "audio": None, "function_call": None,
-                                            "reasoning": None},
-                    "logprobs": None, "finish_reason": req.finish_reason, "stop_reason": req.stop_reason,
-                    "token_ids": list(req.output_ids) if rt else None, "routed_experts": None}
-                   for k, req in enumerate(reqs)]
+        choices = []
+        for k, req in enumerate(reqs):
+            output = self._shown(req, p)[1]
+            choices.append({
+                "index": k, "message": {"role": p.role, "content": p.echo_text + req.output_text, "refusal": None,
+                                        "annotations": None, "audio": None, "function_call": None,
+                                        "reasoning": None},
+                "logprobs": None if output is None else chat_logprobs(output, p.logprobs or 0),
+                "finish_reason": req.finish_reason, "stop_reason": req.stop_reason,
+                "token_ids": list(req.output_ids) if rt else None, "routed_experts": None})
+        prompt = self._shown(reqs[0], p)[0]
         return {"id": rid, "object": "chat.completion", "created": created, "model": p.adapter or self._served.name,
                 "choices": choices, "service_tier": None, "system_fingerprint": self._served.system_fingerprint,
-                "usage": _usage(*reqs, n=p.n), "prompt_logprobs": None,
+                "usage": _usage(*reqs, n=p.n), "prompt_logprobs": None if prompt is None else prompt_logprobs(prompt),
                 "prompt_token_ids": p.prompt_ids if rt else None, "prompt_text": None,
                 "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
 

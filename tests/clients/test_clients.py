@@ -5,8 +5,9 @@ tokenizers; vLLM's benchmark and AIPerf read it from the tiny model's folder) be
 supervisor that restarts what a test killed. Each test runs one client as its own process, the way its users
 run it: the official ``openai`` Python client, the official OpenAI Node client (npm), ``vllm bench serve``,
 NVIDIA AIPerf, LiteLLM, LangChain's ``ChatOpenAI``, LangChain's completions ``OpenAI`` LLM, which sends lists of
-prompts, and an RL rollout sampler asking for ``n = 4`` samples; those two are answered whole, one journaled
-request per choice (migration/fanout.py). Once tokens flow, the worker that holds the most streams is
+prompts, an RL rollout sampler asking for ``n = 4`` samples (those two are answered whole, one journaled
+request per choice: migration/fanout.py), and lm-eval-harness, whose loglikelihood requests ask for the
+prompt's logprobs (echo) and are relayed whole. Once tokens flow, the worker that holds the most streams is
 SIGKILLed (its engine hung first, so that "it holds streams" is still true when the kill lands). Then every
 client must report no failed request, and every output must equal the fault-free reference: what a worker
 answers for the same request (greedy decoding, ``ignore_eos``), text and finish; the rollout's samples are
@@ -208,6 +209,32 @@ async def test_langchains_completions_llm_batches_prompts_through_a_worker_kill(
     out = await run_killing_a_worker(healthy, [sys.executable, str(HERE / "run_langchain_batch.py"), json.dumps(job)],
                                      log=tmp_path / "langchain-batch.log")
     assert_exact(json.loads(out), expected)
+
+
+async def test_lm_eval_harness_scores_the_same_through_a_worker_kill(healthy: TestFleet, tiny_model: Path,
+                                                                    tmp_path: Path) -> None:
+    """lm-eval-harness on small tasks of our own (tests/clients/lmeval: multiple choice scored by
+    loglikelihood, and answers generated greedily), with its ``local-completions`` and
+    ``local-chat-completions`` models, run against a worker and then through the router while a worker is
+    SIGKILLed: every request answered, and every document's responses the same. Its loglikelihood requests
+    (echo, logprobs) are relayed whole and sent again from the start where a worker fails before answering;
+    its generations are journaled, one request per prompt of a batch."""
+    job = {"model": SIM.model_name, "tokenizer": str(tiny_model), "reference_url": healthy.url(healthy.worker_ids[0]),
+           "router_url": router_url(healthy)}
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "HF_HOME": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false"}
+    out = await run_killing_a_worker(healthy, [sys.executable, str(HERE / "run_lm_eval.py"), json.dumps(job)],
+                                     log=tmp_path / "lm-eval.log", env=env)
+    runs = json.loads(out.splitlines()[-1])
+    want = {"local-completions": ["fleetward_choice", "fleetward_answer"],
+            "local-chat-completions": ["fleetward_answer"]}
+    for model_type, tasks in want.items():
+        reference, routed = runs["reference"][model_type], runs["router"][model_type]
+        assert "error" not in reference and "error" not in routed, (model_type, reference, routed)
+        assert sorted(routed) == sorted(tasks)
+        for task in tasks:
+            assert len(routed[task]) == 16
+            assert routed[task] == reference[task], (model_type, task)
 
 
 async def test_an_rl_rollout_sampler_gets_every_sample_through_a_worker_kill(healthy: TestFleet,

@@ -91,11 +91,14 @@ def test_invalid_bodies_are_refused_with_the_parameter_named(body: dict, param: 
     ({"n": 1, "logprobs": 2}, Kind.COMPLETION, None),
     ({"prompt": [1, 2]}, Kind.COMPLETION, None),
     ({"n": 2, "stream": True}, Kind.COMPLETION, None),
+    ({"messages": [{"role": "user", "content": "x"}], "echo": True, "stream": True}, Kind.CHAT, "echo"),
+    ({"echo": True, "stream": True}, Kind.COMPLETION, None),  # its echo the router writes (relay.py)
 ])
 def test_answers_the_journal_cannot_make_are_relayed_whole(body: dict, kind: Kind, why: str | None) -> None:
     """Several choices, the prompt's logprobs, or a state not made of tokens: a non-streamed request is relayed
     whole (a streamed one with a fan-out is refused by validate_body instead); plain ones and completions'
-    logprobs are made from the journal."""
+    logprobs are made from the journal. A chat stream with echo is relayed as sent (its echo chunk has no
+    tokens)."""
     full = {"model": "m", "prompt": "x", **body} if kind is Kind.COMPLETION else {"model": "m", **body}
     if not full.get("stream"):
         validate_body(full, kind)  # served, not refused

@@ -72,6 +72,18 @@ STREAMS = [
     ("/v1/completions", {"prompt": ["Roll", "Out"], "max_tokens": 6, "n": 3, "temperature": 1.0, "seed": 4}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "n": 2,
                               "temperature": 0.9, "seed": 8, "return_token_ids": True}),
+    # logprobs and echo (the sim answers them as vLLM does: tests/sim/test_logprobs.py)
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 10, "logprobs": 3, "stream": True}),
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 10, "logprobs": 2}),
+    ("/v1/completions", {"prompt": [[72, 105, 33], [72, 111]], "max_tokens": 1, "logprobs": 1, "echo": True,
+                         "seed": 1234}),  # lm-eval-harness's loglikelihood request
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "prompt_logprobs": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "logprobs": True,
+                              "top_logprobs": 2, "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "logprobs": True,
+                              "top_logprobs": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "I"}],
+                              "add_generation_prompt": False, "echo": True, "max_tokens": 5, "stream": True}),
 ]
 
 

@@ -57,11 +57,8 @@ async def post(path: str, body: Any, config: SimConfig = SMALL) -> tuple[httpx.R
      "max_tokens must be at least 1, got -1."),
     ("/v1/completions", {"max_tokens": 3}, 400, "BadRequestError", "prompt",
      "Either prompt or prompt_embeds must be provided and non-empty."),
-    ("/v1/completions", {"prompt": "x", "n": 2, "stream": True}, 400, "BadRequestError", "n", "n=2 is not streamed"),
     ("/v1/completions", {"prompt": "x", "n": 2, "temperature": 0}, 400, "BadRequestError", None,
      "n must be 1 when using greedy sampling, got 2."),
-    ("/v1/completions", {"prompt": ["a", "b"], "stream": True}, 400, "BadRequestError", "prompt",
-     "streams one prompt per request"),
     ("/v1/chat/completions", {"model": MODEL}, 400, "Bad Request", "body.messages", "Field required"),
 ])
 async def test_bad_requests_get_vllm_like_errors(path: str, body: Any, status: int, err_type: str,
