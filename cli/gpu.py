@@ -19,7 +19,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 from rich.console import Console
@@ -32,8 +32,10 @@ from fleetward.fleet.errors import ConfigError, FleetwardError, StoreError
 from fleetward.fleet.etcd import EtcdStore
 from fleetward.fleet.keys import Keys
 from fleetward.fleet.registry import read_fleet
-from fleetward.supervisor.gpu import Action, GpuEventKind, GpuHealthSource, GpuPolicy, run_selftest
-from fleetward.supervisor.gpuhost import GpuChoice, open_source, policy_of
+
+if TYPE_CHECKING:
+    from fleetward.supervisor.gpu import GpuHealthSource, GpuPolicy
+    from fleetward.supervisor.gpuhost import GpuChoice
 
 __all__ = ["add_parser", "run"]
 
@@ -56,6 +58,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
+    # The supervisor's GPU parts are imported here, not with the parser: every fleetward process builds the
+    # parser, and they cost a router or an agent half a second of start-up.
+    from fleetward.supervisor.gpu import Action
+    from fleetward.supervisor.gpuhost import open_source, policy_of
+
     given = fleet_file(args, system=True)
     config = given or FleetConfig()
     gpu = _gpu_config(config.gpu, args)
@@ -94,6 +101,8 @@ def _gpu_config(base: GpuConfig, args: argparse.Namespace) -> GpuConfig:
 
 def _report(source: GpuHealthSource, choice: GpuChoice, policy: GpuPolicy, node: str,
             args: argparse.Namespace) -> dict[str, Any]:
+    from fleetward.supervisor.gpu import Action, GpuEventKind, run_selftest
+
     events = source.poll()  # the first poll reports what is wrong now (ECC since reset, throttling, loss)
     processes = source.processes()
     fleet = asyncio.run(_fleet(args, node))

@@ -18,7 +18,6 @@ from pathlib import Path
 from rich.console import Console
 
 from fleetward.autoscale.capacity import CapacityModel, CapacityPoint, Sla
-from fleetward.autoscale.profile import measure_work, profile_worker, rising_rates
 from fleetward.fleet.backends import BACKENDS
 from fleetward.fleet.config import FleetConfig, load_fleet_config
 from fleetward.fleet.errors import ConfigError
@@ -53,6 +52,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _rates(text: str | None) -> list[float]:
     if not text:
+        from fleetward.autoscale.profile import rising_rates
+
         return rising_rates()
     try:
         rates = [float(x) for x in text.split(",") if x.strip()]
@@ -76,6 +77,10 @@ async def _served_model(url: str) -> str:
 
 
 async def _profile(args: argparse.Namespace, err: Console) -> CapacityModel:
+    # Imported here, not with the parser, which every fleetward process builds (the load driver and its MQTT
+    # and backend parts cost a router's start-up a tenth of a second).
+    from fleetward.autoscale.profile import measure_work, profile_worker
+
     sla = Sla(args.ttft, args.itl, args.ttft_per_1k)
     rates = _rates(args.rates)
     if args.work_prompt_tokens < 1 or args.work_batch < 1:
