@@ -450,10 +450,11 @@ async def serve_autoscaler(config: AutoscaleConfig, *, etcd: str, mqtt: str, clu
     actuator: Actuator
     try:
         if config.actuator == "kubernetes":
-            from fleetward.autoscale.kubernetes import open_kubernetes_actuator  # the kubernetes extra: only here
+            from fleetward.autoscale.kubernetes import Limits, open_kubernetes_actuator  # the kubernetes extra
 
             actuator = await open_kubernetes_actuator(config.kubernetes, store=store, keys=keys,
-                                                      admin_token=admin_token)
+                                                      admin_token=admin_token,
+                                                      limits=Limits(config.min_workers, config.max_workers))
         else:
             actuator = LocalActuator(store, keys, admin_token)
     except BaseException:

@@ -34,6 +34,10 @@ Then (:func:`replicas_for`), with ``spec`` the Deployment's ``spec.replicas``:
 - none: ``min(spec, max(live, spec - drained))``: only down, by the drained retirees at most, never below
   the live workers.
 
+Whatever the records say, the replicas stay within :class:`Limits`: the pool's ``min_workers`` and
+``max_workers`` (plus the retirees whose pods are not gone yet), and up by at most double or 4 a call; etcd is
+written by many hosts, and a record that asks for ten thousand pods is not a reason to start them.
+
 So asking twice for the same workers, or a new leader asking again for what its predecessor asked, gives the
 same number and no second patch; a retire called again after its patch finds ``spec`` already there. The
 patch carries the ``resourceVersion`` it was computed from: a Deployment changed in between answers 409 and
@@ -64,7 +68,7 @@ from fleetward.fleet.keys import Keys
 from fleetward.fleet.registry import FleetSnapshot, read_fleet
 from fleetward.fleet.worker import HealthRecord, HealthState
 
-__all__ = ["KubernetesActuator", "PoolPods", "drain_ended", "open_kubernetes_actuator", "replicas_for"]
+__all__ = ["KubernetesActuator", "Limits", "PoolPods", "drain_ended", "open_kubernetes_actuator", "replicas_for"]
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +116,26 @@ def replicas_for(spec: int, pods: PoolPods) -> int:
     return min(spec, max(pods.live, spec - pods.drained))
 
 
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What no record in etcd makes the actuator go past, whoever wrote it: a pool's ``min_workers`` and
+    ``max_workers`` (``autoscale``), and a step up of at most ``max(4, spec)`` replicas a call (double, or 4:
+    the default scale-up policy of Kubernetes' HorizontalPodAutoscaler)."""
+
+    least: int
+    most: int
+
+    def bound(self, spec: int, want: int, drained: int) -> int:
+        """``want`` within the limits: at most ``most`` plus the drained retirees whose pods are not gone yet
+        (themselves at most ``most``), up by the step at most, and never below ``least`` unless ``spec`` is."""
+        if want > spec:
+            want = min(want, self.most + min(drained, self.most), spec + max(_STEP_UP, spec))
+        return max(want, min(spec, self.least))
+
+
+_STEP_UP = 4
+
+
 def drain_ended(health: HealthRecord | None) -> bool:
     """Whether ``health`` is a worker an autoscaler retired whose cordon drain has ended: its streams finished
     or moved, it is out of routing, and its pod is NotReady."""
@@ -136,10 +160,10 @@ class KubernetesActuator:
     names_workers = True
 
     def __init__(self, config: KubernetesScaleConfig, namespace: str, api_client: Any, *, store: StateStore,
-                 keys: Keys, admin_token: str, attempts: int = 4, backoff_s: float = 0.2,
+                 keys: Keys, admin_token: str, limits: Limits, attempts: int = 4, backoff_s: float = 0.2,
                  timeout_s: float = 10.0) -> None:
         k8s = kubernetes_client()
-        self.config, self.namespace = config, namespace
+        self.config, self.namespace, self.limits = config, namespace, limits
         self.store, self.keys = store, keys
         self.api_client = api_client
         self._apps = k8s.client.AppsV1Api(api_client)
@@ -201,7 +225,12 @@ class KubernetesActuator:
             raise _CallFailed("get", exc) from exc
         spec = int(scale.spec.replicas or 0) if scale.spec is not None else 0
         pods = pool_pods(fleet, pool, record, asked)
-        want = replicas_for(spec, pods)
+        asked_for = replicas_for(spec, pods)
+        want = self.limits.bound(spec, asked_for, pods.drained)
+        if want != asked_for:
+            log.warning("%s: the fleet's records ask for %d replicas of Deployment %s/%s; %d is as far as "
+                        "min_workers %d, max_workers %d and the step allow from %d", pool, asked_for, self.namespace,
+                        name, want, self.limits.least, self.limits.most, spec)
         if want == spec:
             return
         body = {"metadata": {"resourceVersion": scale.metadata.resource_version}, "spec": {"replicas": want}}
@@ -272,7 +301,8 @@ def pod_namespace(path: Path = SERVICE_ACCOUNT_NAMESPACE) -> str:
 
 
 async def open_kubernetes_actuator(config: KubernetesScaleConfig, *, store: StateStore, keys: Keys,
-                                   admin_token: str, configuration: Any = None, kubeconfig: Path | None = None,
+                                   admin_token: str, limits: Limits, configuration: Any = None,
+                                   kubeconfig: Path | None = None,
                                    namespace_file: Path = SERVICE_ACCOUNT_NAMESPACE) -> KubernetesActuator:
     """A :class:`KubernetesActuator` with the pod's service account (in-cluster), else ``kubeconfig`` (default:
     the client's, ``KUBECONFIG`` as the process started, else ``~/.kube/config``), unless a ``configuration`` (a
@@ -292,4 +322,4 @@ async def open_kubernetes_actuator(config: KubernetesScaleConfig, *, store: Stat
                                   field="autoscale.actuator") from exc
     namespace = config.namespace or pod_namespace(namespace_file)
     return KubernetesActuator(config, namespace, k8s.client.ApiClient(configuration), store=store, keys=keys,
-                              admin_token=admin_token)
+                              admin_token=admin_token, limits=limits)

@@ -212,6 +212,8 @@ class RouterConfig(Frozen):
     max_in_flight: int = Field(4096, ge=1, description="requests this router holds at once (streams a client left "
                                 "included, while resumable); more are shed with 503 and Retry-After, counted in "
                                 "fleetward_router_shed_total")
+    max_request_bytes: int = Field(64 * 2**20, ge=1024, description="the largest request body the router takes; "
+                                   "one over it is answered 413 before it is held (64 MiB)")
     checkpoint_incremental: bool = Field(True, description="after a request's first checkpoint, write only the "
                                          "tokens since the last flush (false: the whole journal every flush, as "
                                          "before; kept to measure the difference)")

@@ -704,16 +704,18 @@ _STALE_SAID: set[tuple[Path, int]] = set()  # each stale pidfile is said once, n
 
 
 def pid_of_unit(unit: str) -> int | None:
-    """The main pid of a systemd unit (``systemctl show``), or None while it has none."""
-    out = subprocess.run(["systemctl", "show", "--property", "MainPID", "--value", unit], capture_output=True,
+    """The main pid of a systemd unit (``systemctl show``), or None while it has none. The name, read from a
+    record or a file, comes after ``--``: one that starts with ``-`` is a unit's name, never an option."""
+    out = subprocess.run(["systemctl", "show", "--property", "MainPID", "--value", "--", unit], capture_output=True,
                          text=True, timeout=10, check=True).stdout.strip()
     return int(out) or None
 
 
 def pid_of_container(name: str) -> int | None:
-    """The host pid of a running container's main process (``docker inspect``), or None."""
-    out = subprocess.run(["docker", "inspect", "--format", "{{.State.Pid}}", name], capture_output=True, text=True,
-                         timeout=10, check=True).stdout.strip()
+    """The host pid of a running container's main process (``docker inspect``), or None; the name after
+    ``--``, as :func:`pid_of_unit`'s."""
+    out = subprocess.run(["docker", "inspect", "--format", "{{.State.Pid}}", "--", name], capture_output=True,
+                         text=True, timeout=10, check=True).stdout.strip()
     return int(out) or None
 
 

@@ -10,7 +10,8 @@
 - with ``routing.checkpoint_store: peers``, the copies other routers keep here (``/fleetward/v1/replicas``,
   :mod:`~fleetward.migration.replicas`; the admin token as a bearer token; not in the spec).
 
-Every error, an unknown route (404) or method (405) included, has the OpenAI shape
+A body over ``routing.max_request_bytes`` is answered 413 (:mod:`.guard`). Every error, an unknown route (404)
+or method (405) included, has the OpenAI shape
 ``{"error": {"message", "type", "param", "code"}}``. With ``routing.api_keys_file`` every API route takes a
 key (``Authorization: Bearer``): 401 without a known one, 429 past its ``max_concurrency``.
 """
@@ -34,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fleetward.migration.adapters import ADAPTER_ROUTES
 from fleetward.migration.apikeys import ApiKey
 from fleetward.migration.downstream import StreamResponse
+from fleetward.migration.guard import BodyLimit
 from fleetward.migration.journal import Kind
 from fleetward.migration.openapi import keyed_spec, openapi_adapters, openapi_passthrough, openapi_post, operation_id
 from fleetward.migration.passthrough import ROUTES, Route
@@ -51,6 +53,7 @@ def router_app(router: Router) -> FastAPI:
     """The router's app; its spec (``/openapi.json``) is :mod:`.openapi`'s."""
     serving = Serving(router)
     app = FastAPI(title="fleetward router", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    app.add_middleware(BodyLimit, limit=router.config.max_request_bytes, refused=router.metrics.too_large.inc)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:

@@ -121,6 +121,12 @@ class RouterMetrics:
                                          "much load the routers add to a failing fleet.", ["attempt"], registry=r)
         for attempt in ("first", "retry", "move"):
             self.upstream_attempts.labels(attempt)
+        self.too_large = Counter("fleetward_router_requests_too_large", "Requests answered 413: a body over "
+                                 "routing.max_request_bytes.", registry=r)
+        self.transfer_params_stripped = Counter(
+            "fleetward_router_client_transfer_params_stripped", "Client requests that named a worker-to-worker "
+            "parameter (kv_transfer_params, ec_transfer_params), taken out before the request went on, by "
+            "parameter.", ["param"], registry=r)
         self.retries_refused = Counter("fleetward_router_retry_budget_refused", "Retries not made because the retry "
                                        "budget was spent: the client got the worker's failure at once.", registry=r)
         self.retry_tokens = Gauge("fleetward_router_retry_budget_tokens", "Tokens in the retry budget (retries of "

@@ -61,6 +61,7 @@ from starlette.background import BackgroundTask
 
 from fleetward.migration import wire
 from fleetward.migration.budget import RetryBudget
+from fleetward.migration.guard import without_transfer_params
 from fleetward.migration.metrics import RouterMetrics
 from fleetward.migration.poison import body_digest, poison_error
 from fleetward.migration.wire import RouterError
@@ -169,6 +170,10 @@ class Passthrough:
     async def handle(self, route: Route, request: Request) -> Response:
         """Relay ``request`` (module docstring); count it under ``route.label``."""
         body = await request.body()
+        if route.model == "json":
+            body, taken = without_transfer_params(body)  # a worker-to-worker parameter is not a client's (.guard)
+            for param in taken:
+                self.metrics.transfer_params_stripped.labels(param).inc()
         try:
             target: str | None = None
             if route.model == "stored":

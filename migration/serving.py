@@ -15,6 +15,7 @@
   decoding, chat logprobs), sent again from its start when its worker fails before answering.
 - :meth:`Serving.relay`: every other vLLM endpoint, passed through (:mod:`.passthrough`).
 
+A client's ``kv_transfer_params`` and ``ec_transfer_params`` are taken out of its body first (:mod:`.guard`).
 New requests past ``routing.max_in_flight`` are shed (503); none are taken while the router starts or stops.
 """
 
@@ -33,6 +34,7 @@ from fleetward.migration.apikeys import ApiKeys
 from fleetward.migration.checkpoint import NotResumable
 from fleetward.migration.downstream import SseOutput, StreamResponse, until_disconnected
 from fleetward.migration.fanout import Choices, FanOut, answer, choices
+from fleetward.migration.guard import strip_transfer_params
 from fleetward.migration.journal import (
     Journal,
     Kind,
@@ -74,6 +76,11 @@ class Serving:
             return RouterError(503, "router is starting or shutting down", retry_after=1).response()
         return self._shed(route.label) or await self.router.passthrough.handle(route, request)
 
+    def _count_stripped(self, taken: list[str]) -> None:
+        """A client's worker-to-worker parameters, taken out (:mod:`.guard`), counted."""
+        for param in taken:
+            self.metrics.transfer_params_stripped.labels(param).inc()
+
     def _shed(self, endpoint: str) -> Response | None:
         """The 503 for a new request when the router holds ``routing.max_in_flight`` already, else None."""
         held = len(self.router.active) + sum(self.router.passthrough.load().values())
@@ -94,8 +101,10 @@ class Serving:
         raw = await request.body()
         last_event = request.headers.get("last-event-id")
         body: Any = None
+        taken: list[str] = []
         try:
             body = orjson.loads(raw)
+            taken = strip_transfer_params(body) if isinstance(body, dict) else []
             validate_body(body, kind)
             relayed = None if last_event else (fanout(body, kind) or whole_reason(body, kind))
             valid = True
@@ -107,6 +116,8 @@ class Serving:
                 return RouterError(400, f"malformed JSON body: {exc}").response()
             relayed, valid = str(exc), False
         split = choices(body, kind) if relayed is not None and valid else None
+        if valid and (relayed is None or split is not None):  # passed through: counted there, once
+            self._count_stripped(taken)
         if split is not None:  # several choices: one journal each
             return self._shed(endpoint) or await self._fan_out(split, kind, request, owner=owner)
         if relayed is not None:

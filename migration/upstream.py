@@ -36,7 +36,7 @@ import aiohttp
 import httptools
 import orjson
 
-__all__ = ["Chunk", "Sink", "SseReader", "Upstream", "UpstreamError", "UpstreamStream"]
+__all__ = ["MAX_EVENT_BYTES", "Chunk", "Sink", "SseReader", "Upstream", "UpstreamError", "UpstreamStream"]
 
 
 class UpstreamError(Exception):
@@ -118,20 +118,28 @@ def _parse(payload: bytes) -> Chunk | None:
                  fingerprint if type(fingerprint) is str else None)
 
 
+# The most a worker's event, or its error body, may hold while the router waits for its end: vLLM's largest
+# (a chunk of several tokens with 20 logprobs each) is kilobytes. A worker that sends more is broken or
+# hostile, and the router's memory is not its to fill.
+MAX_EVENT_BYTES = 16 * 2**20
+
+
 class SseReader:
     """A worker's SSE body, fed as the socket gives it (split anywhere, several events at once), into chunks.
 
     Sans-IO. :meth:`feed` hands each chunk to ``on_chunk`` as soon as its event is whole, and raises
     :class:`UpstreamError` for a chunk that is an in-band error or not vLLM's shape (the chunks before it
-    have gone out). :meth:`end` is the end of the body: it raises ``eof`` unless a finish reason came.
+    have gone out), or for an event that grows past ``max_event`` bytes before it ends (``bad_chunk``).
+    :meth:`end` is the end of the body: it raises ``eof`` unless a finish reason came.
     """
 
-    __slots__ = ("_buf", "done", "got_finish")
+    __slots__ = ("_buf", "done", "got_finish", "max_event")
 
-    def __init__(self) -> None:
+    def __init__(self, max_event: int = MAX_EVENT_BYTES) -> None:
         self._buf = b""
         self.done = False  # ``data: [DONE]`` came: nothing after it is read
         self.got_finish = False
+        self.max_event = max_event
 
     def feed(self, data: bytes, on_chunk: Any) -> None:
         if self.done:
@@ -141,6 +149,9 @@ class SseReader:
             buf = buf.replace(b"\r\n", b"\n")
         *events, self._buf = buf.split(b"\n\n")
         self._events(events, on_chunk)
+        if len(self._buf) > self.max_event:
+            self._buf = b""
+            raise UpstreamError("bad_chunk", f"an event of more than {self.max_event} bytes without its end")
 
     def _events(self, events: list[bytes], on_chunk: Any) -> None:
         for event in events:
@@ -274,6 +285,7 @@ class _Conn(asyncio.Protocol):
         self.keep_alive = False
         self.got_bytes = False
         self.body: list[bytes] = []
+        self.kept = 0  # bytes of a non-200 body kept
         self.error: str | None = None
 
     # asyncio.Protocol
@@ -312,8 +324,13 @@ class _Conn(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if self.status == 200 and self.stream is not None:
             self.stream._body(body)
-        else:
+        elif self.error is None:
             self.body.append(body)
+            self.kept += len(body)
+            if self.kept > MAX_EVENT_BYTES:  # an error body past any error's size: the connection goes
+                self.error = f"an error body of more than {MAX_EVENT_BYTES} bytes"
+                self.body = [b'{"error": {"message": "the worker\'s error body was too large", "code": 502}}']
+                self.close()
 
     def on_message_complete(self) -> None:
         self.complete = True

@@ -34,6 +34,7 @@ from fleetward.autoscale.daemon import PoolRecord
 from fleetward.autoscale.kubernetes import (
     INSTALL_HINT,
     KubernetesActuator,
+    Limits,
     PoolPods,
     drain_ended,
     kubernetes_client,
@@ -142,9 +143,12 @@ def client_for(url: str) -> ApiClient:
     return ApiClient(Configuration(host=url, api_key={"BearerToken": TOKEN}, api_key_prefix={"BearerToken": "Bearer"}))
 
 
-def actuator_for(url: str, store: EtcdStore, keys: Keys, **kw: Any) -> KubernetesActuator:
+ROOMY = Limits(least=0, most=64)  # the limits of a pool the tests do not push against
+
+
+def actuator_for(url: str, store: EtcdStore, keys: Keys, limits: Limits = ROOMY, **kw: Any) -> KubernetesActuator:
     return KubernetesActuator(KubernetesScaleConfig(namespace=NS), NS, client_for(url), store=store, keys=keys,
-                              admin_token="admin", backoff_s=0.01, **kw)
+                              admin_token="admin", backoff_s=0.01, limits=limits, **kw)
 
 
 async def register(store: EtcdStore, keys: Keys, wid: str, state: HealthState = HealthState.READY,
@@ -310,6 +314,39 @@ async def test_scale_up_patches_the_replicas_once_per_ask(apiserver: tuple[ApiSe
     assert patch.body == {"metadata": {"resourceVersion": "1"}, "spec": {"replicas": 3}}
 
 
+def test_the_limits_hold_whatever_the_records_ask() -> None:
+    roomy = Limits(least=2, most=100)
+    assert roomy.bound(6, 10_000, drained=0) == 12, "up by double at most"
+    assert roomy.bound(1, 10_000, drained=0) == 5, "or by 4"
+    limits = Limits(least=2, most=10)
+    assert limits.bound(8, 10_000, drained=0) == 10, "never past max_workers"
+    assert limits.bound(10, 10_000, drained=1) == 11, "but the retirees not gone yet still have their pods"
+    assert limits.bound(10, 10_000, drained=500) == 20, "themselves no more than max_workers"
+    assert limits.bound(5, 0, drained=0) == 2, "never below min_workers"
+    assert limits.bound(1, 0, drained=0) == 1, "nor made to start pods by a scale-down"
+    assert limits.bound(4, 5, drained=0) == 5 and limits.bound(4, 3, drained=1) == 3, "within them: as asked"
+
+
+async def test_a_forged_scale_record_moves_the_deployment_no_further_than_the_limits(
+        apiserver: tuple[ApiServer, str], store: EtcdStore, keys: Keys) -> None:
+    """Anyone who can write to etcd can write scale/<pool>: one that asks for ten thousand workers moves the
+    Deployment up by the step, and no further than max_workers, however often the daemon calls."""
+    api, url = apiserver
+    await register(store, keys, "vllm-a")
+    api.replicas["vllm"] = 1
+    asked = {f"forged-w{i}": "forged" for i in range(10_000)}
+    await store.put(keys.scale_of("aggregated"), PoolRecord("aggregated", asked=asked, members=["vllm-a"]).to_json())
+    act = actuator_for(url, store, keys, limits=Limits(least=1, most=8))
+    try:
+        seen = []
+        for _ in range(4):
+            await act.add("aggregated", [], "forged")
+            seen.append(api.replicas["vllm"])
+    finally:
+        await act.aclose()
+    assert seen == [5, 8, 8, 8]
+
+
 async def test_a_changed_deployment_or_a_busy_api_server_is_read_again(apiserver: tuple[ApiServer, str],
                                                                       store: EtcdStore, keys: Keys) -> None:
     api, url = apiserver
@@ -349,7 +386,7 @@ async def test_a_missing_rbac_verb_and_a_missing_deployment_are_named(apiserver:
             await act.add("aggregated", [NewWorker("x-w0", "x")], "up")
         api.forbidden = set()
         wrong = KubernetesActuator(KubernetesScaleConfig(deployments={"aggregated": "nope"}), NS, client_for(url),
-                                   store=store, keys=keys, admin_token="admin")
+                                   store=store, keys=keys, admin_token="admin", limits=ROOMY)
         try:
             with pytest.raises(ActuationError) as missing:
                 await wrong.add("aggregated", [NewWorker("x-w0", "x")], "up")
@@ -379,7 +416,8 @@ async def test_the_kubeconfig_is_the_fallback_outside_a_pod(apiserver: tuple[Api
     api.replicas["vllm"] = 0
     await store.put(keys.scale_of("aggregated"), PoolRecord("aggregated", asked={"x-w0": "x"}).to_json())
     act = await open_kubernetes_actuator(KubernetesScaleConfig(), store=store, keys=keys, admin_token="admin",
-                                         kubeconfig=tmp_path / "kubeconfig", namespace_file=tmp_path / "namespace")
+                                         limits=ROOMY, kubeconfig=tmp_path / "kubeconfig",
+                                         namespace_file=tmp_path / "namespace")
     try:
         assert act.namespace == NS
         await act.add("aggregated", [NewWorker("x-w0", "x")], "up")
@@ -424,7 +462,7 @@ async def test_scale_down_drains_first_and_lowers_the_replicas_after_the_drain_e
     await wait_until(lambda: _state_is(health, HealthState.READY), timeout=60, message="the worker serves")
     streaming = asyncio.create_task(stream_completion(fleet.routers[0].url, [5, 6, 7], 300, model="sim-tiny"))
     act = KubernetesActuator(KubernetesScaleConfig(namespace=NS), NS, client_for(url), store=fleet.store,
-                             keys=fleet.keys, admin_token=fleet.admin_token)
+                             keys=fleet.keys, admin_token=fleet.admin_token, limits=ROOMY)
     try:
         await wait_until(lambda: _positive(in_flight), timeout=30, message="the controller counts the stream")
         await act.retire("aggregated", [wid], 60.0, "down")

@@ -8,10 +8,12 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
+from fleetward.fleet import procs
 from fleetward.fleet.errors import PortInUseError, ProcessError
 from fleetward.fleet.procs import (
     ManagedProcess,
@@ -342,3 +344,20 @@ async def test_a_pidfile_names_its_process_only_while_that_process_is_the_one_it
         assert pid_of_pidfile(pidfile) is None
     finally:
         await server.stop(grace=2)
+
+
+@pytest.mark.parametrize(("look", "tool"), [(procs.pid_of_unit, "systemctl"), (procs.pid_of_container, "docker")])
+def test_a_unit_or_container_name_from_a_record_is_never_an_option(monkeypatch: pytest.MonkeyPatch, look: Any,
+                                                                   tool: str) -> None:
+    """The name comes from an adopted server's record or a fleet file, written by someone: after ``--``, one that
+    starts with ``-`` is a name the tool looks up, not an option it obeys."""
+    ran: list[list[str]] = []
+
+    def run(argv: list[str], **_kw: Any) -> Any:
+        ran.append(argv)
+        return type("Done", (), {"stdout": "0\n"})()
+
+    monkeypatch.setattr(procs.subprocess, "run", run)
+    assert look("--host=attacker") is None
+    (argv,) = ran
+    assert argv[0] == tool and argv[-2:] == ["--", "--host=attacker"]

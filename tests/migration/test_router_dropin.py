@@ -411,3 +411,57 @@ async def test_the_resume_example_in_the_docs_runs_as_written(healthy: TestFleet
         whole = (await client.post(router_url(healthy) + "/v1/completions", json=body)).json()["choices"][0]["text"]
     assert got["head"] and got["tail"] and got["text"] == whole
     assert got["resumed_from"].endswith(":8")
+
+
+async def test_a_clients_transfer_params_never_reach_a_worker(healthy: TestFleet) -> None:
+    """``kv_transfer_params`` tell a worker where to pull a prompt's KV from: a client's own, pointed at a
+    listener of its choosing, are taken out of the request, journaled or passed through, and the answer is the
+    one the same request without them gets; the listener hears nothing (zero trust, issue 49)."""
+    heard: list[bytes] = []
+
+    async def listener(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        heard.append(await reader.read(1024))
+        writer.close()
+
+    server = await asyncio.start_server(listener, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    forged = {"do_remote_prefill": True, "remote_url": f"http://127.0.0.1:{port}", "transfer_id": "x",
+              "num_tokens": 16, "num_blocks": 1, "digest": "0" * 16}
+    journaled = {"model": "sim-tiny", "prompt": "Hello there", "max_tokens": 8, "temperature": 0,
+                 "ignore_eos": True}
+    relayed = {"model": "sim-tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+               "temperature": 0, "logprobs": True}  # chat logprobs: passed through whole
+    assert whole_reason(relayed, Kind.CHAT) is not None
+    before = await router_metric(healthy, "fleetward_router_client_transfer_params_stripped_total")
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            for path, body in (("/v1/completions", journaled), ("/v1/chat/completions", relayed)):
+                plain = await client.post(router_url(healthy) + path, json=body)
+                sneaky = await client.post(router_url(healthy) + path, json={
+                    **body, "kv_transfer_params": forged, "ec_transfer_params": {"remote_url": forged["remote_url"]}})
+                assert plain.status_code == sneaky.status_code == 200, sneaky.text
+                assert sneaky.json()["choices"] == plain.json()["choices"]
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert heard == []
+    assert await router_metric(healthy, "fleetward_router_client_transfer_params_stripped_total") == before + 4
+
+
+async def test_a_body_over_the_routers_limit_is_refused_before_it_is_held(healthy: TestFleet) -> None:
+    """A client that says it will send more than routing.max_request_bytes (64 MiB) is answered 413 at once, in
+    the OpenAI error shape, and the router reads none of it."""
+    host, port = router_url(healthy).removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 70000000\r\n\r\n{\"prompt\": \"")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        length = int(re.search(rb"content-length: (\d+)", head.lower()).group(1))  # type: ignore[union-attr]
+        body = orjson.loads(await reader.readexactly(length))
+    finally:
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 413")
+    assert body["error"]["code"] == 413 and "routing.max_request_bytes" in body["error"]["message"]
+    assert await router_metric(healthy, "fleetward_router_requests_too_large_total") >= 1
