@@ -40,7 +40,7 @@ import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import psutil
 
@@ -518,7 +518,7 @@ class AdoptedProcess:
         self._proc: psutil.Process | None = None
         self._known: dict[int, psutil.Process] = {}
         self.survivors: list[psutil.Process] = []
-        self.refresh()
+        self.refresh()  # made in a thread by an async caller (supervisor/adoption.py): a locator may take time
 
     def refresh(self) -> int | None:
         """Find the process again (after a restart: a new pid); its pid, or None."""
@@ -592,12 +592,16 @@ class AdoptedProcess:
         while True:
             with contextlib.suppress(Exception):
                 if await ready():
-                    self.refresh()
+                    await self.located()
                     return
             if time.monotonic() >= deadline:
                 raise ProcessError(f"{self.name} not ready after {timeout:.0f}s", name=self.name)
-            self.refresh()
+            await self.located()
             await asyncio.sleep(interval)
+
+    async def located(self) -> int | None:
+        """:meth:`refresh` off the event loop: a locator runs a command or reads every process."""
+        return await asyncio.to_thread(self.refresh)
 
     def stop_now(self, grace: float = 5.0) -> int | None:
         """CONT, TERM, wait, KILL: the whole tree as last seen (what a restart must clear first)."""
@@ -719,13 +723,27 @@ def pid_of_container(name: str) -> int | None:
     return int(out) or None
 
 
+def command_line_pattern(pattern: str) -> Any:
+    """``pattern`` compiled as RE2 (google-re2), which matches in time linear in the text whatever the pattern:
+    it comes from a fleet file or an ``attach/`` record, written by someone, and the agent runs it over every
+    process's command line. Raises ``ValueError`` for what RE2 does not take (backreferences, lookaround)."""
+    import re2  # google-re2
+
+    options = re2.Options()
+    options.log_errors = False
+    try:
+        return re2.compile(pattern, options)
+    except re2.error as exc:
+        raise ValueError(f"not a regular expression RE2 takes (no backreferences or lookaround): {exc}") from None
+
+
 def pid_matching(pattern: str) -> int | None:
     """The oldest live process whose command line, its arguments joined by spaces, contains a match of the
-    regular expression ``pattern``, or None; never init, this process or one of its ancestors
-    (:func:`never_a_target`: a pattern that also matches the command that started the agent). The oldest, so a
-    server's children that share or extend its command line (forked workers, vLLM's EngineCore) are never taken
-    for it."""
-    regex = re.compile(pattern)
+    regular expression ``pattern`` (:func:`command_line_pattern`), or None; never init, this process or one of
+    its ancestors (:func:`never_a_target`: a pattern that also matches the command that started the agent). The
+    oldest, so a server's children that share or extend its command line (forked workers, vLLM's EngineCore) are
+    never taken for it. It reads every process: call it off the event loop."""
+    regex = command_line_pattern(pattern)
     spared = never_a_target()
     found: list[tuple[float, int]] = []
     for p in psutil.process_iter(["pid", "cmdline", "create_time", "status"]):

@@ -138,7 +138,7 @@ class Adopter:
         backend = ExternalBackend(entry, model=model, tokenizer=found[1])
         agent.adopted_backend(worker_id, backend, spec)
         await agent.initial_health(worker_id)
-        handle = backend.adopt(spec)
+        handle = await asyncio.to_thread(backend.adopt, spec)  # its locator runs a command or reads /proc
         await backend.wait_ready(handle, timeout=float("inf"))
         await self._find_gpus(worker_id, entry, handle)
         log.info("adopting %s at %s (model %s, process %s, GPUs %s)", worker_id, entry.url, model,
@@ -185,7 +185,7 @@ class Adopter:
         went_away = False
         while True:
             await agent.clock.sleep(POLL_S)
-            handle = backend.adopt(agent.specs[worker_id])
+            handle = await asyncio.to_thread(backend.adopt, agent.specs[worker_id])
             new_process = handle.process.pid is not None and handle.process.pid != last_pid
             serving = await worker_ready(entry.url.rstrip("/"))
             went_away = went_away or not serving

@@ -361,3 +361,16 @@ def test_a_unit_or_container_name_from_a_record_is_never_an_option(monkeypatch: 
     assert look("--host=attacker") is None
     (argv,) = ran
     assert argv[0] == tool and argv[-2:] == ["--", "--host=attacker"]
+
+
+def test_a_command_line_pattern_is_linear_however_it_is_written() -> None:
+    """A ``process.match`` is written by whoever wrote the fleet file or the attach/ record, and the root agent
+    runs it over every process's command line: ``(a+)+$`` over 10,000 a's and a b backtracks for ever in
+    Python's ``re``; RE2 answers at once (not timed here: a backtracking engine would not return in the test's
+    life)."""
+    from fleetward.fleet.procs import command_line_pattern
+
+    assert command_line_pattern(r"(a+)+$").search("a" * 10_000 + "b") is None
+    assert command_line_pattern(r"vllm serve|vllm\.entrypoints").search("python -m vllm.entrypoints.openai")
+    with pytest.raises(ValueError, match="no backreferences"):
+        command_line_pattern(r"(vllm) \1")

@@ -348,6 +348,10 @@ def test_an_attach_entry_is_checked_with_file_line_and_field(tmp_path: Path) -> 
         load_fleet_config(path)
     assert (info.value.line, info.value.field) == (5, "attach[0].process.match")
     assert "not a regular expression" in str(info.value)
+    path.write_text("workers: 0\nattach:\n  - url: http://10.0.0.5:8000\n    process:\n      match: '(vllm) \\1'\n")
+    with pytest.raises(ConfigError) as info:
+        load_fleet_config(path)
+    assert info.value.field == "attach[0].process.match" and "no backreferences" in str(info.value)
     path.write_text("workers: 0\nattach:\n  - url: http://10.0.0.5:8000\n    restart_by_exit: true\n")
     with pytest.raises(ConfigError) as info:
         load_fleet_config(path)
