@@ -211,6 +211,9 @@ class RouterConfig(Frozen):
     max_in_flight: int = Field(4096, ge=1, description="requests this router holds at once (streams a client left "
                                 "included, while resumable); more are shed with 503 and Retry-After, counted in "
                                 "fleetward_router_shed_total")
+    store_outage_hold_s: float = Field(30.0, ge=0, description="how long a worker whose records vanished while "
+                                       "the store was out of this router's reach stays routable, unless its records "
+                                       "come back or it fails where it serves (0: dropped at once)")
     max_request_bytes: int = Field(64 * 2**20, ge=1024, description="the largest request body the router takes; "
                                    "one over it is answered 413 before it is held (64 MiB)")
     checkpoint_incremental: bool = Field(True, description="after a request's first checkpoint, write only the "

@@ -26,6 +26,8 @@ class LeaseKeeper:
     A keepalive goes out every ``ttl / 3`` seconds; one that fails, or gets no answer within that interval, is
     logged and tried again 0.1 s later. ``lost`` is set when etcd says the lease expired (e.g. after a partition
     longer than the TTL): keys bound to it are gone, and the owner must register again under a new lease.
+    ``troubled_at`` is when a keepalive last failed or the lease was found expired: when the store was last
+    out of reach from here.
     """
 
     def __init__(self, store: StateStore, ttl: int, *, clock: Clock = SYSTEM_CLOCK) -> None:
@@ -35,6 +37,7 @@ class LeaseKeeper:
         self.ttl = ttl
         self.id = 0
         self.lost = asyncio.Event()
+        self.troubled_at: float | None = None  # when a keepalive last failed, or the lease was found expired
         self._clock = clock
         self._task: asyncio.Task[None] | None = None
 
@@ -56,6 +59,7 @@ class LeaseKeeper:
     async def _run(self) -> None:
         interval = max(0.3, self.ttl / 3)
         last_ok = self._clock.monotonic()
+        failed = False  # since the last keepalive that got through
         delay = interval
         while True:
             await self._clock.sleep(delay)
@@ -67,16 +71,19 @@ class LeaseKeeper:
                     remaining = await self.store.keepalive(self.id, attempt_timeout=interval / 3)
             except (UnavailableError, StoreError, TimeoutError) as exc:
                 log.warning("lease %x keepalive failed: %s", self.id, exc or f"no answer within {interval:.1f}s")
+                self.troubled_at = self._clock.monotonic()
+                failed = True
                 delay = min(0.1, interval)
                 continue
             delay = interval
             now = self._clock.monotonic()
-            if now - last_ok > 2 * interval + 0.5:
+            if now - last_ok > 2 * interval + 0.5 and not failed:  # no failure said why: the loop was not running
                 log.warning("lease %x: %.2fs between successful keepalives (TTL %ds); is the event loop blocked?",
                             self.id, now - last_ok, self.ttl)
-            last_ok = now
+            last_ok, failed = now, False
             if remaining <= 0:
                 log.warning("lease %x expired; its keys are gone", self.id)
+                self.troubled_at = now
                 self.lost.set()
                 return
 

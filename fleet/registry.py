@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetward.fleet.clock import SYSTEM_CLOCK, Clock
 from fleetward.fleet.config import AttachConfig
 from fleetward.fleet.election import election_leader
 from fleetward.fleet.etcd import StateStore
@@ -186,21 +187,36 @@ class FleetView:
 
     ``on_change(section, id)`` is called after each change is applied (section is workers, health or
     routers). :meth:`ready` is set once the first snapshot is loaded.
+
+    With ``hold`` (the router's: whether its own contact with the store failed lately), a worker or health
+    record that vanishes while ``hold()`` says so is kept for up to ``hold_s``: a store that was away let every
+    lease lapse at once, the workers' with the rest, and the workers serve on. It goes when its key comes back
+    (the record written again), when ``hold_s`` passes, or when :meth:`forget` is told the worker failed.
+    ``held`` says which are kept and until when.
     """
 
     def __init__(self, store: StateStore, keys: Keys,
-                 on_change: Callable[[str, str], None] | None = None) -> None:
+                 on_change: Callable[[str, str], None] | None = None, *,
+                 hold: Callable[[], bool] | None = None, hold_s: float = 30.0,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self.store = store
         self.keys = keys
         self.fleet = FleetSnapshot(keys.cluster)
         self.loaded = asyncio.Event()
         self._on_change = on_change
+        self._hold = hold
+        self._hold_s = hold_s
+        self._clock = clock
+        self.held: dict[tuple[str, str], float] = {}  # (section, id) -> until (monotonic)
 
     async def run(self) -> None:
         from fleetward.fleet.errors import StoreError
 
         while True:
-            self.fleet = await read_fleet(self.store, self.keys)
+            fresh = await read_fleet(self.store, self.keys)
+            if self.loaded.is_set():
+                self._carry_over(self.fleet, fresh)
+            self.fleet = fresh
             self.loaded.set()
             if self._on_change is not None:
                 self._on_change("*", "")
@@ -208,13 +224,62 @@ class FleetView:
                 async with asyncio.TaskGroup() as tg:
                     for section in ("workers", "health", "routers"):
                         tg.create_task(self._follow(section, self.fleet.revision + 1))
+                    if self._hold is not None:
+                        tg.create_task(self._expire())
             except* StoreError as group:  # compacted or broken for good: re-read and watch again
                 log.warning("fleet watch lost (%s); re-reading the key space", group.exceptions[0])
 
     async def _follow(self, section: str, start_revision: int) -> None:
         prefix: str = getattr(self.keys, section)
         async for ev in self.store.watch_prefix(prefix, start_revision=start_revision):
+            ident = ev.key[len(prefix):]
+            if ev.kind == "delete" and self._holds(section, ident):
+                continue
+            self.held.pop((section, ident), None)  # written again (or gone for good): nothing is kept for it
             if self.fleet.apply(self.keys, ev.kind, ev.key, ev.value) is not None:
                 self.fleet.revision = max(self.fleet.revision, ev.revision)
                 if self._on_change is not None:
-                    self._on_change(section, ev.key[len(prefix):])
+                    self._on_change(section, ident)
+
+    def _holds(self, section: str, ident: str) -> bool:
+        """Keep a vanished record (class docstring)? Only a worker's or its health's, only while ``hold()``."""
+        if self._hold is None or section not in ("workers", "health") or not self._hold():
+            return False
+        table: dict[str, Any] = getattr(self.fleet, section)
+        if ident not in table:
+            return False
+        if (section, ident) not in self.held:
+            log.warning("%s: its %s record vanished while the store was unreachable; kept for %.0f s or until it "
+                        "is written again or the worker fails", ident, section.rstrip("s"), self._hold_s)
+        self.held[(section, ident)] = self._clock.monotonic() + self._hold_s
+        return True
+
+    def _carry_over(self, old: FleetSnapshot, fresh: FleetSnapshot) -> None:
+        """A re-read after the watch broke: what vanished meanwhile is held, as a deletion seen would be."""
+        for section in ("workers", "health"):
+            before: dict[str, Any] = getattr(old, section)
+            now: dict[str, Any] = getattr(fresh, section)
+            for ident, value in before.items():
+                if ident not in now and ((section, ident) in self.held or self._holds(section, ident)):
+                    now[ident] = value
+
+    def forget(self, worker: str) -> None:
+        """The worker failed where it serves (refused, cut, found dead): what is held of it goes now."""
+        for section in ("workers", "health"):
+            if self.held.pop((section, worker), None) is not None:
+                getattr(self.fleet, section).pop(worker, None)
+                if self._on_change is not None:
+                    self._on_change(section, worker)
+
+    async def _expire(self) -> None:
+        while True:
+            await self._clock.sleep(1.0)
+            now = self._clock.monotonic()
+            for (section, ident), until in list(self.held.items()):
+                if until <= now:
+                    del self.held[(section, ident)]
+                    log.warning("%s: its %s record did not come back within %.0f s; dropped", ident,
+                                section.rstrip("s"), self._hold_s)
+                    getattr(self.fleet, section).pop(ident, None)
+                    if self._on_change is not None:
+                        self._on_change(section, ident)

@@ -134,3 +134,6 @@ class RouterMetrics:
                                   registry=r)
         self.workers_routable = Gauge("fleetward_router_workers_routable", "Workers new requests may go to.",
                                       registry=r)
+        self.workers_held = Gauge("fleetward_router_workers_held", "Workers still routed to although their records "
+                                  "vanished while the store was out of this router's reach (routing."
+                                  "store_outage_hold_s): until they are written again or fail.", registry=r)

@@ -39,6 +39,14 @@ class Registration:
         self.clock = clock
         self.started_at = 0.0
         self._lease: LeaseKeeper | None = None
+        self._troubled_at: float | None = None  # of the leases before this one
+
+    @property
+    def troubled_at(self) -> float | None:
+        """When this router last failed to keep its lease alive, or found it expired (monotonic; None: never):
+        the last time it could not reach the store."""
+        now = self._lease.troubled_at if self._lease is not None else None
+        return max((t for t in (now, self._troubled_at) if t is not None), default=None)
 
     async def start(self) -> None:
         """Register now (``started_at`` is the record's start time)."""
@@ -79,6 +87,7 @@ class Registration:
                 await self.checkpointer.renew()
             log.warning("router %s: registration lease %s; registering again", self.id,
                         "expired" if lease.lost.is_set() else "kept, checkpoint lease renewed")
+            self._troubled_at = self.troubled_at  # kept past the lease it was seen on
             self._lease = None
             await lease.aclose(revoke=not lease.lost.is_set())
             await self._register()

@@ -109,7 +109,10 @@ class Router:
         self.public_url = public_url or url  # where clients reach it (shared by the processes of a group)
         self.clock = clock
         self.policy = policy or make_policy(config.policy, slack=config.affinity_slack)
-        self.view = FleetView(store, keys, on_change=self._on_fleet_change)
+        # A store that was away lets every lease lapse at once, the workers' with the rest: what vanished while
+        # this router could not reach it is kept until written again or seen failing (FleetView's hold).
+        self.view = FleetView(store, keys, on_change=self._on_fleet_change, hold=self._store_was_away,
+                              hold_s=config.store_outage_hold_s, clock=clock)
         self.upstream = Upstream()
         self.progress = ProgressModel(clock=clock, floor_s=config.stall_floor_s,
                                       itl_multiplier=config.itl_multiplier,
@@ -232,9 +235,18 @@ class Router:
 
     # -- fleet ------------------------------------------------------------------------------------------
 
+    def _store_was_away(self) -> bool:
+        """Whether this router lost touch with the store within two leases' time (its own keepalives failed or
+        its lease lapsed): then a worker's record that vanishes may have lapsed with it (FleetView's hold)."""
+        if self.config.store_outage_hold_s <= 0:
+            return False
+        at = self.registration.troubled_at
+        return at is not None and self.clock.monotonic() - at < 2 * self.config.lease_ttl_s
+
     def _on_fleet_change(self, section: str, worker: str) -> None:
         fleet = self.view.fleet
         self.metrics.workers_routable.set(len(fleet.routable()))
+        self.metrics.workers_held.set(len({ident for _, ident in self.view.held}))
         seen = self.placement.seen_models
         new_models = {rec.model for rec in fleet.workers.values()} - seen
         seen.update(new_models)
@@ -537,6 +549,8 @@ class Router:
         log.info("request %s: attempt %d on %s failed (%s) after %d tokens", j.id, j.attempts, worker,
                  t.reason, len(j.emitted))
         t.failed.append(worker)
+        if exc.kind in ("connect", "reset") and self.view.held:
+            self.view.forget(worker)  # kept through a store outage, and now seen failing where it serves
         if broke_under(exc):
             t.broke[worker] = t.reason
         if self.retry_budget.enabled and throttled_kind(exc.kind, len(j.emitted)):
