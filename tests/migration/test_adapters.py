@@ -87,7 +87,7 @@ async def test_an_adapter_loaded_through_the_router_is_loaded_again_on_a_restart
         assert refused.status_code == 404 and "No adapter found" in refused.text, refused.text
 
 
-def test_a_load_answers_with_a_workers_success_else_its_refusal_never_with_a_worker_it_could_not_reach() -> None:
+async def test_a_load_answers_with_a_workers_success_else_its_refusal_never_with_a_worker_it_could_not_reach() -> None:
     """Found by the router's fuzz test: a registered worker that could not be reached came first, and its 502
     was the answer to a body every other worker refused with a 400."""
     unreachable = (502, b'{"error": "worker w0: cannot connect"}', "application/json")
