@@ -266,10 +266,8 @@ class FleetView:
     def forget(self, worker: str) -> None:
         """The worker failed where it serves (refused, cut, found dead): what is held of it goes now."""
         for section in ("workers", "health"):
-            if self.held.pop((section, worker), None) is not None:
-                getattr(self.fleet, section).pop(worker, None)
-                if self._on_change is not None:
-                    self._on_change(section, worker)
+            if (section, worker) in self.held:
+                self._drop(section, worker)
 
     async def _expire(self) -> None:
         while True:
@@ -277,9 +275,13 @@ class FleetView:
             now = self._clock.monotonic()
             for (section, ident), until in list(self.held.items()):
                 if until <= now:
-                    del self.held[(section, ident)]
                     log.warning("%s: its %s record did not come back within %.0f s; dropped", ident,
                                 section.rstrip("s"), self._hold_s)
-                    getattr(self.fleet, section).pop(ident, None)
-                    if self._on_change is not None:
-                        self._on_change(section, ident)
+                    self._drop(section, ident)
+
+    def _drop(self, section: str, ident: str) -> None:
+        """A held record goes, as its deletion would have gone when it came."""
+        del self.held[(section, ident)]
+        getattr(self.fleet, section).pop(ident, None)
+        if self._on_change is not None:
+            self._on_change(section, ident)

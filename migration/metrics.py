@@ -137,3 +137,8 @@ class RouterMetrics:
         self.workers_held = Gauge("fleetward_router_workers_held", "Workers still routed to although their records "
                                   "vanished while the store was out of this router's reach (routing."
                                   "store_outage_hold_s): until they are written again or fail.", registry=r)
+
+    def transfer_params_taken(self, params: list[str]) -> None:
+        """A client's worker-to-worker parameters, taken out of its request (:mod:`.guard`), counted."""
+        for param in params:
+            self.transfer_params_stripped.labels(param).inc()

@@ -172,8 +172,7 @@ class Passthrough:
         body = await request.body()
         if route.model == "json":
             body, taken = without_transfer_params(body)  # a worker-to-worker parameter is not a client's (.guard)
-            for param in taken:
-                self.metrics.transfer_params_stripped.labels(param).inc()
+            self.metrics.transfer_params_taken(taken)
         try:
             target: str | None = None
             if route.model == "stored":

@@ -76,11 +76,6 @@ class Serving:
             return RouterError(503, "router is starting or shutting down", retry_after=1).response()
         return self._shed(route.label) or await self.router.passthrough.handle(route, request)
 
-    def _count_stripped(self, taken: list[str]) -> None:
-        """A client's worker-to-worker parameters, taken out (:mod:`.guard`), counted."""
-        for param in taken:
-            self.metrics.transfer_params_stripped.labels(param).inc()
-
     def _shed(self, endpoint: str) -> Response | None:
         """The 503 for a new request when the router holds ``routing.max_in_flight`` already, else None."""
         held = len(self.router.active) + sum(self.router.passthrough.load().values())
@@ -117,7 +112,7 @@ class Serving:
             relayed, valid = str(exc), False
         split = choices(body, kind) if relayed is not None and valid else None
         if valid and (relayed is None or split is not None):  # passed through: counted there, once
-            self._count_stripped(taken)
+            self.metrics.transfer_params_taken(taken)
         if split is not None:  # several choices: one journal each
             return self._shed(endpoint) or await self._fan_out(split, kind, request, owner=owner)
         if relayed is not None:

@@ -30,7 +30,6 @@ __all__ = ["TOP_MAX", "Position", "Scorer", "Shown", "TokenText", "chat_logprobs
            "prompt_logprobs", "prompt_positions", "shown"]
 
 TOP_MAX = 20  # vLLM's default max_logprobs: the most alternatives a request may ask for
-_MASK = (1 << 64) - 1
 _RUNNER_UP_SALT = 0x5EED_0F_A1
 _CONTEXT = 4  # tokens of context that make any UTF-8 character whole
 _REPLACEMENT = "\ufffd"
@@ -83,7 +82,7 @@ def _position(model: SimModel, state: int, token: int, k: int, *, ignore_eos: bo
     floor = ranked[-1][1]
     size = model.span[1]
     rank = len(ranked) + 1 + draw % max(1, size - len(ranked))
-    return Position(token, floor - 8.0 - (draw >> 40) / (1 << 24) * 40.0, int(rank), tuple(ranked[:k]))
+    return Position(token, floor - 8.0 - (draw >> 40) / (1 << 24) * 40.0, rank, tuple(ranked[:k]))
 
 
 class Scorer:

@@ -109,8 +109,9 @@ def parse_request(body: object, *, chat: bool, served: ServedModel) -> ParsedReq
     bias_ids = _token_keys(v["logit_bias"] or {})
     _check_sampling(v, budgets[0])
     logprobs, prompt_logprobs = _logprobs_asked(v, chat=chat)
+    _check_logprobs(logprobs, prompt_logprobs, served.vocab_size)  # the same for every prompt, so checked once
     for ids in all_ids:
-        _check_engine(v, bias_ids, ids, served.vocab_size, (logprobs, prompt_logprobs))
+        _check_engine(v, bias_ids, ids, served.vocab_size)
 
     stop = v["stop"]
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
@@ -254,15 +255,18 @@ def _check_sampling(v: dict[str, Any], max_tokens: int) -> None:
         raise refused(f"n must be 1 when using greedy sampling, got {n}.")
 
 
-def _check_engine(v: dict[str, Any], bias_ids: list[int], prompt_ids: list[int], vocab_size: int,
-                  logprobs: tuple[int | None, int | None]) -> None:
-    """Stage 5: what vLLM's engine checks against the model, in its order: the logprobs asked for, the token
-    ids the request names, then the prompt."""
-    for key, kind, asked in (("logprobs", "sample", logprobs[0]), ("prompt_logprobs", "prompt", logprobs[1])):
+def _check_logprobs(sample: int | None, prompt: int | None, vocab_size: int) -> None:
+    """Stage 5 begins with the logprobs asked for (-1: the whole vocabulary), against vLLM's max_logprobs."""
+    for key, kind, asked in (("logprobs", "sample", sample), ("prompt_logprobs", "prompt", prompt)):
         count = vocab_size if asked == -1 else asked
         if count is not None and count > TOP_MAX:
             raise refused(f"Requested {kind} logprobs of {count}, which is greater than max allowed: {TOP_MAX}",
                           param=key, value=count)
+
+
+def _check_engine(v: dict[str, Any], bias_ids: list[int], prompt_ids: list[int], vocab_size: int) -> None:
+    """Stage 5: what vLLM's engine checks against the model, in its order (after :func:`_check_logprobs`): the
+    token ids the request names, then the prompt."""
     for key, ids in (("logit_bias", bias_ids), ("stop_token_ids", list(dict.fromkeys(v["stop_token_ids"] or [])))):
         if bad := [i for i in ids if not 0 <= i < vocab_size]:
             raise refused(f"token_id(s) {bad} in {key} contain out-of-vocab token ids. Vocabulary size: "

@@ -113,8 +113,8 @@ class CompletionServing:
             shape = ChatChunks if chat else CompletionChunks
             streams = [(r, shape(parsed, rid, created, parsed.adapter or self._served.name,
                                  self._served.system_fingerprint, scorer=self._scorer(r, parsed),
-                                 echo=Echo(self._echo_text(r, parsed), self._shown(r, parsed)[0] or []), index=k,
-                                 prompt_ids=r.prompt_ids)) for k, r in enumerate(reqs)]
+                                 echo=self._echo(r, parsed, chat=chat), index=k, prompt_ids=r.prompt_ids))
+                       for k, r in enumerate(reqs)]
             if len(streams) == 1:
                 return EventStream(events(*streams[0]), release)
             prompts = sum(len(r.prompt_ids) for r in reqs[::parsed.n])  # each prompt once, as vLLM counts it
@@ -154,13 +154,24 @@ class CompletionServing:
         return Scorer(self._engine.scheduler.model, req.prompt_ids, p.logprobs, self._token_text, start=spec.start,
                       salt=spec.salt, ignore_eos=spec.ignore_eos)
 
-    def _shown(self, req: SimRequest, p: ParsedRequest) -> tuple[list[Shown] | None, list[Shown] | None]:
-        """``req``'s prompt and generated tokens with their logprobs, each where ``p`` asks for them."""
-        prompt = None if p.prompt_logprobs is None else shown(
-            req.prompt_ids, prompt_positions(self._engine.scheduler.model, req.prompt_ids, p.prompt_logprobs,
-                                             start=req.params.start), self._token_text)
+    def _prompt_shown(self, req: SimRequest, p: ParsedRequest) -> list[Shown] | None:
+        """``req``'s prompt tokens with their logprobs, where ``p`` asks for them."""
+        if p.prompt_logprobs is None:
+            return None
+        positions = prompt_positions(self._engine.scheduler.model, req.prompt_ids, p.prompt_logprobs,
+                                     start=req.params.start)
+        return shown(req.prompt_ids, positions, self._token_text)
+
+    def _output_shown(self, req: SimRequest, p: ParsedRequest) -> list[Shown] | None:
+        """``req``'s generated tokens with their logprobs (an answer made whole), where ``p`` asks for them."""
         scorer = self._scorer(req, p)
-        return prompt, None if scorer is None else scorer.next([] if p.echo_only else req.output_ids)
+        return None if scorer is None else scorer.next([] if p.echo_only else req.output_ids)
+
+    def _echo(self, req: SimRequest, p: ParsedRequest, *, chat: bool) -> Echo | None:
+        """What a completion stream with ``echo`` opens with (a chat stream's echo is its own chunk)."""
+        if not p.echo or chat:
+            return None
+        return Echo(self._echo_text(req, p), self._prompt_shown(req, p) or [])
 
     def _echo_text(self, req: SimRequest, p: ParsedRequest) -> str:
         """What ``echo`` puts before the answer: a completion's prompt (special tokens written out; nothing
@@ -178,7 +189,7 @@ class CompletionServing:
         rt = p.return_token_ids
         choices = []
         for k, req in enumerate(reqs):
-            prompt, output = self._shown(req, p)
+            prompt, output = self._prompt_shown(req, p), self._output_shown(req, p)
             tokens = [*(prompt or [] if p.echo else []), *(output or [])]
             choices.append({
                 "index": k, "text": self._echo_text(req, p) + ("" if p.echo_only else req.output_text),
@@ -196,7 +207,7 @@ class CompletionServing:
         rt = p.return_token_ids
         choices = []
         for k, req in enumerate(reqs):
-            output = self._shown(req, p)[1]
+            output = self._output_shown(req, p)
             choices.append({
                 "index": k, "message": {"role": p.role, "content": p.echo_text + req.output_text, "refusal": None,
                                         "annotations": None, "audio": None, "function_call": None,
@@ -204,7 +215,7 @@ class CompletionServing:
                 "logprobs": None if output is None else chat_logprobs(output, p.logprobs or 0),
                 "finish_reason": req.finish_reason, "stop_reason": req.stop_reason,
                 "token_ids": list(req.output_ids) if rt else None, "routed_experts": None})
-        prompt = self._shown(reqs[0], p)[0]
+        prompt = self._prompt_shown(reqs[0], p)
         return {"id": rid, "object": "chat.completion", "created": created, "model": p.adapter or self._served.name,
                 "choices": choices, "service_tier": None, "system_fingerprint": self._served.system_fingerprint,
                 "usage": _usage(*reqs, n=p.n), "prompt_logprobs": None if prompt is None else prompt_logprobs(prompt),

@@ -109,7 +109,7 @@ class Chunks:
                  prompt_ids: list[int] | None = None) -> None:
         self.parsed = parsed
         self._scorer = scorer
-        self._echo = echo if parsed.echo and echo is not None else None
+        self._echo = echo
         self._prompt_ids = parsed.prompt_ids if prompt_ids is None else prompt_ids  # this choice's prompt
         self._prefix = f'data: {{"id":{enc(rid)},"object":"{self.object}","created":{created},"model":{enc(model)},'
         self._head = self._prefix + f'"choices":[{{"index":{index},'
@@ -149,17 +149,16 @@ class CompletionChunks(Chunks):
     whose prompt it puts before the first step's text and logprobs)."""
 
     object = "text_completion"
-
-    def __init__(self, parsed: ParsedRequest, rid: str, created: int, model: str, fingerprint: str, *,
-                 scorer: Scorer | None = None, echo: Echo | None = None, index: int = 0,
-                 prompt_ids: list[int] | None = None) -> None:
-        super().__init__(parsed, rid, created, model, fingerprint, scorer=scorer, echo=echo, index=index,
-                         prompt_ids=prompt_ids)
-        self._prompt_json = _ids_json(self._prompt_ids) if parsed.return_token_ids or parsed.echo else "null"
-        self._offset = 0  # the logprobs' text_offset where the next chunk's tokens start
+    _offset = 0  # the logprobs' text_offset where the next chunk's tokens start
+    _prompt_sent = False
 
     def step(self, d: OutputDelta) -> list[bytes]:
         fin = d.finish_reason
+        prompt_json = "null"
+        if not self._prompt_sent:
+            self._prompt_sent = True
+            if self.parsed.return_token_ids or self.parsed.echo:
+                prompt_json = _ids_json(self._prompt_ids)
         text, tokens = ("", []) if self.parsed.echo_only else (d.text, list(d.token_ids))
         shown = [] if self._scorer is None else self._scorer.next(tokens)
         if self._echo is not None:  # the first step: the prompt, then what the engine gave
@@ -173,8 +172,7 @@ class CompletionChunks(Chunks):
         parts = [self._head, '"text":', enc(text), ',"logprobs":', logprobs, ',"finish_reason":',
                  "null" if fin is None else f'"{fin}"', ',"stop_reason":',
                  "null" if d.stop_reason is None else enc(d.stop_reason), ',"prompt_token_ids":',
-                 self._prompt_json, ',"token_ids":', self._token_ids(d), "}]"]
-        self._prompt_json = "null"
+                 prompt_json, ',"token_ids":', self._token_ids(d), "}]"]
         return [self._ended(parts, d)]
 
 
@@ -183,13 +181,7 @@ class ChatChunks(Chunks):
 
     object = "chat.completion.chunk"
     _chat_usage = True
-
-    def __init__(self, parsed: ParsedRequest, rid: str, created: int, model: str, fingerprint: str, *,
-                 scorer: Scorer | None = None, echo: Echo | None = None, index: int = 0,
-                 prompt_ids: list[int] | None = None) -> None:
-        super().__init__(parsed, rid, created, model, fingerprint, scorer=scorer, echo=echo, index=index,
-                         prompt_ids=prompt_ids)
-        self._opened = False
+    _opened = False
 
     def opening(self) -> list[bytes]:
         """The role chunk (vLLM sends it, for every choice, when the first output arrives), then the echoed
