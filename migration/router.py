@@ -134,6 +134,8 @@ class Router:
                                          ttl_s=config.lease_ttl_s, checkpointer=self.checkpointer, clock=clock)
         self.active: dict[str, Active] = {}
         self.metrics = RouterMetrics()
+        # Read when scraped: a record held (FleetView) changes nothing the change callback hears of.
+        self.metrics.workers_held.set_function(lambda: len({ident for _, ident in self.view.held}))
         link_gauges(self.metrics.registry, store=store, bus=bus)
         # Every background task of the router: its loops (restarted when they crash, counted in
         # fleetward_loop_restarts_total) and the tokenizer loads (one-off). Requests own their own tasks.
@@ -246,7 +248,6 @@ class Router:
     def _on_fleet_change(self, section: str, worker: str) -> None:
         fleet = self.view.fleet
         self.metrics.workers_routable.set(len(fleet.routable()))
-        self.metrics.workers_held.set(len({ident for _, ident in self.view.held}))
         seen = self.placement.seen_models
         new_models = {rec.model for rec in fleet.workers.values()} - seen
         seen.update(new_models)

@@ -45,3 +45,17 @@ async def test_a_crashing_router_loop_is_restarted_and_counted_and_aclose_reaps_
     assert len(router.loops) == 0
     left = {t for t in asyncio.all_tasks() - before if t.get_name().startswith("router-")}
     assert not left, left
+
+
+async def test_the_workers_held_through_a_store_outage_are_what_the_gauge_says(store: EtcdStore, bus: MqttBus,
+                                                                              keys: Keys) -> None:
+    """fleetward_router_workers_held is read from the fleet view when scraped: a record held (its deletion not
+    applied) calls no change callback, so a gauge set there read 0 while workers were held."""
+    router = Router(RouterConfig(), store=store, bus=bus, keys=keys, router_id="held")
+
+    def held() -> float | None:
+        return router.metrics.registry.get_sample_value("fleetward_router_workers_held")
+
+    assert held() == 0
+    router.view.held.update({("workers", "w1"): 1e18, ("health", "w1"): 1e18, ("workers", "w2"): 1e18})
+    assert held() == 2
